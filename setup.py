@@ -1,0 +1,20 @@
+"""vllm-spyre-intree: IBM Spyre support for vLLM's V0 engine.
+
+The wheel holds namespace portions only: modules under ``vllm/`` that land
+next to upstream vLLM's own files, without any ``__init__.py`` of ours, plus
+the ``vllm.platform_plugins`` entry point that makes vLLM select the Spyre
+platform in every process.
+"""
+from setuptools import find_namespace_packages, setup
+
+setup(
+    name="vllm-spyre-intree",
+    version="0.1.0",
+    description="IBM Spyre accelerator support for vLLM (V0 engine)",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_namespace_packages(include=["vllm", "vllm.*"]),
+    entry_points={
+        "vllm.platform_plugins": ["spyre = vllm.platforms.spyre:register"],
+    },
+)

@@ -1,0 +1,109 @@
+"""SpyreScheduler: vLLM's V0 scheduler with static batching on Spyre.
+
+The platform installs this class as ``scheduler_config.scheduler_cls``.  It
+changes only two decisions of the upstream ``Scheduler``:
+
+* ``add_seq_group`` rejects, with a ``ValueError``, a request that no
+  compiled warm-up shape can ever hold (offline callers see the exception,
+  the OpenAI server answers HTTP 400);
+* ``_schedule_prefills`` starts no new batch while a batch is decoding, and
+  otherwise lets the upstream prefill logic see only the requests that
+  ``select_batch`` picked to share one compiled shape.
+
+Decoding, aborts, freeing and output bookkeeping are upstream's.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Optional
+
+from vllm.core.scheduler import (Scheduler, SchedulerPrefillOutputs,
+                                 SchedulingBudget)
+from vllm.logger import init_logger
+from vllm.platforms.spyre import is_spyre
+from vllm.platforms.spyre_config import SpyreConfig, WarmupShape
+from vllm.sequence import SequenceGroup
+from vllm.worker.spyre_inputs import (RequestSize, rejection_reason,
+                                      select_batch)
+
+logger = init_logger(__name__)
+
+
+class SpyreScheduler(Scheduler):
+
+    def __init__(self, *args, spyre_config: Optional[SpyreConfig] = None,
+                 **kwargs) -> None:
+        """``spyre_config`` is bound by the platform (``scheduler_cls`` is a
+        ``functools.partial``), since the engine hands a scheduler only the
+        scheduler, cache and LoRA configs."""
+        super().__init__(*args, **kwargs)
+        self.static_batching = is_spyre() and spyre_config is not None
+        self.warmup_shapes: tuple[WarmupShape, ...] = (
+            spyre_config.warmup_shapes if self.static_batching else ())
+        #: The shape of the batch now running (None when idle).
+        self.current_shape: Optional[WarmupShape] = None
+
+    def add_seq_group(self, seq_group: SequenceGroup) -> None:
+        """Rejects requests that fit no compiled shape, up front, instead of
+        leaving them to wait forever."""
+        if self.static_batching:
+            params = seq_group.sampling_params
+            if params is not None and params.prompt_logprobs is not None:
+                raise ValueError(
+                    "prompt_logprobs is not supported on Spyre: the compiled "
+                    "graphs return the logits of the last position only.")
+            size = self._size(seq_group)
+            reason = rejection_reason(size, self.warmup_shapes)
+            if reason is not None:
+                raise ValueError(reason)
+        super().add_seq_group(seq_group)
+
+    def _schedule_prefills(self, budget: SchedulingBudget, curr_loras,
+                           enable_chunking: bool = False,
+                           partial_prefill_metadata=None
+                           ) -> SchedulerPrefillOutputs:
+        """Static batching: a new batch starts only when the last one has
+        finished, and holds only requests that share one compiled shape."""
+        if not self.static_batching:
+            return super()._schedule_prefills(budget, curr_loras,
+                                              enable_chunking,
+                                              partial_prefill_metadata)
+        if self.running or not self.waiting:
+            if not self.running:
+                self.current_shape = None
+            return SchedulerPrefillOutputs.create_empty()
+
+        waiting = list(self.waiting)
+        picked = select_batch([self._size(g) for g in waiting],
+                              self.warmup_shapes)
+        if picked is None:
+            # Cannot happen for requests admitted by add_seq_group.
+            return SchedulerPrefillOutputs.create_empty()
+        shape, indices = picked
+        chosen = set(indices)
+        self.waiting = deque(waiting[i] for i in indices)
+        rest = deque(g for i, g in enumerate(waiting) if i not in chosen)
+        try:
+            outputs = super()._schedule_prefills(budget, curr_loras,
+                                                 enable_chunking,
+                                                 partial_prefill_metadata)
+        finally:
+            # Whatever upstream left waiting keeps its place at the front.
+            self.waiting.extend(rest)
+        if outputs.seq_groups:
+            self.current_shape = shape
+            logger.debug("Spyre batch of %d on shape %s",
+                         len(outputs.seq_groups), shape)
+        return outputs
+
+    def _size(self, seq_group: SequenceGroup) -> RequestSize:
+        prompt_len = seq_group.first_seq.get_prompt_len()
+        params = seq_group.sampling_params
+        if params.max_tokens is None:
+            # "As many as allowed": the most that any shape for this prompt
+            # length can produce.
+            fitting = [s.new_tokens for s in self.warmup_shapes
+                       if s.prompt_len >= prompt_len]
+            params.max_tokens = max(fitting, default=0) or None
+        return RequestSize(prompt_len, params.max_tokens or 0)
+

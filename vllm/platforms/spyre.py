@@ -1,0 +1,170 @@
+"""The Spyre platform: how vLLM finds and configures the Spyre backend.
+
+``register`` is the ``vllm.platform_plugins`` entry point named ``spyre``:
+vLLM calls it in every process (API server, MQLLMEngine, workers) to resolve
+``current_platform``.  ``SpyrePlatform.check_and_update_config`` runs once, in
+the process that builds the ``VllmConfig``: it parses the Spyre environment
+variables, derives the engine limits from the warm-up shapes, selects the
+Spyre executor, worker and scheduler, and stores the parsed settings in
+``vllm_config.additional_config`` for every other process.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from vllm.logger import init_logger
+from vllm.platforms.interface import Platform, PlatformEnum
+from vllm.platforms.spyre_config import (ADDITIONAL_CONFIG_KEY, SpyreConfig,
+                                         WarmupShape, sendnn_available)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+SPYRE_WORKER_CLS = "vllm.worker.spyre_worker.SpyreWorker"
+
+
+def register() -> Optional[str]:
+    """Entry point of the ``vllm.platform_plugins`` group."""
+    return "vllm.platforms.spyre.SpyrePlatform"
+
+
+def is_spyre() -> bool:
+    """True when vLLM runs on the Spyre platform."""
+    from vllm.platforms import current_platform
+    return isinstance(current_platform, SpyrePlatform)
+
+
+class SpyrePlatform(Platform):
+    _enum = PlatformEnum.OOT
+    # Tensors live in host memory and the card is reached through
+    # torch.compile, so vLLM and torch see a CPU device.
+    device_name: str = "cpu"
+    device_type: str = "cpu"
+    dispatch_key: str = "CPU"
+    dist_backend: str = "gloo"
+    supported_quantization: list[str] = []
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        """The first entry is what ``dtype="auto"`` picks for a float32
+        checkpoint: float16 on Spyre cards, float32 on the CPU stand-in."""
+        if sendnn_available():
+            return [torch.float16, torch.float32, torch.bfloat16]
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return "spyre"
+
+    @classmethod
+    def is_async_output_supported(cls, enforce_eager: Optional[bool]) -> bool:
+        return False
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def inference_mode(cls):
+        # no_grad, not inference_mode: compiled graphs guard on the dispatch
+        # keys of their inputs, and warm-up runs under no_grad as well.
+        return torch.no_grad()
+
+    @classmethod
+    def supports_v1(cls, model_config) -> bool:
+        return False
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        import psutil
+        return psutil.virtual_memory().total
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: "VllmConfig") -> None:
+        """Apply the Spyre settings to the vLLM config (API process only)."""
+        spyre = SpyreConfig.from_env()
+        logger.info("Spyre torch.compile backend: %s (%s)",
+                    spyre.dynamo_backend, spyre.backend_reason)
+
+        model_config = vllm_config.model_config
+        scheduler_config = vllm_config.scheduler_config
+        parallel_config = vllm_config.parallel_config
+        cache_config = vllm_config.cache_config
+
+        if parallel_config.world_size > 1:
+            raise NotImplementedError(
+                f"Tensor parallel size {parallel_config.world_size} is not "
+                "supported on Spyre yet; use one card (tensor parallel size "
+                "1).")
+        if parallel_config.worker_cls == "auto":
+            parallel_config.worker_cls = SPYRE_WORKER_CLS
+        from vllm.executor.spyre_executor import SpyreExecutor
+        parallel_config.distributed_executor_backend = SpyreExecutor
+
+        if model_config is None:
+            return
+        if model_config.runner_type != "generate":
+            raise NotImplementedError(
+                f"The {model_config.runner_type!r} runner is not supported on "
+                "Spyre yet; only text generation is.")
+        hf_max_len = _model_max_len(model_config.hf_text_config)
+        if hf_max_len is not None:
+            spyre.validate_model_len(hf_max_len)
+
+        max_model_len = spyre.max_model_len
+        model_config.max_model_len = max_model_len
+        scheduler_config.max_model_len = max_model_len
+        scheduler_config.max_num_seqs = spyre.max_num_seqs
+        scheduler_config.max_num_batched_tokens = max(
+            spyre.max_num_batched_tokens, max_model_len)
+        scheduler_config.chunked_prefill_enabled = False
+        scheduler_config.enable_chunked_prefill = False
+        from vllm.core.spyre_scheduler import SpyreScheduler
+        scheduler_config.scheduler_cls = functools.partial(
+            SpyreScheduler, spyre_config=spyre)
+        model_config.enforce_eager = True
+        # One KV "block" holds a whole sequence: there is no paging.
+        cache_config.block_size = max_model_len
+        cache_config.enable_prefix_caching = False
+
+        extra = dict(vllm_config.additional_config or {})
+        extra[ADDITIONAL_CONFIG_KEY] = spyre.to_dict()
+        vllm_config.additional_config = extra
+
+        logger.info(
+            "Spyre static batching: warm-up shapes %s; max_model_len=%d, "
+            "max_num_seqs=%d, max_num_batched_tokens=%d, block_size=%d",
+            ", ".join(str(s) for s in spyre.warmup_shapes), max_model_len,
+            scheduler_config.max_num_seqs,
+            scheduler_config.max_num_batched_tokens, cache_config.block_size)
+
+    @classmethod
+    def get_max_output_tokens(cls, prompt_len: int) -> int:
+        """Default ``max_tokens`` of an OpenAI request: the most new tokens
+        any compiled shape allows for this prompt length."""
+        shapes = _current_shapes()
+        if not shapes:
+            return sys.maxsize
+        fitting = [s.new_tokens for s in shapes if s.prompt_len >= prompt_len]
+        return max(fitting) if fitting else sys.maxsize
+
+
+def _current_shapes() -> tuple[WarmupShape, ...]:
+    with contextlib.suppress(Exception):
+        return SpyreConfig.from_env().warmup_shapes
+    return ()
+
+
+def _model_max_len(hf_config) -> Optional[int]:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

@@ -1,0 +1,250 @@
+"""Spyre settings: the one place where ``VLLM_SPYRE_*`` variables are read.
+
+Every variable is declared once in ``SPYRE_ENV_VARS`` (name, default, help).
+``SpyreConfig.from_env`` parses them once, in the API process, into a frozen
+dataclass.  The platform stores it in ``vllm_config.additional_config`` so that
+every engine and worker process receives the same values, pickled with the
+rest of the vLLM config, and never reads the environment again.
+
+The configuration page ``docs/configuration.md`` is generated from
+``SPYRE_ENV_VARS`` by ``render_env_var_table``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping, Optional
+
+DYNAMO_BACKENDS = ("eager", "inductor", "sendnn")
+PROMPT_LEN_MULTIPLE = 64
+ADDITIONAL_CONFIG_KEY = "spyre"
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """Declaration of one environment variable."""
+
+    name: str
+    default: Callable[[], str]
+    default_doc: str
+    help: str
+
+
+def _default_backend() -> str:
+    return "sendnn" if sendnn_available() else "inductor"
+
+
+def sendnn_available() -> bool:
+    """True where the Spyre compiler's PyTorch bridge can be imported."""
+    return importlib.util.find_spec("torch_sendnn") is not None
+
+
+SPYRE_ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar(
+        "VLLM_SPYRE_DYNAMO_BACKEND", _default_backend,
+        "`sendnn` where `torch_sendnn` imports, else `inductor`",
+        "`torch.compile` backend for the model: `sendnn` (Spyre cards), "
+        "`inductor` (compiled CPU code) or `eager` (CPU, no code "
+        "generation)."),
+    EnvVar(
+        "VLLM_SPYRE_WARMUP_PROMPT_LENS", lambda: "64", "`64`",
+        "Comma-separated prompt lengths of the warm-up shapes, one per "
+        f"shape; each a multiple of {PROMPT_LEN_MULTIPLE}."),
+    EnvVar(
+        "VLLM_SPYRE_WARMUP_NEW_TOKENS", lambda: "20", "`20`",
+        "Comma-separated numbers of new tokens of the warm-up shapes, one "
+        "per shape."),
+    EnvVar(
+        "VLLM_SPYRE_WARMUP_BATCH_SIZES", lambda: "1", "`1`",
+        "Comma-separated batch sizes of the warm-up shapes, one per shape."),
+    EnvVar(
+        "VLLM_SPYRE_USE_CB", lambda: "0", "`0`",
+        "`1` selects continuous batching (not yet supported); `0` selects "
+        "static batching."),
+)
+_ENV_BY_NAME = {v.name: v for v in SPYRE_ENV_VARS}
+
+
+@dataclass(frozen=True, order=True)
+class WarmupShape:
+    """One compiled serving shape: a batch of ``batch_size`` rows, each with a
+    prompt padded to ``prompt_len`` tokens and up to ``new_tokens`` outputs."""
+
+    prompt_len: int
+    new_tokens: int
+    batch_size: int
+
+    @property
+    def max_len(self) -> int:
+        return self.prompt_len + self.new_tokens
+
+    @property
+    def cost(self) -> int:
+        """Tokens processed by one batch of this shape (smaller is cheaper)."""
+        return self.batch_size * self.max_len
+
+    def __str__(self) -> str:
+        return (f"(prompt_len={self.prompt_len}, "
+                f"new_tokens={self.new_tokens}, batch_size={self.batch_size})")
+
+
+@dataclass(frozen=True)
+class SpyreConfig:
+    """Parsed and validated Spyre settings."""
+
+    dynamo_backend: str
+    warmup_shapes: tuple[WarmupShape, ...]
+    use_cb: bool = False
+    backend_reason: str = "set by VLLM_SPYRE_DYNAMO_BACKEND"
+
+    @classmethod
+    def from_env(cls,
+                 environ: Optional[Mapping[str, str]] = None) -> "SpyreConfig":
+        """Parse and validate every ``VLLM_SPYRE_*`` variable.
+
+        Raises ``ValueError`` naming the variable, the value and the rule.
+        """
+        env = os.environ if environ is None else environ
+
+        def get(name: str) -> str:
+            return env.get(name, _ENV_BY_NAME[name].default()).strip()
+
+        use_cb = get("VLLM_SPYRE_USE_CB")
+        if use_cb not in ("0", "1"):
+            raise ValueError(
+                f"VLLM_SPYRE_USE_CB={use_cb!r} is invalid: use 0 (static "
+                "batching) or 1 (continuous batching).")
+        if use_cb == "1":
+            raise NotImplementedError(
+                "VLLM_SPYRE_USE_CB=1: continuous batching is not yet "
+                "supported on Spyre; unset it or set VLLM_SPYRE_USE_CB=0 "
+                "for static batching.")
+
+        backend = get("VLLM_SPYRE_DYNAMO_BACKEND")
+        if "VLLM_SPYRE_DYNAMO_BACKEND" in env:
+            reason = "set by VLLM_SPYRE_DYNAMO_BACKEND"
+        elif backend == "sendnn":
+            reason = "default: torch_sendnn is importable"
+        else:
+            reason = "default: torch_sendnn is not installed"
+        if backend not in DYNAMO_BACKENDS:
+            raise ValueError(
+                f"VLLM_SPYRE_DYNAMO_BACKEND={backend!r} is invalid: choose "
+                f"one of {', '.join(DYNAMO_BACKENDS)}.")
+        if backend == "sendnn" and not sendnn_available():
+            raise ValueError(
+                "VLLM_SPYRE_DYNAMO_BACKEND=sendnn needs the torch_sendnn "
+                "package, which is not installed; install it on a machine "
+                "with Spyre cards, or set VLLM_SPYRE_DYNAMO_BACKEND to "
+                "inductor or eager to run on the CPU.")
+
+        shapes = parse_warmup_shapes(
+            get("VLLM_SPYRE_WARMUP_PROMPT_LENS"),
+            get("VLLM_SPYRE_WARMUP_NEW_TOKENS"),
+            get("VLLM_SPYRE_WARMUP_BATCH_SIZES"))
+        return cls(dynamo_backend=backend,
+                   warmup_shapes=shapes,
+                   use_cb=False,
+                   backend_reason=reason)
+
+    # ---- derived limits -------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return max(s.max_len for s in self.warmup_shapes)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return max(s.batch_size for s in self.warmup_shapes)
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return max(s.batch_size * s.prompt_len for s in self.warmup_shapes)
+
+    def validate_model_len(self, model_max_len: int) -> None:
+        """Every shape must fit the model's maximum sequence length."""
+        for s in self.warmup_shapes:
+            if s.max_len > model_max_len:
+                raise ValueError(
+                    f"Warm-up shape {s} needs {s.max_len} tokens "
+                    f"(prompt_len + new_tokens), more than the model's "
+                    f"maximum length of {model_max_len}; lower "
+                    "VLLM_SPYRE_WARMUP_PROMPT_LENS or "
+                    "VLLM_SPYRE_WARMUP_NEW_TOKENS.")
+
+    # ---- transport through vllm_config.additional_config ---------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "SpyreConfig":
+        shapes = tuple(WarmupShape(**s) for s in data["warmup_shapes"])
+        return cls(dynamo_backend=data["dynamo_backend"],
+                   warmup_shapes=shapes,
+                   use_cb=data["use_cb"],
+                   backend_reason=data["backend_reason"])
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> "SpyreConfig":
+        extra = vllm_config.additional_config or {}
+        if ADDITIONAL_CONFIG_KEY not in extra:
+            raise RuntimeError(
+                "The vLLM config carries no Spyre settings: the Spyre "
+                "platform's check_and_update_config did not run.")
+        return cls.from_dict(extra[ADDITIONAL_CONFIG_KEY])
+
+
+def _parse_int_list(name: str, raw: str) -> list[int]:
+    values = []
+    for item in raw.split(","):
+        item = item.strip()
+        try:
+            value = int(item)
+        except ValueError:
+            raise ValueError(
+                f"{name}={raw!r} is invalid: {item!r} is not an integer; "
+                "give a comma-separated list of positive integers."
+            ) from None
+        if value <= 0:
+            raise ValueError(
+                f"{name}={raw!r} is invalid: {value} is not a positive "
+                "integer.")
+        values.append(value)
+    return values
+
+
+def parse_warmup_shapes(prompt_lens: str, new_tokens: str,
+                        batch_sizes: str) -> tuple[WarmupShape, ...]:
+    """Build the warm-up shapes from the three comma lists."""
+    lists = {
+        "VLLM_SPYRE_WARMUP_PROMPT_LENS": _parse_int_list(
+            "VLLM_SPYRE_WARMUP_PROMPT_LENS", prompt_lens),
+        "VLLM_SPYRE_WARMUP_NEW_TOKENS": _parse_int_list(
+            "VLLM_SPYRE_WARMUP_NEW_TOKENS", new_tokens),
+        "VLLM_SPYRE_WARMUP_BATCH_SIZES": _parse_int_list(
+            "VLLM_SPYRE_WARMUP_BATCH_SIZES", batch_sizes),
+    }
+    lengths = {name: len(v) for name, v in lists.items()}
+    if len(set(lengths.values())) != 1:
+        listed = ", ".join(f"{n} has {k}" for n, k in lengths.items())
+        raise ValueError(
+            "The warm-up shape lists must have equal length (one entry per "
+            f"shape): {listed}.")
+    for p in lists["VLLM_SPYRE_WARMUP_PROMPT_LENS"]:
+        if p % PROMPT_LEN_MULTIPLE:
+            raise ValueError(
+                f"VLLM_SPYRE_WARMUP_PROMPT_LENS={prompt_lens!r} is invalid: "
+                f"{p} is not a multiple of {PROMPT_LEN_MULTIPLE}.")
+    shapes = [
+        WarmupShape(p, n, b) for p, n, b in zip(*lists.values())
+    ]
+    # Duplicates would only compile the same graphs twice.
+    return tuple(sorted(set(shapes)))
+
+
+def render_env_var_table() -> str:
+    """Markdown table of every Spyre environment variable."""
+    rows = ["| Variable | Default | Meaning |", "|---|---|---|"]
+    for var in SPYRE_ENV_VARS:
+        rows.append(f"| `{var.name}` | {var.default_doc} | {var.help} |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,241 @@
+"""SpyreModelRunner: static batching over compiled shapes.
+
+A batch starts with a prefill step (every request of the batch, padded to
+one warm-up shape) and continues with decode steps until the scheduler
+stops sending its requests.  The runner remembers which row each request
+occupies; a request that finishes or is aborted simply stops appearing,
+its row keeps computing padding, and its logits are never sampled.
+
+``execute_model`` is the whole step: prepared inputs -> ``SpyreCausalLM``
+forward -> live rows -> vLLM logits processor -> vLLM sampler.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.logger import init_logger
+from vllm.model_executor.layers.sampler import SamplerOutput
+from vllm.model_executor.model_loader.spyre import SpyreCausalLM
+from vllm.model_executor.sampling_metadata import SamplingMetadata
+from vllm.platforms import current_platform
+from vllm.platforms.spyre_config import SpyreConfig, WarmupShape
+from vllm.sequence import IntermediateTensors, SequenceGroupMetadata
+from vllm.worker.model_runner_base import (ModelRunnerBase,
+                                           ModelRunnerInputBase)
+from vllm.worker.spyre_inputs import (RequestSize, StepInputs, choose_shape,
+                                      decode_inputs, prefill_inputs)
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class SpyreModelInput(ModelRunnerInputBase):
+    """Everything one step needs, built on the driver worker."""
+
+    is_prompt: bool
+    inputs: StepInputs
+    live_rows: torch.Tensor  # [N] rows to sample, in request order
+    sampling_metadata: Optional[SamplingMetadata] = None
+
+    def as_broadcastable_tensor_dict(self) -> dict[str, Any]:
+        return {
+            "is_prompt": self.is_prompt,
+            "input_ids": self.inputs.input_ids,
+            "position_ids": self.inputs.position_ids,
+            "mask": self.inputs.mask,
+            "live_rows": self.live_rows,
+        }
+
+    @classmethod
+    def from_broadcasted_tensor_dict(cls, tensor_dict: dict[str, Any],
+                                     attn_backend=None) -> "SpyreModelInput":
+        return cls(is_prompt=tensor_dict["is_prompt"],
+                   inputs=StepInputs(tensor_dict["input_ids"],
+                                     tensor_dict["position_ids"],
+                                     tensor_dict["mask"]),
+                   live_rows=tensor_dict["live_rows"])
+
+
+@dataclass
+class _Batch:
+    """Row bookkeeping of the batch now running (driver only)."""
+
+    shape: WarmupShape
+    prompt_lens: list[int]  # per row
+    last_tokens: list[int]  # per row
+    row_of: dict[str, int] = field(default_factory=dict)
+    step: int = 0
+
+
+class SpyreModelRunner(ModelRunnerBase[SpyreModelInput]):
+
+    def __init__(self, vllm_config: VllmConfig,
+                 spyre_config: SpyreConfig) -> None:
+        super().__init__(vllm_config)
+        self.spyre_config = spyre_config
+        self.generators: dict[str, torch.Generator] = {}
+        self.model: Optional[SpyreCausalLM] = None
+        self.batch: Optional[_Batch] = None
+        self.pad_id = 0
+
+    # ---- start-up -------------------------------------------------------
+    def load_model(self) -> None:
+        start = time.perf_counter()
+        with set_current_vllm_config(self.vllm_config):
+            self.model = SpyreCausalLM(vllm_config=self.vllm_config,
+                                       spyre_config=self.spyre_config)
+        hf = self.model_config.hf_text_config
+        pad = getattr(hf, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(hf, "eos_token_id", None)
+        if isinstance(pad, list):
+            pad = pad[0]
+        self.pad_id = int(pad or 0)
+        logger.info("Spyre model load took %.1f s",
+                    time.perf_counter() - start)
+
+    def get_model(self) -> nn.Module:
+        assert self.model is not None
+        return self.model
+
+    def warmup(self) -> None:
+        """Compiles every warm-up shape by running exactly the sequence of
+        forward calls a batch of that shape runs while serving: one prefill
+        and ``new_tokens - 1`` decode steps."""
+        from tqdm import tqdm
+        shapes = self.spyre_config.warmup_shapes
+        backend = self.spyre_config.dynamo_backend
+        logger.info("Spyre warm-up: compiling %d shape(s) with backend %s",
+                    len(shapes), backend)
+        total = time.perf_counter()
+        vocab = self.model_config.get_vocab_size()
+        gen = torch.Generator().manual_seed(0)
+        for shape in tqdm(shapes, desc="Spyre warm-up", unit="shape"):
+            start = time.perf_counter()
+            prompts = torch.randint(0, vocab,
+                                    (shape.batch_size, shape.prompt_len),
+                                    generator=gen).tolist()
+            self._run_shape(shape, prompts)
+            logger.info("Spyre warm-up of shape %s took %.1f s", shape,
+                        time.perf_counter() - start)
+        logger.info("Spyre warm-up of %d shape(s) took %.1f s", len(shapes),
+                    time.perf_counter() - total)
+
+    @current_platform.inference_mode()
+    def _run_shape(self, shape: WarmupShape, prompts: list[list[int]]):
+        assert self.model is not None
+        step = prefill_inputs(prompts, shape, self.pad_id)
+        logits = self._forward(True, step)
+        lens = [len(p) for p in prompts]
+        for i in range(1, shape.new_tokens):
+            tokens = logits.argmax(dim=-1).tolist()
+            step = decode_inputs(tokens, lens, shape, i)
+            logits = self._forward(False, step)
+
+    # ---- per step -------------------------------------------------------
+    def make_model_input_from_broadcasted_tensor_dict(
+            self, tensor_dict: dict[str, Any]) -> SpyreModelInput:
+        return SpyreModelInput.from_broadcasted_tensor_dict(tensor_dict)
+
+    def prepare_model_input(
+        self,
+        seq_group_metadata_list: list[SequenceGroupMetadata],
+        virtual_engine: int = 0,
+        finished_requests_ids: Optional[list[str]] = None,
+    ) -> SpyreModelInput:
+        is_prompt = seq_group_metadata_list[0].is_prompt
+        if any(m.is_prompt != is_prompt for m in seq_group_metadata_list):
+            raise RuntimeError("a Spyre step is all prefill or all decode")
+        if is_prompt:
+            inputs, rows, seq_lens = self._start_batch(seq_group_metadata_list)
+        else:
+            inputs, rows = self._continue_batch(seq_group_metadata_list)
+            seq_lens = None
+        sampling_metadata = SamplingMetadata.prepare(
+            seq_group_metadata_list,
+            seq_lens,
+            seq_lens,
+            self.device_config.device,
+            pin_memory=False,
+            generators=self.get_generators(finished_requests_ids))
+        return SpyreModelInput(is_prompt=is_prompt,
+                               inputs=inputs,
+                               live_rows=torch.tensor(rows, dtype=torch.long),
+                               sampling_metadata=sampling_metadata)
+
+    def _start_batch(self, metas: list[SequenceGroupMetadata]):
+        prompts = [_only_seq(m).prompt_token_ids for m in metas]
+        sizes = [
+            RequestSize(len(p), m.sampling_params.max_tokens or 0)
+            for p, m in zip(prompts, metas)
+        ]
+        shape = choose_shape(sizes, self.spyre_config.warmup_shapes)
+        if shape is None:
+            raise RuntimeError(
+                f"no compiled shape holds this batch of {len(sizes)} "
+                f"requests {sizes}; the scheduler should not have formed it")
+        inputs = prefill_inputs(prompts, shape, self.pad_id)
+        pad_rows = shape.batch_size - len(prompts)
+        self.batch = _Batch(
+            shape=shape,
+            prompt_lens=[len(p) for p in prompts] + [1] * pad_rows,
+            last_tokens=[self.pad_id] * shape.batch_size,
+            row_of={m.request_id: i for i, m in enumerate(metas)})
+        seq_lens = [len(p) for p in prompts]
+        return inputs, list(range(len(metas))), seq_lens
+
+    def _continue_batch(self, metas: list[SequenceGroupMetadata]):
+        batch = self.batch
+        if batch is None:
+            raise RuntimeError("decode step without a running batch")
+        batch.step += 1
+        if batch.step >= batch.shape.new_tokens:
+            raise RuntimeError(
+                f"decode step {batch.step} exceeds shape {batch.shape}")
+        rows = []
+        for m in metas:
+            row = batch.row_of[m.request_id]
+            batch.last_tokens[row] = _only_seq(m).get_last_token_id()
+            rows.append(row)
+        inputs = decode_inputs(batch.last_tokens, batch.prompt_lens,
+                               batch.shape, batch.step)
+        return inputs, rows
+
+    @current_platform.inference_mode()
+    def execute_model(
+        self,
+        model_input: SpyreModelInput,
+        kv_caches: Optional[list[torch.Tensor]] = None,
+        intermediate_tensors: Optional[IntermediateTensors] = None,
+        num_steps: int = 1,
+        **kwargs,
+    ) -> Optional[list[SamplerOutput]]:
+        if num_steps > 1:
+            raise NotImplementedError(
+                "Multi-step scheduling is not supported on Spyre")
+        logits = self._forward(model_input.is_prompt, model_input.inputs)
+        if model_input.sampling_metadata is None:
+            return []  # a non-driver rank: the driver samples
+        logits = logits[model_input.live_rows]  # [N, vocab]
+        model = self.get_model()
+        logits = model.compute_logits(logits, model_input.sampling_metadata)
+        return [model.sample(logits, model_input.sampling_metadata)]
+
+    def _forward(self, is_prompt: bool, step: StepInputs) -> torch.Tensor:
+        assert self.model is not None
+        return self.model(step.input_ids, step.position_ids, step.mask,
+                          is_prompt)
+
+
+def _only_seq(meta: SequenceGroupMetadata):
+    if len(meta.seq_data) != 1:
+        raise NotImplementedError(
+            "Sequence groups of more than one sequence (beam search) are "
+            "not supported on Spyre")
+    return next(iter(meta.seq_data.values()))

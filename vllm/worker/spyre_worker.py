@@ -1,0 +1,127 @@
+"""SpyreWorker: one Spyre card, driven by the executor.
+
+Start-up runs in named phases: ``init_device`` (threads, gloo process
+group), ``load_model`` (load the FMS model, compile it, then warm up every
+configured shape so that serving compiles nothing), ``initialize_cache``.
+Each engine step arrives at ``execute_model`` (upstream's
+``LocalOrDistributedWorkerBase``), which hands the batch to
+``SpyreModelRunner``.
+
+There is no paging on Spyre in static batching: the KV cache of a batch
+lives inside the model runner, one "block" per sequence, and the worker
+reports ``max_num_seqs + 1`` blocks of ``max_model_len`` tokens, as vLLM's
+V0 Neuron worker does.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.distributed import (ensure_model_parallel_initialized,
+                              init_distributed_environment)
+from vllm.logger import init_logger
+from vllm.model_executor import set_random_seed
+from vllm.platforms import current_platform
+from vllm.platforms.spyre_config import SpyreConfig
+from vllm.sequence import ExecuteModelRequest
+from vllm.worker.spyre_model_runner import SpyreModelRunner
+from vllm.worker.worker_base import (LocalOrDistributedWorkerBase, WorkerBase,
+                                     WorkerInput)
+
+logger = init_logger(__name__)
+
+
+class SpyreWorker(LocalOrDistributedWorkerBase):
+    """Executes the model on one Spyre card (or the CPU stand-in)."""
+
+    model_runner: SpyreModelRunner
+
+    def __init__(self,
+                 vllm_config: VllmConfig,
+                 local_rank: int,
+                 rank: int,
+                 distributed_init_method: str,
+                 is_driver_worker: bool = False) -> None:
+        WorkerBase.__init__(self, vllm_config=vllm_config)
+        self.local_rank = local_rank
+        self.rank = rank
+        self.distributed_init_method = distributed_init_method
+        self.is_driver_worker = is_driver_worker
+        self.spyre_config = SpyreConfig.from_vllm_config(vllm_config)
+        if self.lora_config is not None:
+            raise NotImplementedError("LoRA is not supported on Spyre")
+        if self.speculative_config is not None:
+            raise NotImplementedError(
+                "Speculative decoding is not supported on Spyre")
+        self.model_runner = SpyreModelRunner(vllm_config, self.spyre_config)
+
+    def init_device(self) -> None:
+        """Sets intra-op threads and joins the gloo process group."""
+        threads = _default_threads()
+        torch.set_num_threads(threads)
+        logger.info("Spyre worker %d: %d intra-op threads", self.rank,
+                    threads)
+        init_distributed_environment(
+            world_size=self.parallel_config.world_size,
+            rank=self.rank,
+            local_rank=self.local_rank,
+            distributed_init_method=self.distributed_init_method,
+            backend=current_platform.dist_backend,
+        )
+        ensure_model_parallel_initialized(
+            self.parallel_config.tensor_parallel_size,
+            self.parallel_config.pipeline_parallel_size)
+        set_random_seed(self.model_config.seed)
+
+    def load_model(self) -> None:
+        """Loads and compiles the model, then warms up every shape."""
+        self.model_runner.load_model()
+        self.model_runner.warmup()
+
+    def determine_num_available_blocks(self) -> tuple[int, int]:
+        """One block per sequence, ``max_num_seqs`` sequences, one spare."""
+        return self.scheduler_config.max_num_seqs + 1, 0
+
+    def initialize_cache(self, num_gpu_blocks: int,
+                         num_cpu_blocks: int) -> None:
+        """Checks the one-block-per-sequence contract; the KV cache itself
+        belongs to the model runner."""
+        expected = self.scheduler_config.max_num_seqs + 1
+        if num_gpu_blocks != expected or num_cpu_blocks != 0:
+            raise ValueError(
+                f"Spyre holds one KV block per sequence: expected "
+                f"{expected} device blocks and 0 host blocks, got "
+                f"{num_gpu_blocks} and {num_cpu_blocks}.")
+        self.cache_config.num_gpu_blocks = num_gpu_blocks
+        self.cache_config.num_cpu_blocks = num_cpu_blocks
+
+    @property
+    def do_metadata_broadcast(self) -> bool:
+        return self.parallel_config.world_size > 1
+
+    @property
+    def kv_cache(self) -> Optional[list[list[torch.Tensor]]]:
+        return None
+
+    def prepare_worker_input(
+            self, execute_model_req: ExecuteModelRequest) -> WorkerInput:
+        return WorkerInput(
+            num_seq_groups=len(execute_model_req.seq_group_metadata_list))
+
+    def execute_worker(self, worker_input: WorkerInput) -> None:
+        """No cache swaps or copies: there is no paging."""
+
+    def get_cache_block_size_bytes(self) -> int:
+        raise NotImplementedError(
+            "KV cache block sizes are not defined on Spyre (no paging)")
+
+
+def _default_threads() -> int:
+    """Intra-op threads: OMP_NUM_THREADS if set, else every usable core."""
+    value = os.environ.get("OMP_NUM_THREADS")
+    if value and value.isdigit() and int(value) > 0:
+        return int(value)
+    return max(1, len(os.sched_getaffinity(0)))
