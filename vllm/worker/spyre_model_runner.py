@@ -83,6 +83,8 @@ class SpyreModelRunner(ModelRunnerBase[SpyreModelInput]):
         self.model: Optional[SpyreCausalLM] = None
         self.batch: Optional[_Batch] = None
         self.pad_id = 0
+        #: Seconds spent in each start-up phase ("load", "warmup <shape>").
+        self.startup_timings: dict[str, float] = {}
 
     # ---- start-up -------------------------------------------------------
     def load_model(self) -> None:
@@ -97,8 +99,9 @@ class SpyreModelRunner(ModelRunnerBase[SpyreModelInput]):
         if isinstance(pad, list):
             pad = pad[0]
         self.pad_id = int(pad or 0)
+        self.startup_timings["load"] = time.perf_counter() - start
         logger.info("Spyre model load took %.1f s",
-                    time.perf_counter() - start)
+                    self.startup_timings["load"])
 
     def get_model(self) -> nn.Module:
         assert self.model is not None
@@ -122,8 +125,10 @@ class SpyreModelRunner(ModelRunnerBase[SpyreModelInput]):
                                     (shape.batch_size, shape.prompt_len),
                                     generator=gen).tolist()
             self._run_shape(shape, prompts)
+            seconds = time.perf_counter() - start
+            self.startup_timings[f"warmup {shape}"] = seconds
             logger.info("Spyre warm-up of shape %s took %.1f s", shape,
-                        time.perf_counter() - start)
+                        seconds)
         logger.info("Spyre warm-up of %d shape(s) took %.1f s", len(shapes),
                     time.perf_counter() - total)
 

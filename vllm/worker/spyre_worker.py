@@ -81,6 +81,10 @@ class SpyreWorker(LocalOrDistributedWorkerBase):
         self.model_runner.load_model()
         self.model_runner.warmup()
 
+    def get_startup_timings(self) -> dict[str, float]:
+        """Seconds per start-up phase (model load, warm-up of each shape)."""
+        return dict(self.model_runner.startup_timings)
+
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """One block per sequence, ``max_num_seqs`` sequences, one spare."""
         return self.scheduler_config.max_num_seqs + 1, 0

@@ -1,0 +1,386 @@
+"""Unit tests of vllm/platforms/spyre_config.py (no model, no engine)."""
+import json
+import pickle
+import re
+
+import pytest
+
+from vllm.platforms import spyre_config
+from vllm.platforms.spyre_config import (ADDITIONAL_CONFIG_KEY,
+                                         DYNAMO_BACKENDS, SPYRE_ENV_VARS,
+                                         SpyreConfig, WarmupShape,
+                                         parse_warmup_shapes,
+                                         render_env_var_table)
+
+
+@pytest.fixture
+def no_sendnn(monkeypatch):
+    """Behave as on a machine without torch_sendnn, wherever tests run."""
+    monkeypatch.setattr(spyre_config, "sendnn_available", lambda: False)
+
+
+@pytest.fixture
+def with_sendnn(monkeypatch):
+    """Behave as on a machine where torch_sendnn imports."""
+    monkeypatch.setattr(spyre_config, "sendnn_available", lambda: True)
+
+
+def shapes_env(prompt_lens, new_tokens, batch_sizes, **extra):
+    env = {
+        "VLLM_SPYRE_WARMUP_PROMPT_LENS": prompt_lens,
+        "VLLM_SPYRE_WARMUP_NEW_TOKENS": new_tokens,
+        "VLLM_SPYRE_WARMUP_BATCH_SIZES": batch_sizes,
+    }
+    env.update(extra)
+    return env
+
+
+# ---------------------------------------------------------------- defaults
+def test_defaults_without_torch_sendnn(no_sendnn):
+    cfg = SpyreConfig.from_env(environ={})
+    assert cfg.warmup_shapes == (WarmupShape(64, 20, 1), )
+    assert cfg.dynamo_backend == "inductor"
+    assert cfg.backend_reason == "default: torch_sendnn is not installed"
+    assert cfg.use_cb is False
+
+
+def test_default_backend_is_sendnn_where_torch_sendnn_imports(with_sendnn):
+    cfg = SpyreConfig.from_env(environ={})
+    assert cfg.dynamo_backend == "sendnn"
+    assert cfg.backend_reason == "default: torch_sendnn is importable"
+
+
+def test_default_backend_follows_real_sendnn_availability():
+    cfg = SpyreConfig.from_env(environ={})
+    if spyre_config.sendnn_available():
+        assert cfg.dynamo_backend == "sendnn"
+    else:
+        assert cfg.dynamo_backend == "inductor"
+        assert "not installed" in cfg.backend_reason
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_explicit_backend_and_reason(no_sendnn, backend):
+    cfg = SpyreConfig.from_env(
+        environ={"VLLM_SPYRE_DYNAMO_BACKEND": f"  {backend} "})
+    assert cfg.dynamo_backend == backend
+    assert cfg.backend_reason == "set by VLLM_SPYRE_DYNAMO_BACKEND"
+
+
+def test_explicit_sendnn_with_torch_sendnn(with_sendnn):
+    cfg = SpyreConfig.from_env(environ={"VLLM_SPYRE_DYNAMO_BACKEND": "sendnn"})
+    assert cfg.dynamo_backend == "sendnn"
+    assert cfg.backend_reason == "set by VLLM_SPYRE_DYNAMO_BACKEND"
+
+
+def test_explicit_use_cb_zero_is_static_batching(no_sendnn):
+    cfg = SpyreConfig.from_env(environ={"VLLM_SPYRE_USE_CB": " 0 "})
+    assert cfg.use_cb is False
+
+
+def test_from_env_without_environ_reads_os_environ(monkeypatch, no_sendnn):
+    for var in SPYRE_ENV_VARS:
+        monkeypatch.delenv(var.name, raising=False)
+    monkeypatch.setenv("VLLM_SPYRE_DYNAMO_BACKEND", "eager")
+    monkeypatch.setenv("VLLM_SPYRE_WARMUP_PROMPT_LENS", "128")
+    monkeypatch.setenv("VLLM_SPYRE_WARMUP_NEW_TOKENS", "7")
+    monkeypatch.setenv("VLLM_SPYRE_WARMUP_BATCH_SIZES", "3")
+    cfg = SpyreConfig.from_env()
+    assert cfg.dynamo_backend == "eager"
+    assert cfg.warmup_shapes == (WarmupShape(128, 7, 3), )
+
+
+def test_explicit_environ_ignores_os_environ(monkeypatch, no_sendnn):
+    monkeypatch.setenv("VLLM_SPYRE_WARMUP_PROMPT_LENS", "128")
+    monkeypatch.setenv("VLLM_SPYRE_DYNAMO_BACKEND", "eager")
+    cfg = SpyreConfig.from_env(environ={})
+    assert cfg.warmup_shapes == (WarmupShape(64, 20, 1), )
+    assert cfg.dynamo_backend == "inductor"
+
+
+# ----------------------------------------------------------------- parsing
+def test_comma_lists_with_spaces(no_sendnn):
+    cfg = SpyreConfig.from_env(environ=shapes_env(
+        " 64 , 128,  256 ", "20 ,10 , 5", "1,  2 ,4 "))
+    assert cfg.warmup_shapes == (
+        WarmupShape(64, 20, 1),
+        WarmupShape(128, 10, 2),
+        WarmupShape(256, 5, 4),
+    )
+
+
+def test_shapes_are_sorted():
+    shapes = parse_warmup_shapes("256,64,128,64", "5,20,10,8", "4,1,2,2")
+    assert shapes == (
+        WarmupShape(64, 8, 2),
+        WarmupShape(64, 20, 1),
+        WarmupShape(128, 10, 2),
+        WarmupShape(256, 5, 4),
+    )
+    assert isinstance(shapes, tuple)
+
+
+def test_duplicate_shapes_are_removed():
+    shapes = parse_warmup_shapes("128,64,128,64", "10,20,10,20", "2,1,2,1")
+    assert shapes == (WarmupShape(64, 20, 1), WarmupShape(128, 10, 2))
+
+
+def test_same_prompt_len_different_other_fields_are_kept():
+    shapes = parse_warmup_shapes("64,64,64", "20,20,10", "1,2,1")
+    assert shapes == (
+        WarmupShape(64, 10, 1),
+        WarmupShape(64, 20, 1),
+        WarmupShape(64, 20, 2),
+    )
+
+
+def test_warmup_shape_properties_and_str():
+    s = WarmupShape(prompt_len=128, new_tokens=16, batch_size=4)
+    assert s.max_len == 144
+    assert s.cost == 4 * 144
+    assert str(s) == "(prompt_len=128, new_tokens=16, batch_size=4)"
+
+
+# ------------------------------------------------------------ error paths
+@pytest.mark.parametrize("var", [
+    "VLLM_SPYRE_WARMUP_PROMPT_LENS",
+    "VLLM_SPYRE_WARMUP_NEW_TOKENS",
+    "VLLM_SPYRE_WARMUP_BATCH_SIZES",
+])
+@pytest.mark.parametrize("bad_item, raw_tail", [
+    ("abc", "abc"),
+    ("1.5", "1.5"),
+    ("", ""),  # trailing comma
+])
+def test_non_integer_is_rejected(no_sendnn, var, bad_item, raw_tail):
+    good = {
+        "VLLM_SPYRE_WARMUP_PROMPT_LENS": "64",
+        "VLLM_SPYRE_WARMUP_NEW_TOKENS": "20",
+        "VLLM_SPYRE_WARMUP_BATCH_SIZES": "1",
+    }
+    raw = f"{good[var]},{raw_tail}"
+    env = dict(good, **{var: raw})
+    with pytest.raises(ValueError) as exc:
+        SpyreConfig.from_env(environ=env)
+    msg = str(exc.value)
+    assert msg.startswith(f"{var}={raw!r} is invalid")
+    assert f"{bad_item!r} is not an integer" in msg
+    assert "comma-separated list of positive integers" in msg
+
+
+@pytest.mark.parametrize("var", [
+    "VLLM_SPYRE_WARMUP_PROMPT_LENS",
+    "VLLM_SPYRE_WARMUP_NEW_TOKENS",
+    "VLLM_SPYRE_WARMUP_BATCH_SIZES",
+])
+@pytest.mark.parametrize("value", [0, -64])
+def test_zero_and_negative_are_rejected(no_sendnn, var, value):
+    env = dict(shapes_env("64", "20", "1"), **{var: str(value)})
+    with pytest.raises(ValueError) as exc:
+        SpyreConfig.from_env(environ=env)
+    msg = str(exc.value)
+    assert msg.startswith(f"{var}={str(value)!r} is invalid")
+    assert f"{value} is not a positive integer" in msg
+
+
+def test_unequal_list_lengths_are_rejected(no_sendnn):
+    env = shapes_env("64,128", "20", "1,2,4")
+    with pytest.raises(ValueError) as exc:
+        SpyreConfig.from_env(environ=env)
+    msg = str(exc.value)
+    assert "must have equal length" in msg
+    assert "VLLM_SPYRE_WARMUP_PROMPT_LENS has 2" in msg
+    assert "VLLM_SPYRE_WARMUP_NEW_TOKENS has 1" in msg
+    assert "VLLM_SPYRE_WARMUP_BATCH_SIZES has 3" in msg
+
+
+def test_unequal_lengths_with_defaults_for_other_lists(no_sendnn):
+    # Only the prompt lengths are set: the other lists default to one entry.
+    with pytest.raises(ValueError, match="must have equal length"):
+        SpyreConfig.from_env(
+            environ={"VLLM_SPYRE_WARMUP_PROMPT_LENS": "64,128"})
+
+
+@pytest.mark.parametrize("raw, bad", [("100", 100), ("64, 96", 96),
+                                      ("32", 32), ("65", 65)])
+def test_prompt_len_not_multiple_of_64(no_sendnn, raw, bad):
+    n = len(raw.split(","))
+    env = shapes_env(raw, ",".join(["20"] * n), ",".join(["1"] * n))
+    with pytest.raises(ValueError) as exc:
+        SpyreConfig.from_env(environ=env)
+    msg = str(exc.value)
+    assert msg.startswith(f"VLLM_SPYRE_WARMUP_PROMPT_LENS={raw!r} is invalid")
+    assert f"{bad} is not a multiple of 64" in msg
+
+
+def test_new_tokens_need_not_be_multiple_of_64(no_sendnn):
+    cfg = SpyreConfig.from_env(environ=shapes_env("192", "3", "5"))
+    assert cfg.warmup_shapes == (WarmupShape(192, 3, 5), )
+
+
+@pytest.mark.parametrize("backend", ["cuda", "INDUCTOR", "", "aot_eager"])
+def test_bad_backend_name(no_sendnn, backend):
+    with pytest.raises(ValueError) as exc:
+        SpyreConfig.from_env(environ={"VLLM_SPYRE_DYNAMO_BACKEND": backend})
+    msg = str(exc.value)
+    assert f"VLLM_SPYRE_DYNAMO_BACKEND={backend!r} is invalid" in msg
+    assert "choose one of eager, inductor, sendnn" in msg
+
+
+def test_sendnn_without_torch_sendnn(no_sendnn):
+    with pytest.raises(ValueError) as exc:
+        SpyreConfig.from_env(environ={"VLLM_SPYRE_DYNAMO_BACKEND": "sendnn"})
+    msg = str(exc.value)
+    assert "VLLM_SPYRE_DYNAMO_BACKEND=sendnn" in msg
+    assert "torch_sendnn" in msg
+    assert "not installed" in msg
+    assert "inductor or eager" in msg
+
+
+@pytest.mark.parametrize("value", ["2", "yes", "true", "", "-1"])
+def test_bad_use_cb_value(no_sendnn, value):
+    with pytest.raises(ValueError) as exc:
+        SpyreConfig.from_env(environ={"VLLM_SPYRE_USE_CB": value})
+    msg = str(exc.value)
+    assert f"VLLM_SPYRE_USE_CB={value!r} is invalid" in msg
+    assert "0 (static batching)" in msg
+    assert "1 (continuous batching)" in msg
+
+
+def test_use_cb_one_is_not_implemented(no_sendnn):
+    with pytest.raises(NotImplementedError) as exc:
+        SpyreConfig.from_env(environ={"VLLM_SPYRE_USE_CB": "1"})
+    msg = str(exc.value)
+    assert "VLLM_SPYRE_USE_CB=1" in msg
+    assert "continuous batching" in msg
+    assert "not yet supported" in msg
+    # Not a ValueError: callers can tell "unsupported" from "malformed".
+    assert not isinstance(exc.value, ValueError)
+
+
+# ---------------------------------------------------------- derived limits
+def test_derived_limits_single_default_shape(no_sendnn):
+    cfg = SpyreConfig.from_env(environ={})
+    assert cfg.max_model_len == 84
+    assert cfg.max_num_seqs == 1
+    assert cfg.max_num_batched_tokens == 64
+
+
+def test_derived_limits_take_maxima_over_different_shapes(no_sendnn):
+    # Each limit is reached by a different shape.
+    cfg = SpyreConfig.from_env(
+        environ=shapes_env("64,128,256", "200,10,5", "8,6,2"))
+    assert cfg.max_model_len == max(64 + 200, 128 + 10, 256 + 5)  # 264
+    assert cfg.max_model_len == 264
+    assert cfg.max_num_seqs == 8
+    assert cfg.max_num_batched_tokens == max(8 * 64, 6 * 128, 2 * 256)
+    assert cfg.max_num_batched_tokens == 768
+
+
+def test_validate_model_len_accepts_exact_fit():
+    cfg = SpyreConfig("eager", (WarmupShape(64, 20, 1),
+                                WarmupShape(128, 16, 2)))
+    cfg.validate_model_len(144)  # 128 + 16 == 144: fits exactly
+    cfg.validate_model_len(4096)
+
+
+def test_validate_model_len_error_message():
+    cfg = SpyreConfig("eager", (WarmupShape(64, 20, 1),
+                                WarmupShape(128, 16, 2)))
+    with pytest.raises(ValueError) as exc:
+        cfg.validate_model_len(143)
+    msg = str(exc.value)
+    assert ("Warm-up shape (prompt_len=128, new_tokens=16, batch_size=2) "
+            "needs 144 tokens") in msg
+    assert "maximum length of 143" in msg
+    assert "VLLM_SPYRE_WARMUP_PROMPT_LENS" in msg
+    assert "VLLM_SPYRE_WARMUP_NEW_TOKENS" in msg
+
+
+def test_validate_model_len_reports_first_too_long_shape():
+    cfg = SpyreConfig("eager", (WarmupShape(64, 20, 1),
+                                WarmupShape(128, 16, 2)))
+    with pytest.raises(ValueError) as exc:
+        cfg.validate_model_len(80)
+    assert "prompt_len=64, new_tokens=20" in str(exc.value)
+    assert "needs 84 tokens" in str(exc.value)
+
+
+# ------------------------------------------------------------- transport
+def test_to_dict_from_dict_round_trip(no_sendnn):
+    cfg = SpyreConfig.from_env(environ=shapes_env(
+        "128,64", "10,20", "2,1", VLLM_SPYRE_DYNAMO_BACKEND="eager"))
+    d = cfg.to_dict()
+    assert d["dynamo_backend"] == "eager"
+    assert d["use_cb"] is False
+    assert d["backend_reason"] == "set by VLLM_SPYRE_DYNAMO_BACKEND"
+    assert [dict(s) for s in d["warmup_shapes"]] == [
+        {"prompt_len": 64, "new_tokens": 20, "batch_size": 1},
+        {"prompt_len": 128, "new_tokens": 10, "batch_size": 2},
+    ]
+    back = SpyreConfig.from_dict(d)
+    assert back == cfg
+    assert isinstance(back.warmup_shapes, tuple)
+    assert all(isinstance(s, WarmupShape) for s in back.warmup_shapes)
+
+
+def test_round_trip_through_json_and_pickle(no_sendnn):
+    cfg = SpyreConfig.from_env(environ=shapes_env("64,192", "20,4", "4,1"))
+    via_json = SpyreConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert via_json == cfg
+    via_pickle = SpyreConfig.from_dict(pickle.loads(pickle.dumps(
+        cfg.to_dict())))
+    assert via_pickle == cfg
+
+
+def test_from_vllm_config():
+
+    class FakeVllmConfig:
+        additional_config = None
+
+    cfg = SpyreConfig("inductor", (WarmupShape(64, 20, 1), ))
+    fake = FakeVllmConfig()
+    with pytest.raises(RuntimeError, match="carries no Spyre settings"):
+        SpyreConfig.from_vllm_config(fake)
+    fake.additional_config = {ADDITIONAL_CONFIG_KEY: cfg.to_dict()}
+    assert SpyreConfig.from_vllm_config(fake) == cfg
+
+
+def test_config_is_frozen():
+    cfg = SpyreConfig("eager", (WarmupShape(64, 20, 1), ))
+    with pytest.raises(Exception):
+        cfg.dynamo_backend = "inductor"  # type: ignore[misc]
+
+
+# ------------------------------------------------------------------ docs
+def test_render_env_var_table_lists_every_variable():
+    table = render_env_var_table()
+    lines = table.rstrip("\n").split("\n")
+    assert lines[0] == "| Variable | Default | Meaning |"
+    assert lines[1] == "|---|---|---|"
+    assert len(lines) == 2 + len(SPYRE_ENV_VARS)
+    for var, line in zip(SPYRE_ENV_VARS, lines[2:]):
+        assert line.startswith(f"| `{var.name}` | {var.default_doc} | ")
+        assert var.help in line
+    names = re.findall(r"`(VLLM_SPYRE_\w+)`", table)
+    assert {v.name for v in SPYRE_ENV_VARS} <= set(names)
+
+
+def test_env_var_declarations_are_consistent(no_sendnn):
+    names = [v.name for v in SPYRE_ENV_VARS]
+    assert len(names) == len(set(names))
+    assert set(names) == {
+        "VLLM_SPYRE_DYNAMO_BACKEND",
+        "VLLM_SPYRE_WARMUP_PROMPT_LENS",
+        "VLLM_SPYRE_WARMUP_NEW_TOKENS",
+        "VLLM_SPYRE_WARMUP_BATCH_SIZES",
+        "VLLM_SPYRE_USE_CB",
+    }
+    # Every declared default parses: the defaults spelled out explicitly
+    # give the same config as no environment at all.
+    explicit = {v.name: v.default() for v in SPYRE_ENV_VARS}
+    implicit_cfg = SpyreConfig.from_env(environ={})
+    explicit_cfg = SpyreConfig.from_env(environ=explicit)
+    assert explicit_cfg.warmup_shapes == implicit_cfg.warmup_shapes
+    assert explicit_cfg.dynamo_backend == implicit_cfg.dynamo_backend
+    assert implicit_cfg.dynamo_backend in DYNAMO_BACKENDS
