@@ -137,7 +137,7 @@ def test_same_prompt_len_different_other_fields_are_kept():
 def test_warmup_shape_properties_and_str():
     s = WarmupShape(prompt_len=128, new_tokens=16, batch_size=4)
     assert s.max_len == 144
-    assert s.cost == 4 * 144
+    assert s.cost == (4 * 128, 128, 16, 4)
     assert str(s) == "(prompt_len=128, new_tokens=16, batch_size=4)"
 
 

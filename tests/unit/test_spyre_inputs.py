@@ -31,9 +31,9 @@ def test_fits(req, expected):
 
 # ------------------------------------------------------------- choose_shape
 def test_choose_shape_picks_cheapest_holding_all():
-    small = WarmupShape(64, 20, 1)  # cost 84
-    wide = WarmupShape(64, 20, 4)  # cost 336
-    long = WarmupShape(128, 20, 4)  # cost 592
+    small = WarmupShape(64, 20, 1)  # prefills 64 tokens
+    wide = WarmupShape(64, 20, 4)  # 256
+    long = WarmupShape(128, 20, 4)  # 512
     shapes = [long, wide, small]
     assert choose_shape([R(10)], shapes) == small
     assert choose_shape([R(10), R(20)], shapes) == wide
@@ -41,12 +41,19 @@ def test_choose_shape_picks_cheapest_holding_all():
     assert choose_shape([R(100)], shapes) == long
 
 
-def test_choose_shape_uses_cost_not_prompt_len():
-    # A short prompt with many new tokens costs more than a longer prompt.
-    many_tokens = WarmupShape(64, 200, 4)  # cost 1056
-    longer_prompt = WarmupShape(128, 20, 4)  # cost 592
-    assert choose_shape([R(10, 5)], [many_tokens, longer_prompt]) \
-        == longer_prompt
+def test_choose_shape_uses_prefill_tokens_not_prompt_len():
+    # A longer prompt in a narrower batch prefills fewer padded tokens.
+    wide = WarmupShape(64, 20, 8)  # prefills 512 tokens
+    narrow_long = WarmupShape(128, 20, 2)  # prefills 256 tokens
+    assert choose_shape([R(10, 5)], [wide, narrow_long]) == narrow_long
+
+
+def test_choose_shape_ignores_unused_new_tokens():
+    # Equal prefill work: the shorter attention span wins, however many
+    # new tokens each shape could produce.
+    pair = WarmupShape(64, 4, 2)
+    single_long = WarmupShape(128, 3, 1)
+    assert choose_shape([R(30, 2)], [single_long, pair]) == pair
 
 
 def test_choose_shape_checks_max_tokens():
@@ -58,9 +65,9 @@ def test_choose_shape_checks_max_tokens():
 
 
 def test_choose_shape_cost_tie_is_deterministic():
-    a = WarmupShape(128, 64, 1)  # cost 192
-    b = WarmupShape(64, 32, 2)  # cost 192
-    assert a.cost == b.cost
+    a = WarmupShape(128, 64, 1)  # prefills 128 tokens
+    b = WarmupShape(64, 32, 2)  # prefills 128 tokens
+    assert a.cost[0] == b.cost[0]
     assert choose_shape([R(10, 20)], [a, b]) == b
     assert choose_shape([R(10, 20)], [b, a]) == b
 
@@ -139,8 +146,8 @@ def test_select_batch_respects_batch_size():
 
 
 def test_select_batch_most_requests_wins_over_cheaper():
-    cheap_narrow = WarmupShape(64, 20, 2)  # cost 168, admits 2
-    dear_wide = WarmupShape(128, 20, 4)  # cost 592, admits 4
+    cheap_narrow = WarmupShape(64, 20, 2)  # prefills 128, admits 2
+    dear_wide = WarmupShape(128, 20, 4)  # prefills 512, admits 4
     waiting = [R(10)] * 4
     shape, idx = select_batch(waiting, [cheap_narrow, dear_wide])
     assert shape == dear_wide
@@ -160,8 +167,8 @@ def test_select_batch_most_requests_counts_only_fitting_requests():
 
 @pytest.mark.parametrize("order", [0, 1])
 def test_select_batch_tie_goes_to_cheapest(order):
-    cheap = WarmupShape(64, 20, 4)  # cost 336
-    dear = WarmupShape(128, 20, 4)  # cost 592
+    cheap = WarmupShape(64, 20, 4)  # prefills 256
+    dear = WarmupShape(128, 20, 4)  # prefills 512
     shapes = [dear, cheap] if order else [cheap, dear]
     waiting = [R(10)] * 3
     shape, idx = select_batch(waiting, shapes)

@@ -80,9 +80,13 @@ class WarmupShape:
         return self.prompt_len + self.new_tokens
 
     @property
-    def cost(self) -> int:
-        """Tokens processed by one batch of this shape (smaller is cheaper)."""
-        return self.batch_size * self.max_len
+    def cost(self) -> tuple[int, int, int, int]:
+        """Ordering key, cheapest first: the padded prompt tokens a full
+        batch prefills, then the attention span, then the rest (a batch
+        stops decoding when its rows are done, so new_tokens costs nothing
+        unless used)."""
+        return (self.batch_size * self.prompt_len, self.prompt_len,
+                self.new_tokens, self.batch_size)
 
     def __str__(self) -> str:
         return (f"(prompt_len={self.prompt_len}, "

@@ -43,7 +43,7 @@ def choose_shape(reqs: Sequence[RequestSize],
     ]
     if not candidates:
         return None
-    return min(candidates, key=lambda s: (s.cost, s))
+    return min(candidates, key=lambda s: s.cost)
 
 
 def select_batch(
@@ -63,7 +63,7 @@ def select_batch(
     """
     if not waiting:
         return None
-    best: Optional[tuple[int, int, list[int]]] = None
+    best: Optional[tuple[int, tuple, list[int]]] = None
     for shape in shapes:
         if not fits(shape, waiting[0]):
             continue
