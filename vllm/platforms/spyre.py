@@ -10,7 +10,6 @@ Spyre executor, worker and scheduler, and stores the parsed settings in
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 from typing import TYPE_CHECKING, Optional
@@ -50,6 +49,9 @@ class SpyrePlatform(Platform):
     dispatch_key: str = "CPU"
     dist_backend: str = "gloo"
     supported_quantization: list[str] = []
+    # The shapes of the config built in this process, for the OpenAI
+    # server's default max_tokens (other processes read additional_config).
+    _serving_shapes: tuple[WarmupShape, ...] = ()
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -134,6 +136,7 @@ class SpyrePlatform(Platform):
         cache_config.block_size = max_model_len
         cache_config.enable_prefix_caching = False
 
+        cls._serving_shapes = spyre.warmup_shapes
         extra = dict(vllm_config.additional_config or {})
         extra[ADDITIONAL_CONFIG_KEY] = spyre.to_dict()
         vllm_config.additional_config = extra
@@ -149,17 +152,11 @@ class SpyrePlatform(Platform):
     def get_max_output_tokens(cls, prompt_len: int) -> int:
         """Default ``max_tokens`` of an OpenAI request: the most new tokens
         any compiled shape allows for this prompt length."""
-        shapes = _current_shapes()
+        shapes = cls._serving_shapes
         if not shapes:
             return sys.maxsize
         fitting = [s.new_tokens for s in shapes if s.prompt_len >= prompt_len]
         return max(fitting) if fitting else sys.maxsize
-
-
-def _current_shapes() -> tuple[WarmupShape, ...]:
-    with contextlib.suppress(Exception):
-        return SpyreConfig.from_env().warmup_shapes
-    return ()
 
 
 def _model_max_len(hf_config) -> Optional[int]:
