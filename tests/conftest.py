@@ -68,6 +68,9 @@ def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
                                    eos_token="</s>", pad_token="<pad>",
                                    unk_token="<unk>")
     fast.model_max_length = 512
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>"
+        "{% endfor %}{% if add_generation_prompt %}<s>assistant:{% endif %}")
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(fast), hidden_size=64,

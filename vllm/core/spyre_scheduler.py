@@ -99,11 +99,14 @@ class SpyreScheduler(Scheduler):
     def _size(self, seq_group: SequenceGroup) -> RequestSize:
         prompt_len = seq_group.first_seq.get_prompt_len()
         params = seq_group.sampling_params
-        if params.max_tokens is None:
-            # "As many as allowed": the most that any shape for this prompt
-            # length can produce.
+        remaining = self.scheduler_config.max_model_len - prompt_len
+        if params.max_tokens is None or params.max_tokens == remaining:
+            # "As many as the context allows" (max_tokens omitted offline,
+            # or the OpenAI server's default): as many as the largest shape
+            # holding this prompt can produce.  An explicit smaller or
+            # larger max_tokens is never changed.
             fitting = [s.new_tokens for s in self.warmup_shapes
                        if s.prompt_len >= prompt_len]
-            params.max_tokens = max(fitting, default=0) or None
+            if fitting:
+                params.max_tokens = min(max(fitting), max(remaining, 1))
         return RequestSize(prompt_len, params.max_tokens or 0)
-

@@ -11,7 +11,6 @@ Spyre executor, worker and scheduler, and stores the parsed settings in
 from __future__ import annotations
 
 import functools
-import sys
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -19,7 +18,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 from vllm.platforms.spyre_config import (ADDITIONAL_CONFIG_KEY, SpyreConfig,
-                                         WarmupShape, sendnn_available)
+                                         sendnn_available)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,9 +48,6 @@ class SpyrePlatform(Platform):
     dispatch_key: str = "CPU"
     dist_backend: str = "gloo"
     supported_quantization: list[str] = []
-    # The shapes of the config built in this process, for the OpenAI
-    # server's default max_tokens (other processes read additional_config).
-    _serving_shapes: tuple[WarmupShape, ...] = ()
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -136,7 +132,6 @@ class SpyrePlatform(Platform):
         cache_config.block_size = max_model_len
         cache_config.enable_prefix_caching = False
 
-        cls._serving_shapes = spyre.warmup_shapes
         extra = dict(vllm_config.additional_config or {})
         extra[ADDITIONAL_CONFIG_KEY] = spyre.to_dict()
         vllm_config.additional_config = extra
@@ -147,16 +142,6 @@ class SpyrePlatform(Platform):
             ", ".join(str(s) for s in spyre.warmup_shapes), max_model_len,
             scheduler_config.max_num_seqs,
             scheduler_config.max_num_batched_tokens, cache_config.block_size)
-
-    @classmethod
-    def get_max_output_tokens(cls, prompt_len: int) -> int:
-        """Default ``max_tokens`` of an OpenAI request: the most new tokens
-        any compiled shape allows for this prompt length."""
-        shapes = cls._serving_shapes
-        if not shapes:
-            return sys.maxsize
-        fitting = [s.new_tokens for s in shapes if s.prompt_len >= prompt_len]
-        return max(fitting) if fitting else sys.maxsize
 
 
 def _model_max_len(hf_config) -> Optional[int]:

@@ -1,0 +1,259 @@
+"""The OpenAI-compatible server (``vllm serve``) on the Spyre backend, as a
+real process on loopback, driven by real clients: endpoints, greedy equality
+with offline generation, static batching of concurrent requests, HTTP 400s
+that name the limits, and a server that keeps serving after bad input."""
+from __future__ import annotations
+
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+import requests
+
+from conftest import spyre_env, spyre_llm
+from server import Server
+
+pytestmark = pytest.mark.e2e
+
+SHAPES = dict(prompt_lens=[64, 128], new_tokens=[16, 8], batch_sizes=[4, 2])
+ENV = spyre_env("eager", **SHAPES)
+PROMPTS = [[11, 42, 99, 7, 250], [5] * 30, [17, 18, 19] * 20, [100] * 90]
+MAX_TOKENS = [16, 5, 12, 8]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    with Server(tiny_llama, ENV) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused",
+                         max_retries=0, timeout=120)
+
+
+def model_name(server) -> str:
+    return server.model
+
+
+def completion_ids(choice) -> list[int]:
+    """Token ids of a completion asked with return_tokens_as_token_ids."""
+    return [int(t.split(":")[1]) for t in choice.logprobs.tokens]
+
+
+def metric(server, name: str) -> float:
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_engine_is_mqllmengine_in_its_own_process(server):
+    log = server.log()
+    pid = int(re.search(r"Started engine process with PID (\d+)",
+                        log).group(1))
+    children = {p.pid for p in psutil.Process(server.proc.pid).children(
+        recursive=True)}
+    assert pid in children
+    assert "Initializing a V0 LLM engine" in log
+    assert "Spyre warm-up of 2 shape(s)" in log
+
+
+def test_models_health_metrics(server, client):
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    models = client.models.list().data
+    assert [m.id for m in models] == [server.model]
+    assert models[0].max_model_len == 136  # 128 + 8
+    client.completions.create(model=server.model, prompt="x", max_tokens=2)
+    assert "vllm:num_requests_running" in requests.get(
+        server.url + "/metrics", timeout=10).text
+
+
+def test_greedy_over_http_equals_offline(server, client, tiny_llama):
+    from vllm import SamplingParams, TokensPrompt
+    http = []
+    for prompt, n in zip(PROMPTS, MAX_TOKENS):
+        resp = client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=n, temperature=0,
+            logprobs=0, extra_body=dict(ignore_eos=True,
+                                        return_tokens_as_token_ids=True))
+        http.append(completion_ids(resp.choices[0]))
+    with spyre_llm(tiny_llama, ENV) as llm:
+        offline = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
+            [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+             for n in MAX_TOKENS], use_tqdm=False)
+    assert http == [list(o.outputs[0].token_ids) for o in offline]
+    assert [len(ids) for ids in http] == MAX_TOKENS
+
+
+def test_streaming_matches_non_streaming(server, client):
+    kwargs = dict(model=server.model, prompt="spyre card batch",
+                  max_tokens=10, temperature=0,
+                  extra_body=dict(ignore_eos=True))
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = [c.choices[0].text for c in client.completions.create(
+        stream=True, **kwargs) if c.choices]
+    assert "".join(chunks) == whole
+
+
+def test_chat_completions(server, client):
+    messages = [{"role": "user", "content": "spyre shape compile"}]
+    kwargs = dict(model=server.model, messages=messages, max_tokens=6,
+                  temperature=0.9, seed=123, n=2,
+                  extra_body=dict(ignore_eos=True))
+    first = client.chat.completions.create(**kwargs)
+    second = client.chat.completions.create(**kwargs)
+    assert len(first.choices) == 2
+    assert [c.message.content for c in first.choices] == \
+        [c.message.content for c in second.choices]
+    assert first.usage.completion_tokens == 12
+    streamed = "".join(
+        c.choices[0].delta.content or "" for c in
+        client.chat.completions.create(model=server.model,
+                                       messages=messages, max_tokens=6,
+                                       temperature=0, stream=True,
+                                       extra_body=dict(ignore_eos=True))
+        if c.choices)
+    greedy = client.chat.completions.create(
+        model=server.model, messages=messages, max_tokens=6, temperature=0,
+        extra_body=dict(ignore_eos=True)).choices[0].message.content
+    assert streamed == greedy
+
+
+def test_sampling_parameters(server, client):
+    base = dict(model=server.model, prompt=[3, 4, 5, 6], max_tokens=8,
+                extra_body=dict(ignore_eos=True, top_k=20))
+    a = client.completions.create(temperature=1.0, top_p=0.9, seed=9, **base)
+    b = client.completions.create(temperature=1.0, top_p=0.9, seed=9, **base)
+    assert a.choices[0].text == b.choices[0].text
+    top = client.completions.create(
+        model=server.model, prompt=[3, 4, 5, 6], max_tokens=8, temperature=0,
+        logprobs=3, extra_body=dict(ignore_eos=True,
+                                    return_tokens_as_token_ids=True))
+    lp = top.choices[0].logprobs
+    for tok, tok_lp, alts in zip(lp.tokens, lp.token_logprobs,
+                                 lp.top_logprobs):
+        assert len(alts) >= 3
+        assert alts[tok] == tok_lp == max(alts.values())
+    greedy = client.completions.create(temperature=0, **base).choices[0].text
+    stop = greedy[3:5]
+    stopped = client.completions.create(temperature=0, stop=[stop], **base)
+    assert stopped.choices[0].text == greedy[:greedy.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def post(server, body, path="/v1/completions"):
+    return requests.post(server.url + path, json=body, timeout=60)
+
+
+@pytest.mark.parametrize("prompt_len,max_tokens", [
+    (130, 4),  # prompt longer than every shape (fits max_model_len)
+    (100, 12),  # the long shape holds the prompt, not 12 new tokens
+    (10, 17),  # more new tokens than any shape
+])
+def test_request_fitting_no_shape_is_400(server, prompt_len, max_tokens):
+    resp = post(server, dict(model=server.model, prompt=[7] * prompt_len,
+                             max_tokens=max_tokens))
+    assert resp.status_code == 400, resp.text
+    msg = resp.json()["message"] if "message" in resp.json() else resp.text
+    assert f"prompt length {prompt_len}" in msg
+    assert f"max_tokens {max_tokens}" in msg
+    assert "prompt_len=64, new_tokens=16, batch_size=4" in msg
+    assert "prompt_len=128, new_tokens=8, batch_size=2" in msg
+    ok = post(server, dict(model=server.model, prompt=[7] * 5, max_tokens=2))
+    assert ok.status_code == 200 and ok.json()["usage"][
+        "completion_tokens"] == 2
+
+
+def test_prompt_over_max_model_len_is_400(server):
+    resp = post(server, dict(model=server.model, prompt=[7] * 200,
+                             max_tokens=4))
+    assert resp.status_code == 400
+    assert "136" in resp.text and "200" in resp.text
+
+
+def test_omitted_max_tokens_gets_largest_fitting_shape(server):
+    """Chat requests without max_tokens ask for the rest of the context:
+    they get as many tokens as the largest shape holding the prompt."""
+    def chat(words):
+        resp = post(server, dict(model=server.model, temperature=0,
+                                 ignore_eos=True,
+                                 messages=[{"role": "user",
+                                            "content": " ".join(words)}]),
+                    path="/v1/chat/completions")
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]
+
+    short = chat(["spyre"] * 5)
+    assert short["prompt_tokens"] <= 64
+    assert short["completion_tokens"] == 16
+    long = chat(["spyre", "card"] * 45)
+    assert 64 < long["prompt_tokens"] <= 128
+    assert long["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize("body,status", [
+    ("{not json", 400),
+    (dict(model="no-such-model", prompt="x", max_tokens=2), 404),
+    (dict(prompt="x", max_tokens=-3), 400),
+    (dict(prompt="x", max_tokens=2, temperature=-1), 400),
+    (dict(prompt="x", max_tokens=2, top_p=7), 400),
+    (dict(prompt="x", max_tokens=2, n=0), 400),
+])
+def test_malformed_requests_get_4xx(server, body, status):
+    if isinstance(body, dict):
+        body.setdefault("model", server.model)
+        resp = post(server, body)
+    else:
+        resp = requests.post(server.url + "/v1/completions", data=body,
+                             headers={"Content-Type": "application/json"},
+                             timeout=30)
+    assert resp.status_code == status, resp.text
+    assert post(server, dict(model=server.model, prompt="x",
+                             max_tokens=1)).status_code == 200
+
+
+def stream_times(server, prompt, max_tokens):
+    """Streams one completion; returns (arrival time of each chunk)."""
+    times = []
+    with requests.post(server.url + "/v1/completions",
+                       json=dict(model=server.model, prompt=prompt,
+                                 max_tokens=max_tokens, temperature=0,
+                                 ignore_eos=True, stream=True),
+                       stream=True, timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                if json.loads(line[6:])["choices"]:
+                    times.append(time.monotonic())
+    return times
+
+
+def test_later_arrivals_wait_then_share_one_batch(server):
+    """While a batch runs, new requests wait; when it ends they form one
+    batch together (16 engine steps for 4 rows of 16 tokens)."""
+    steps = "vllm:iteration_tokens_total_count"
+    before = metric(server, steps)
+    with ThreadPoolExecutor(5) as pool:
+        blocker = pool.submit(stream_times, server, [9] * 8, 16)
+        deadline = time.monotonic() + 60
+        while metric(server, "vllm:num_requests_running") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        later = [pool.submit(stream_times, server, [9] * (4 + i), 16)
+                 for i in range(4)]
+        first = blocker.result()
+        others = [f.result() for f in later]
+    assert len(first) == 16 and all(len(t) == 16 for t in others)
+    # Nobody starts before the running batch has finished.
+    assert min(t[0] for t in others) > first[-1]
+    # Two batches of 16 steps each: the four shared one batch.
+    assert metric(server, steps) - before == 32
