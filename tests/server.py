@@ -57,7 +57,8 @@ class Server:
                            + self.log()[-4000:])
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:

@@ -1,0 +1,178 @@
+"""The Spyre OpenAI server under stress: clients that cancel mid-stream, a
+sustained load, a dead engine, and a warm-up shape the model cannot hold.
+Every loop is bounded in count and time; all traffic stays on loopback."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import requests
+
+from conftest import REPO, spyre_env
+from server import Server
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from serving_load import run_load  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+ENV = spyre_env("eager", [64], [16], [4])
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    with Server(tiny_llama, ENV) as srv:
+        yield srv
+
+
+def metric(server, name: str) -> float:
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+async def stream(client, url, model, prompt, max_tokens, cancel_after):
+    """Streams a completion; closes the connection after ``cancel_after``
+    tokens (None: read to the end).  Returns the tokens received."""
+    body = dict(model=model, prompt=prompt, max_tokens=max_tokens,
+                temperature=0, ignore_eos=True, stream=True,
+                stream_options={"include_usage": True})
+    got = 0
+    usage = None
+    async with client.stream("POST", url, json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            if chunk.get("usage"):
+                usage = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices"):
+                got += 1
+                if cancel_after is not None and got >= cancel_after:
+                    return got, None  # leaving the block drops the stream
+    return got, usage
+
+
+def test_abort_storm(server):
+    """40 concurrent streams of mixed lengths; about a third are dropped
+    at random points.  Every other stream gets exactly its tokens, nothing
+    is left in the scheduler, and the next batch is served."""
+    rng = random.Random(42)
+    plan = [([rng.randint(3, 380) for _ in range(rng.randint(1, 60))],
+             rng.randint(2, 16)) for _ in range(40)]
+    cancel = [rng.randint(1, n - 1) if rng.random() < 0.35 else None
+              for _, n in plan]
+    url = server.url + "/v1/completions"
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(
+                stream(client, url, server.model, p, n, c)
+                for (p, n), c in zip(plan, cancel)))
+
+    results = asyncio.run(asyncio.wait_for(main(), timeout=300))
+    assert any(c is not None for c in cancel)
+    for (prompt, n), c, (got, usage) in zip(plan, cancel, results):
+        if c is None:
+            assert (got, usage) == (n, n)
+        else:
+            assert got == c
+    deadline = time.monotonic() + 30
+    while (metric(server, "vllm:num_requests_running")
+           + metric(server, "vllm:num_requests_waiting")) > 0:
+        assert time.monotonic() < deadline, "rows left in the scheduler"
+        time.sleep(0.2)
+    after = requests.post(url, json=dict(model=server.model, prompt=[5] * 9,
+                                         max_tokens=16, ignore_eos=True),
+                          timeout=60)
+    assert after.status_code == 200
+    assert after.json()["usage"]["completion_tokens"] == 16
+    log = server.log()
+    assert "Traceback" not in log and "KeyError" not in log
+
+
+def test_sustained_load_has_no_errors(server):
+    result = asyncio.run(
+        run_load(server.url, server.model, n_requests=200, concurrency=16,
+                 max_tokens=8))
+    assert result.errors == 0, result.error_samples
+    assert result.tokens == 200 * 8
+
+
+def engine_pid(server) -> int:
+    return int(re.search(r"Started engine process with PID (\d+)",
+                         server.log()).group(1))
+
+
+def test_dead_engine_is_reported_fast(tiny_llama):
+    with Server(tiny_llama, ENV) as srv:
+        url = srv.url + "/v1/completions"
+        body = dict(model=srv.model, prompt=[5] * 9, max_tokens=16,
+                    ignore_eos=True, stream=True)
+        with requests.post(url, json=body, stream=True, timeout=60) as resp:
+            lines = resp.iter_lines()
+            next(line for line in lines if line.startswith(b"data: "))
+            os.kill(engine_pid(srv), signal.SIGKILL)
+            start = time.monotonic()
+            # The in-flight stream ends (error or cut) within seconds.
+            rest = b""
+            with _any_outcome():
+                rest = b"\n".join(lines)
+            assert b"[DONE]" not in rest or b"error" in rest.lower()
+        assert time.monotonic() - start < 30
+        deadline = time.monotonic() + 30
+        healthy = True
+        while healthy and time.monotonic() < deadline:
+            try:
+                healthy = requests.get(srv.url + "/health",
+                                       timeout=5).status_code == 200
+            except requests.RequestException:
+                healthy = False
+            if healthy:
+                time.sleep(0.5)
+        assert not healthy, "server still reports healthy"
+        try:
+            new = requests.post(url, json=dict(model=srv.model, prompt="x",
+                                               max_tokens=2), timeout=10)
+            assert new.status_code >= 500
+        except requests.RequestException:
+            pass  # the server shut itself down: the request fails fast
+
+
+class _any_outcome:
+    """Context that accepts a normal end or a connection error."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        return exc_type is None or issubclass(exc_type,
+                                              requests.RequestException)
+
+
+def test_shape_that_cannot_fit_refuses_to_start(tiny_llama, tmp_path):
+    # The tiny model holds 512 positions; 512 + 8 cannot fit.
+    env = spyre_env("eager", [512], [8], [1])
+    srv = Server(tiny_llama, env, log_path=tmp_path / "serve.log")
+    try:
+        rc = srv.proc.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        srv.stop()
+        pytest.fail("server did not refuse to start")
+    srv.stop()
+    log = srv.log()
+    assert rc != 0
+    assert "needs 520 tokens" in log and "maximum length of 512" in log
+    assert "VLLM_SPYRE_WARMUP_PROMPT_LENS" in log
