@@ -2,13 +2,22 @@
 # Both set everything up on first use (scripts/setup.sh).
 PYTEST_ARGS ?=
 
-.PHONY: run test setup freeze clean
+.PHONY: run test serve setup freeze clean
 
 run: setup
 	.venv/bin/python examples/offline_demo.py
 
 test:
 	bash scripts/run_tests.sh $(PYTEST_ARGS)
+
+# OpenAI-compatible server on the default model, loopback only.  Spyre
+# settings come from the environment; these defaults keep warm-up short.
+serve: setup
+	VLLM_SPYRE_DYNAMO_BACKEND=$${VLLM_SPYRE_DYNAMO_BACKEND:-eager} \
+	VLLM_SPYRE_WARMUP_PROMPT_LENS=$${VLLM_SPYRE_WARMUP_PROMPT_LENS:-128} \
+	VLLM_SPYRE_WARMUP_NEW_TOKENS=$${VLLM_SPYRE_WARMUP_NEW_TOKENS:-64} \
+	VLLM_SPYRE_WARMUP_BATCH_SIZES=$${VLLM_SPYRE_WARMUP_BATCH_SIZES:-4} \
+	.venv/bin/vllm serve models/SmolLM2-135M-Instruct --host 127.0.0.1 --port $${PORT:-8000}
 
 setup:
 	bash scripts/setup.sh
