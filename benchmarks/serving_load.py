@@ -159,8 +159,10 @@ def main() -> None:
         server.__enter__()
         url = server.url
     try:
+        served = httpx.get(url + "/v1/models", timeout=30).json()
+        model = served["data"][0]["id"]
         result = asyncio.run(
-            run_load(url, args.model, args.requests, args.concurrency,
+            run_load(url, model, args.requests, args.concurrency,
                      args.max_tokens))
     finally:
         if server is not None:

@@ -86,8 +86,10 @@ class SpyreCausalLM(nn.Module):
         Returns the next-token logits of every row: [B, vocab].
         """
         past = None if is_prompt else self.kv_cache
-        if not is_prompt and past is None:
-            raise RuntimeError("decode step without a prefill")
+        if not is_prompt:
+            if past is None:
+                raise RuntimeError("decode step without a prefill")
+            _mark_kv_len_dynamic(past, mask)
         logits, self.kv_cache = self.model(
             input_ids,
             position_ids=positions,
@@ -105,3 +107,13 @@ class SpyreCausalLM(nn.Module):
     def sample(self, logits: torch.Tensor,
                sampling_metadata: SamplingMetadata) -> SamplerOutput:
         return self.sampler(logits, sampling_metadata)
+
+
+def _mark_kv_len_dynamic(past: list, mask: torch.Tensor) -> None:
+    """The cache grows by one position per decode step: compile the decode
+    graph for any cache length at once, instead of a first graph for one
+    length and a recompile at the next.  [B, kv_heads, kv_len, head_dim]"""
+    for keys, values in past:
+        torch._dynamo.maybe_mark_dynamic(keys, 2)
+        torch._dynamo.maybe_mark_dynamic(values, 2)
+    torch._dynamo.maybe_mark_dynamic(mask, 2)  # [B, 1, kv_len]
