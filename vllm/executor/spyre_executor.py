@@ -1,36 +1,92 @@
-"""SpyreExecutor: runs one SpyreWorker in the engine's own process.
+"""Spyre executors: how the engine starts Spyre workers.
 
-The engine (``LLMEngine``, or ``MQLLMEngine`` behind the OpenAI server)
-creates this executor because the Spyre platform sets it as
-``parallel_config.distributed_executor_backend``.  It is vLLM's single-process
-executor plus the Spyre-specific environment a worker needs before it joins
-the (one-rank) gloo process group.
+``SpyreExecutorMixin`` holds everything Spyre-specific about starting a
+worker (the hooks of ``MultiprocessingExecutor``): the device check, each
+rank's environment (rendezvous address, intra-op threads, which card, FMS's
+tensor-parallel setting) and the worker arguments.  ``SpyreExecutor`` is that
+mixin on vLLM's single-process executor, for one card; the multi-card
+``MultiprocessingSpyreExecutor`` puts the same mixin on the generic
+``MultiprocessingExecutor``.
+
+The platform picks the executor in ``check_and_update_config``: one card
+(tensor parallel size 1) -> ``SpyreExecutor``; several -> the
+multiprocessing one, or vLLM's Ray executor with
+``--distributed-executor-backend ray``.
 """
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 from vllm.executor.uniproc_executor import UniProcExecutor
 from vllm.logger import init_logger
+from vllm.platforms.spyre_config import SpyreConfig
 from vllm.utils import get_open_port
 
 logger = init_logger(__name__)
 
 
-class SpyreExecutor(UniProcExecutor):
-    """One Spyre card, one worker, in-process."""
+class SpyreExecutorMixin:
+    """Spyre-specific start-up of the ranks of one engine."""
+
+    _master_port: Optional[str] = None
+
+    @property
+    def spyre_config(self) -> SpyreConfig:
+        return SpyreConfig.from_vllm_config(self.vllm_config)
+
+    def _check_devices(self) -> None:
+        """Refuses a card count the deployment cannot provide."""
+        world = self.parallel_config.world_size
+        devices = self.spyre_config.devices
+        if devices and len(devices) < world:
+            raise ValueError(
+                f"{world} ranks need {world} Spyre cards, but SPYRE_DEVICES "
+                f"lists {len(devices)}: {','.join(devices)}.")
+
+    def _rank_env(self, rank: int) -> dict[str, str]:
+        """Environment of one rank: the rendezvous address FMS and
+        torch.distributed read (even for one rank), its share of the CPU
+        cores, its card, and FMS's tensor-parallel setting."""
+        world = self.parallel_config.world_size
+        if self._master_port is None:
+            self._master_port = os.environ.get("MASTER_PORT") or str(
+                get_open_port())
+        env = {
+            "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            "MASTER_PORT": self._master_port,
+            "OMP_NUM_THREADS": os.environ.get(
+                "OMP_NUM_THREADS", str(threads_per_rank(world))),
+        }
+        devices = self.spyre_config.devices
+        if devices:
+            env["SPYRE_DEVICE"] = devices[rank]
+        if world > 1 and self.spyre_config.dynamo_backend != "sendnn":
+            # gloo has no all_gather_into_tensor, which FMS's tensor-parallel
+            # embedding needs: keep the embedding whole on every rank.
+            env["DISTRIBUTED_STRATEGY_IGNORE_MODULES"] = "WordEmbedding"
+        return env
+
+
+class SpyreExecutor(SpyreExecutorMixin, UniProcExecutor):
+    """One Spyre card, one worker, in the engine's process."""
 
     uses_ray: bool = False
 
     def _init_executor(self) -> None:
-        """Sets the rendezvous variables FMS and torch.distributed read even
-        for one rank, then starts the worker as vLLM's UniProcExecutor
-        does."""
+        """Applies the Spyre rank environment, then starts the worker as
+        vLLM's UniProcExecutor does."""
         world_size = self.parallel_config.world_size
         if world_size != 1:
-            raise NotImplementedError(
-                f"SpyreExecutor runs one card; tensor parallel size "
-                f"{world_size} is not supported on Spyre yet.")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(get_open_port()))
+            raise ValueError(
+                f"SpyreExecutor runs one card, not {world_size}; use "
+                "MultiprocessingSpyreExecutor for tensor parallelism.")
+        self._check_devices()
+        os.environ.update(self._rank_env(0))
         super()._init_executor()
+
+
+def threads_per_rank(world_size: int) -> int:
+    """Intra-op threads per rank: the usable cores shared evenly."""
+    cores = len(os.sched_getaffinity(0))
+    return max(1, cores // world_size)

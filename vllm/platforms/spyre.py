@@ -96,15 +96,9 @@ class SpyrePlatform(Platform):
         parallel_config = vllm_config.parallel_config
         cache_config = vllm_config.cache_config
 
-        if parallel_config.world_size > 1:
-            raise NotImplementedError(
-                f"Tensor parallel size {parallel_config.world_size} is not "
-                "supported on Spyre yet; use one card (tensor parallel size "
-                "1).")
+        _configure_parallel(parallel_config, spyre)
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = SPYRE_WORKER_CLS
-        from vllm.executor.spyre_executor import SpyreExecutor
-        parallel_config.distributed_executor_backend = SpyreExecutor
 
         if model_config is None:
             return
@@ -142,6 +136,32 @@ class SpyrePlatform(Platform):
             ", ".join(str(s) for s in spyre.warmup_shapes), max_model_len,
             scheduler_config.max_num_seqs,
             scheduler_config.max_num_batched_tokens, cache_config.block_size)
+
+
+def _configure_parallel(parallel_config, spyre: SpyreConfig) -> None:
+    """Tensor parallel size from the flag or the deployment's environment,
+    and the executor that runs that many cards."""
+    if parallel_config.pipeline_parallel_size != 1:
+        raise NotImplementedError(
+            "Pipeline parallelism is not supported on Spyre")
+    given = parallel_config.tensor_parallel_size
+    tp = spyre.validate_tensor_parallel(given, tp_given=given != 1)
+    if tp != given:
+        logger.info("Spyre: tensor parallel size %d from the environment",
+                    tp)
+        parallel_config.tensor_parallel_size = tp
+        parallel_config.world_size = tp
+    backend = parallel_config.distributed_executor_backend
+    if tp == 1:
+        from vllm.executor.spyre_executor import SpyreExecutor
+        parallel_config.distributed_executor_backend = SpyreExecutor
+    elif backend == "ray":
+        pass  # vLLM's RayDistributedExecutor, with Spyre workers
+    else:
+        from vllm.executor.multiproc_spyre_executor import (
+            MultiprocessingSpyreExecutor)
+        parallel_config.distributed_executor_backend = \
+            MultiprocessingSpyreExecutor
 
 
 def _model_max_len(hf_config) -> Optional[int]:

@@ -62,6 +62,16 @@ SPYRE_ENV_VARS: tuple[EnvVar, ...] = (
         "VLLM_SPYRE_USE_CB", lambda: "0", "`0`",
         "`1` selects continuous batching (not yet supported); `0` selects "
         "static batching."),
+    EnvVar(
+        "AIU_WORLD_SIZE", lambda: "", "unset",
+        "Number of Spyre cards to split the model over (tensor parallel). "
+        "Used when `--tensor-parallel-size` is not given; a different "
+        "`--tensor-parallel-size` is an error."),
+    EnvVar(
+        "SPYRE_DEVICES", lambda: "", "unset",
+        "Comma-separated ids of the cards this server may use, one per "
+        "rank in order; without `AIU_WORLD_SIZE` its length sets the card "
+        "count."),
 )
 _ENV_BY_NAME = {v.name: v for v in SPYRE_ENV_VARS}
 
@@ -101,6 +111,10 @@ class SpyreConfig:
     warmup_shapes: tuple[WarmupShape, ...]
     use_cb: bool = False
     backend_reason: str = "set by VLLM_SPYRE_DYNAMO_BACKEND"
+    #: Card count stated by the deployment (AIU_WORLD_SIZE), if any.
+    world_size: Optional[int] = None
+    #: Card ids visible to this server (SPYRE_DEVICES), one per rank.
+    devices: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls,
@@ -147,10 +161,36 @@ class SpyreConfig:
             get("VLLM_SPYRE_WARMUP_PROMPT_LENS"),
             get("VLLM_SPYRE_WARMUP_NEW_TOKENS"),
             get("VLLM_SPYRE_WARMUP_BATCH_SIZES"))
+        world_size, devices = _parse_cards(get("AIU_WORLD_SIZE"),
+                                           get("SPYRE_DEVICES"))
         return cls(dynamo_backend=backend,
                    warmup_shapes=shapes,
                    use_cb=False,
-                   backend_reason=reason)
+                   backend_reason=reason,
+                   world_size=world_size,
+                   devices=devices)
+
+    @property
+    def card_count(self) -> Optional[int]:
+        """Cards the environment asks for, if it says."""
+        if self.world_size is not None:
+            return self.world_size
+        return len(self.devices) or None
+
+    def validate_tensor_parallel(self, tp_size: int, tp_given: bool) -> int:
+        """The tensor parallel size to use, reconciling the flag and the
+        environment; raises ValueError naming both when they disagree."""
+        cards = self.card_count
+        if cards is None:
+            return tp_size
+        if tp_given and tp_size != cards:
+            source = ("AIU_WORLD_SIZE" if self.world_size is not None else
+                      "SPYRE_DEVICES")
+            raise ValueError(
+                f"--tensor-parallel-size {tp_size} disagrees with {source} "
+                f"(which asks for {cards} card(s)); make them equal or "
+                "drop one of them.")
+        return cards
 
     # ---- derived limits -------------------------------------------------
     @property
@@ -186,7 +226,9 @@ class SpyreConfig:
         return cls(dynamo_backend=data["dynamo_backend"],
                    warmup_shapes=shapes,
                    use_cb=data["use_cb"],
-                   backend_reason=data["backend_reason"])
+                   backend_reason=data["backend_reason"],
+                   world_size=data.get("world_size"),
+                   devices=tuple(data.get("devices", ())))
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> "SpyreConfig":
@@ -215,6 +257,26 @@ def _parse_int_list(name: str, raw: str) -> list[int]:
                 "integer.")
         values.append(value)
     return values
+
+
+def _parse_cards(world: str,
+                 devices: str) -> tuple[Optional[int], tuple[str, ...]]:
+    world_size = None
+    if world:
+        world_size = _parse_int_list("AIU_WORLD_SIZE", world)
+        if len(world_size) != 1:
+            raise ValueError(f"AIU_WORLD_SIZE={world!r} is invalid: give "
+                             "one positive integer.")
+        world_size = world_size[0]
+    cards = tuple(d.strip() for d in devices.split(",") if d.strip())
+    if devices.strip() and len(set(cards)) != len(cards):
+        raise ValueError(f"SPYRE_DEVICES={devices!r} is invalid: a card is "
+                         "listed twice.")
+    if world_size is not None and cards and len(cards) < world_size:
+        raise ValueError(
+            f"SPYRE_DEVICES={devices!r} lists {len(cards)} card(s), fewer "
+            f"than AIU_WORLD_SIZE={world_size}.")
+    return world_size, cards
 
 
 def parse_warmup_shapes(prompt_lens: str, new_tokens: str,

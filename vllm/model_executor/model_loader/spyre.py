@@ -47,6 +47,7 @@ class SpyreCausalLM(nn.Module):
         self.logits_processor = LogitsProcessor(vocab_size,
                                                 logits_as_input=True)
         self.sampler = Sampler()
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.fms_model = self._load(model_config.model)
         self.model = self._compile(self.fms_model)
         #: Keys and values of the running batch, one pair per layer.
@@ -55,8 +56,12 @@ class SpyreCausalLM(nn.Module):
     def _load(self, path: str) -> nn.Module:
         from fms.models import get_model
         start = time.perf_counter()
+        parallel = {}
+        if self.tp_size > 1:
+            import torch.distributed as dist
+            parallel = dict(distributed_strategy="tp", group=dist.group.WORLD)
         model = get_model("hf_pretrained", model_path=path,
-                          data_type=self.dtype, device_type="cpu")
+                          data_type=self.dtype, device_type="cpu", **parallel)
         model.eval()
         model.requires_grad_(False)
         logger.info("Loaded FMS model %s from %s in %.1f s",

@@ -1,0 +1,161 @@
+"""MultiprocessingExecutor: one worker process per rank, on one machine.
+
+A device-agnostic base for tensor-parallel executors.  The driver worker
+(rank 0) runs in the engine's own process; ranks 1..N-1 run in worker
+processes started with vLLM's ``ProcessWorkerWrapper`` (task queue in, result
+queue out) and watched by vLLM's ``WorkerMonitor``, which tears everything
+down if one of them dies.  Each engine step runs on the driver; the other
+ranks follow it in ``start_worker_execution_loop``, receiving the step's
+inputs through the tensor-parallel group's broadcast.
+
+Device specifics go through four hooks that a device mixin overrides:
+
+* ``_check_devices()``: refuse to start on a bad device configuration;
+* ``_rank_env(rank)``: environment variables of one rank, applied before
+  its process starts (and to the engine process for rank 0);
+* ``_worker_kwargs(rank, init_method)``: the worker constructor's
+  arguments;
+* ``_distributed_init_method()``: where the ranks meet.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from typing import Any, Callable, Iterator, Optional, Union
+
+from vllm.executor.executor_base import DistributedExecutorBase
+from vllm.executor.multiproc_worker_utils import (ProcessWorkerWrapper,
+                                                  ResultHandler,
+                                                  WorkerMonitor)
+from vllm.logger import init_logger
+from vllm.utils import (get_distributed_init_method, get_open_port,
+                        make_async, run_method)
+from vllm.worker.worker_base import WorkerWrapperBase
+
+logger = init_logger(__name__)
+
+
+class MultiprocessingExecutor(DistributedExecutorBase):
+    """Tensor parallelism over local worker processes, any device."""
+
+    uses_ray: bool = False
+
+    # ---- hooks for device mixins ----------------------------------------
+    def _check_devices(self) -> None:
+        """Raise if the machine cannot run ``world_size`` ranks."""
+
+    def _rank_env(self, rank: int) -> dict[str, str]:
+        """Environment variables of one rank."""
+        return {}
+
+    def _distributed_init_method(self) -> str:
+        return get_distributed_init_method("127.0.0.1", get_open_port())
+
+    def _worker_kwargs(self, rank: int, init_method: str) -> dict[str, Any]:
+        return dict(vllm_config=self.vllm_config,
+                    local_rank=rank,
+                    rank=rank,
+                    distributed_init_method=init_method,
+                    is_driver_worker=rank == 0)
+
+    # ---- start-up -------------------------------------------------------
+    def _init_executor(self) -> None:
+        self._check_devices()
+        world_size = self.parallel_config.world_size
+        if self.parallel_config.pipeline_parallel_size != 1:
+            raise NotImplementedError(
+                "Pipeline parallelism is not supported by "
+                f"{type(self).__name__}")
+        # Workers must not inherit the engine's threads (OpenMP is not
+        # fork-safe): start them fresh.
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        self.result_handler = ResultHandler()
+        self.workers: list[ProcessWorkerWrapper] = []
+        for rank in range(1, world_size):
+            with _patched_environ(self._rank_env(rank)):
+                self.workers.append(
+                    ProcessWorkerWrapper(self.result_handler,
+                                         WorkerWrapperBase, self.vllm_config,
+                                         rank))
+        self.worker_monitor = WorkerMonitor(self.workers, self.result_handler)
+        self.result_handler.start()
+        self.worker_monitor.start()
+
+        os.environ.update(self._rank_env(0))
+        self.driver_worker = WorkerWrapperBase(self.vllm_config, rpc_rank=0)
+        init_method = self._distributed_init_method()
+        all_kwargs = [
+            self._worker_kwargs(rank, init_method)
+            for rank in range(world_size)
+        ]
+        self._run_workers("init_worker", all_kwargs)
+        self._run_workers("init_device")
+        self._run_workers("load_model")
+        logger.info("%s: %d ranks ready", type(self).__name__, world_size)
+
+    # ---- execution ------------------------------------------------------
+    def _driver_execute_model(self, execute_model_req):
+        return self.driver_worker.execute_model(execute_model_req)
+
+    def _run_workers(
+        self,
+        method: Union[str, Callable],
+        *args,
+        async_run_tensor_parallel_workers_only: bool = False,
+        max_concurrent_workers: Optional[int] = None,
+        **kwargs,
+    ) -> Any:
+        """Runs ``method`` on every rank: the other ranks first (they wait
+        on the driver's collectives), then the driver; returns the results
+        in rank order, or only the other ranks' futures when asked to."""
+        if max_concurrent_workers:
+            raise NotImplementedError("max_concurrent_workers")
+        if isinstance(method, str):
+            sent: Union[str, bytes] = method
+        else:
+            import cloudpickle
+            sent = cloudpickle.dumps(method)
+        futures = [w.execute_method(sent, *args, **kwargs)
+                   for w in self.workers]
+        if async_run_tensor_parallel_workers_only:
+            return futures
+        driver_result = run_method(self.driver_worker, sent, args, kwargs)
+        return [driver_result] + [f.get() for f in futures]
+
+    async def _driver_execute_model_async(self, execute_model_req=None):
+        return await make_async(self.driver_worker.execute_model)(
+            execute_model_req)
+
+    async def _start_worker_execution_loop(self):
+        await asyncio.gather(*(
+            w.execute_method_async("start_worker_execution_loop")
+            for w in self.workers))
+
+    def _wait_for_tasks_completion(self, parallel_worker_tasks: Any) -> None:
+        for future in parallel_worker_tasks:
+            future.get()
+
+    def check_health(self) -> None:
+        if not self.worker_monitor.is_alive():
+            raise RuntimeError(
+                f"{type(self).__name__}: a worker process has died")
+
+    def shutdown(self) -> None:
+        monitor = getattr(self, "worker_monitor", None)
+        if monitor is not None:
+            monitor.close()
+
+
+@contextlib.contextmanager
+def _patched_environ(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
