@@ -47,7 +47,7 @@ class SpyreExecutorMixin:
     def _rank_env(self, rank: int) -> dict[str, str]:
         """Environment of one rank: the rendezvous address FMS and
         torch.distributed read (even for one rank), its share of the CPU
-        cores, its card, and FMS's tensor-parallel setting."""
+        cores, and its card."""
         world = self.parallel_config.world_size
         if self._master_port is None:
             self._master_port = os.environ.get("MASTER_PORT") or str(
@@ -61,10 +61,6 @@ class SpyreExecutorMixin:
         devices = self.spyre_config.devices
         if devices:
             env["SPYRE_DEVICE"] = devices[rank]
-        if world > 1 and self.spyre_config.dynamo_backend != "sendnn":
-            # gloo has no all_gather_into_tensor, which FMS's tensor-parallel
-            # embedding needs: keep the embedding whole on every rank.
-            env["DISTRIBUTED_STRATEGY_IGNORE_MODULES"] = "WordEmbedding"
         return env
 
 

@@ -47,6 +47,9 @@ class SpyrePlatform(Platform):
     device_type: str = "cpu"
     dispatch_key: str = "CPU"
     dist_backend: str = "gloo"
+    # Ray resource that stands for one card: start Ray with
+    # --resources '{"spyre": N}' on a machine with N cards.
+    ray_device_key: str = "spyre"
     supported_quantization: list[str] = []
 
     @property

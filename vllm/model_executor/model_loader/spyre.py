@@ -59,6 +59,8 @@ class SpyreCausalLM(nn.Module):
         parallel = {}
         if self.tp_size > 1:
             import torch.distributed as dist
+            if self.spyre_config.dynamo_backend != "sendnn":
+                _keep_embedding_whole()
             parallel = dict(distributed_strategy="tp", group=dist.group.WORLD)
         model = get_model("hf_pretrained", model_path=path,
                           data_type=self.dtype, device_type="cpu", **parallel)
@@ -112,6 +114,25 @@ class SpyreCausalLM(nn.Module):
     def sample(self, logits: torch.Tensor,
                sampling_metadata: SamplingMetadata) -> SamplerOutput:
         return self.sampler(logits, sampling_metadata)
+
+
+def _keep_embedding_whole() -> None:
+    """gloo (the CPU process group) lacks all_gather_into_tensor, which
+    FMS's tensor-parallel word embedding needs: keep that module whole on
+    every rank.  FMS reads DISTRIBUTED_STRATEGY_IGNORE_MODULES when
+    fms.distributed.strategy is first imported, so a process that imported
+    it already gets the module name added to the parsed list as well."""
+    import os
+
+    from fms.distributed import strategy
+    names = [n for n in os.environ.get("DISTRIBUTED_STRATEGY_IGNORE_MODULES",
+                                       "").split(",") if n]
+    if "WordEmbedding" not in names:
+        os.environ["DISTRIBUTED_STRATEGY_IGNORE_MODULES"] = ",".join(
+            names + ["WordEmbedding"])
+    ignored = strategy._distributed_strategy_ignore_modules
+    if "WordEmbedding" not in ignored:
+        ignored.append("WordEmbedding")
 
 
 def _mark_kv_len_dynamic(past: list, mask: torch.Tensor) -> None:
