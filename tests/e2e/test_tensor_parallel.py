@@ -5,11 +5,14 @@ CPU mixin; a dead rank fails fast."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import time
 import sys
 import textwrap
 from unittest import mock
 
+import psutil
 import pytest
 import requests
 import torch
@@ -94,6 +97,25 @@ def test_tp2_through_the_openai_server(tiny_llama, hf_tiny):
             got.append([int(t.split(":")[1]) for t in
                         resp.json()["choices"][0]["logprobs"]["tokens"]])
         log = srv.log()
+        # A dead rank: the server stops reporting healthy within seconds.
+        engine = int(re.search(r"Started engine process with PID (\d+)",
+                               log).group(1))
+        rank1 = [p for p in psutil.Process(engine).children()
+                 if "spawn_main" in " ".join(p.cmdline())
+                 and "resource_tracker" not in " ".join(p.cmdline())]
+        assert len(rank1) == 1
+        rank1[0].kill()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(srv.url + "/health", timeout=5).status_code \
+                        != 200:
+                    break
+            except requests.RequestException:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("server still healthy 30 s after a rank died")
     assert got == [hf_tiny.greedy(p, n)[0] for p, n in REQUESTS]
     assert "MultiprocessingSpyreExecutor: 2 ranks ready" in log
 
@@ -164,3 +186,21 @@ def test_dead_rank_fails_fast(tiny_llama, tmp_path):
     assert line and line[0].startswith("FAILED-FAST"), proc.stdout[-2000:] + \
         proc.stderr[-3000:]
     assert float(line[0].split()[1]) < 30
+
+
+def test_ray_backend_tp2_on_a_local_cluster(tiny_llama, hf_tiny):
+    """A one-machine Ray cluster on loopback that declares two cards."""
+    import ray
+    ray.init(num_cpus=2, resources={"spyre": 2}, include_dashboard=False,
+             _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        with spyre_llm(tiny_llama, spyre_env("eager", **SHAPES),
+                       tensor_parallel_size=2,
+                       distributed_executor_backend="ray") as llm:
+            executor = type(llm.llm_engine.model_executor).__name__
+            got = generate(llm)
+            llm.llm_engine.model_executor.shutdown()
+    finally:
+        ray.shutdown()
+    assert executor == "RaySpyreExecutor"
+    assert got == [hf_tiny.greedy(p, n)[0] for p, n in REQUESTS]

@@ -8,6 +8,9 @@ down if one of them dies.  Each engine step runs on the driver; the other
 ranks follow it in ``start_worker_execution_loop``, receiving the step's
 inputs through the tensor-parallel group's broadcast.
 
+How ranks are started is one more hook, ``_start_workers``; the Ray
+variant (``vllm.executor.ray_spyre_executor``) starts Ray actors instead.
+
 Device specifics go through four hooks that a device mixin overrides:
 
 * ``_check_devices()``: refuse to start on a bad device configuration;
@@ -67,20 +70,7 @@ class MultiprocessingExecutor(DistributedExecutorBase):
             raise NotImplementedError(
                 "Pipeline parallelism is not supported by "
                 f"{type(self).__name__}")
-        # Workers must not inherit the engine's threads (OpenMP is not
-        # fork-safe): start them fresh.
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-        self.result_handler = ResultHandler()
-        self.workers: list[ProcessWorkerWrapper] = []
-        for rank in range(1, world_size):
-            with _patched_environ(self._rank_env(rank)):
-                self.workers.append(
-                    ProcessWorkerWrapper(self.result_handler,
-                                         WorkerWrapperBase, self.vllm_config,
-                                         rank))
-        self.worker_monitor = WorkerMonitor(self.workers, self.result_handler)
-        self.result_handler.start()
-        self.worker_monitor.start()
+        self.workers = self._start_workers(world_size)
 
         os.environ.update(self._rank_env(0))
         self.driver_worker = WorkerWrapperBase(self.vllm_config, rpc_rank=0)
@@ -93,6 +83,25 @@ class MultiprocessingExecutor(DistributedExecutorBase):
         self._run_workers("init_device")
         self._run_workers("load_model")
         logger.info("%s: %d ranks ready", type(self).__name__, world_size)
+
+    def _start_workers(self, world_size: int) -> list:
+        """Starts ranks 1..world_size-1; returns handles whose
+        ``execute_method`` gives a future with ``get()``."""
+        # Workers must not inherit the engine's threads (OpenMP is not
+        # fork-safe): start them fresh.
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        self.result_handler = ResultHandler()
+        workers = []
+        for rank in range(1, world_size):
+            with _patched_environ(self._rank_env(rank)):
+                workers.append(
+                    ProcessWorkerWrapper(self.result_handler,
+                                         WorkerWrapperBase, self.vllm_config,
+                                         rank))
+        self.worker_monitor = WorkerMonitor(workers, self.result_handler)
+        self.result_handler.start()
+        self.worker_monitor.start()
+        return workers
 
     # ---- execution ------------------------------------------------------
     def _driver_execute_model(self, execute_model_req):

@@ -47,9 +47,6 @@ class SpyrePlatform(Platform):
     device_type: str = "cpu"
     dispatch_key: str = "CPU"
     dist_backend: str = "gloo"
-    # Ray resource that stands for one card: start Ray with
-    # --resources '{"spyre": N}' on a machine with N cards.
-    ray_device_key: str = "spyre"
     supported_quantization: list[str] = []
 
     @property
@@ -159,7 +156,8 @@ def _configure_parallel(parallel_config, spyre: SpyreConfig) -> None:
         from vllm.executor.spyre_executor import SpyreExecutor
         parallel_config.distributed_executor_backend = SpyreExecutor
     elif backend == "ray":
-        pass  # vLLM's RayDistributedExecutor, with Spyre workers
+        from vllm.executor.ray_spyre_executor import RaySpyreExecutor
+        parallel_config.distributed_executor_backend = RaySpyreExecutor
     else:
         from vllm.executor.multiproc_spyre_executor import (
             MultiprocessingSpyreExecutor)
