@@ -204,3 +204,14 @@ def test_ray_backend_tp2_on_a_local_cluster(tiny_llama, hf_tiny):
         ray.shutdown()
     assert executor == "RaySpyreExecutor"
     assert got == [hf_tiny.greedy(p, n)[0] for p, n in REQUESTS]
+
+
+def test_card_count_from_environment_must_split_the_heads(smollm2):
+    """SmolLM2 has 9 query heads: AIU_WORLD_SIZE=2 is refused up front."""
+    from vllm import EngineArgs
+    env = dict(spyre_env("eager", **SHAPES), AIU_WORLD_SIZE="2")
+    with mock.patch.dict(os.environ, env):
+        with pytest.raises(Exception) as err:
+            EngineArgs(model=str(smollm2)).create_engine_config()
+    assert "attention heads (9)" in str(err.value)
+    assert "tensor parallel size (2)" in str(err.value)

@@ -96,7 +96,12 @@ class SpyrePlatform(Platform):
         parallel_config = vllm_config.parallel_config
         cache_config = vllm_config.cache_config
 
+        tp_before = parallel_config.tensor_parallel_size
         _configure_parallel(parallel_config, spyre)
+        if model_config is not None and \
+                parallel_config.tensor_parallel_size != tp_before:
+            # vLLM checked the head counts against the flag's size only.
+            model_config.verify_with_parallel_config(parallel_config)
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = SPYRE_WORKER_CLS
 
