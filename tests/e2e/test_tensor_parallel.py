@@ -186,6 +186,7 @@ def test_dead_rank_fails_fast(tiny_llama, tmp_path):
     assert line and line[0].startswith("FAILED-FAST"), proc.stdout[-2000:] + \
         proc.stderr[-3000:]
     assert float(line[0].split()[1]) < 30
+    assert "rank(s) [1] died" in line[0]
 
 
 def test_ray_backend_tp2_on_a_local_cluster(tiny_llama, hf_tiny):

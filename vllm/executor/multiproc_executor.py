@@ -105,7 +105,22 @@ class MultiprocessingExecutor(DistributedExecutorBase):
 
     # ---- execution ------------------------------------------------------
     def _driver_execute_model(self, execute_model_req):
-        return self.driver_worker.execute_model(execute_model_req)
+        try:
+            return self.driver_worker.execute_model(execute_model_req)
+        except Exception as exc:
+            dead = self._dead_ranks()
+            if dead:
+                raise RuntimeError(
+                    f"{type(self).__name__}: rank(s) {dead} died during an "
+                    "engine step; the engine cannot continue") from exc
+            raise
+
+    def _dead_ranks(self) -> list[int]:
+        """Ranks whose worker process has exited."""
+        return [
+            rank for rank, w in enumerate(self.workers, start=1)
+            if hasattr(w, "process") and not w.process.is_alive()
+        ]
 
     def _run_workers(
         self,
