@@ -362,7 +362,7 @@ def test_render_env_var_table_lists_every_variable():
     for var, line in zip(SPYRE_ENV_VARS, lines[2:]):
         assert line.startswith(f"| `{var.name}` | {var.default_doc} | ")
         assert var.help in line
-    names = re.findall(r"`(VLLM_SPYRE_\w+)`", table)
+    names = re.findall(r"^\| `(\w+)`", table, flags=re.M)
     assert {v.name for v in SPYRE_ENV_VARS} <= set(names)
 
 
@@ -375,6 +375,8 @@ def test_env_var_declarations_are_consistent(no_sendnn):
         "VLLM_SPYRE_WARMUP_NEW_TOKENS",
         "VLLM_SPYRE_WARMUP_BATCH_SIZES",
         "VLLM_SPYRE_USE_CB",
+        "AIU_WORLD_SIZE",
+        "SPYRE_DEVICES",
     }
     # Every declared default parses: the defaults spelled out explicitly
     # give the same config as no environment at all.
@@ -384,3 +386,38 @@ def test_env_var_declarations_are_consistent(no_sendnn):
     assert explicit_cfg.warmup_shapes == implicit_cfg.warmup_shapes
     assert explicit_cfg.dynamo_backend == implicit_cfg.dynamo_backend
     assert implicit_cfg.dynamo_backend in DYNAMO_BACKENDS
+    assert explicit_cfg.card_count is None and implicit_cfg.card_count is None
+
+
+# ------------------------------------------------------------ card count
+def test_card_count_from_environment(no_sendnn):
+    assert SpyreConfig.from_env(environ={}).card_count is None
+    assert SpyreConfig.from_env(
+        environ={"AIU_WORLD_SIZE": "4"}).card_count == 4
+    cfg = SpyreConfig.from_env(environ={"SPYRE_DEVICES": "3, 5"})
+    assert cfg.card_count == 2 and cfg.devices == ("3", "5")
+    assert SpyreConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"AIU_WORLD_SIZE": "0"}, "AIU_WORLD_SIZE='0'"),
+    ({"AIU_WORLD_SIZE": "two"}, "AIU_WORLD_SIZE='two'"),
+    ({"AIU_WORLD_SIZE": "2,2"}, "one positive integer"),
+    ({"SPYRE_DEVICES": "0,0"}, "listed twice"),
+    ({"AIU_WORLD_SIZE": "3", "SPYRE_DEVICES": "0,1"}, "fewer than"),
+])
+def test_card_settings_errors(no_sendnn, env, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        SpyreConfig.from_env(environ=env)
+
+
+def test_tensor_parallel_reconciliation(no_sendnn):
+    cfg = SpyreConfig.from_env(environ={"AIU_WORLD_SIZE": "2"})
+    assert cfg.validate_tensor_parallel(1, tp_given=False) == 2
+    assert cfg.validate_tensor_parallel(2, tp_given=True) == 2
+    with pytest.raises(ValueError) as err:
+        cfg.validate_tensor_parallel(4, tp_given=True)
+    assert "--tensor-parallel-size 4" in str(err.value)
+    assert "AIU_WORLD_SIZE" in str(err.value)
+    plain = SpyreConfig.from_env(environ={})
+    assert plain.validate_tensor_parallel(3, tp_given=True) == 3
