@@ -52,8 +52,9 @@ class SpyreScheduler(Scheduler):
                 raise ValueError(
                     "prompt_logprobs is not supported on Spyre: the compiled "
                     "graphs return the logits of the last position only.")
-            size = self._size(seq_group)
-            reason = rejection_reason(size, self.warmup_shapes)
+            self._resolve_max_tokens(seq_group)
+            reason = rejection_reason(self._size(seq_group),
+                                      self.warmup_shapes)
             if reason is not None:
                 raise ValueError(reason)
         super().add_seq_group(seq_group)
@@ -96,17 +97,23 @@ class SpyreScheduler(Scheduler):
                          len(outputs.seq_groups), shape)
         return outputs
 
-    def _size(self, seq_group: SequenceGroup) -> RequestSize:
+    def _resolve_max_tokens(self, seq_group: SequenceGroup) -> None:
+        """A request asking for "as many tokens as the context allows"
+        (max_tokens omitted offline, or the OpenAI server's default of
+        max_model_len - prompt) gets as many as the largest shape holding
+        its prompt can produce.  An explicit smaller or larger max_tokens
+        is never changed."""
         prompt_len = seq_group.first_seq.get_prompt_len()
         params = seq_group.sampling_params
         remaining = self.scheduler_config.max_model_len - prompt_len
-        if params.max_tokens is None or params.max_tokens == remaining:
-            # "As many as the context allows" (max_tokens omitted offline,
-            # or the OpenAI server's default): as many as the largest shape
-            # holding this prompt can produce.  An explicit smaller or
-            # larger max_tokens is never changed.
-            fitting = [s.new_tokens for s in self.warmup_shapes
-                       if s.prompt_len >= prompt_len]
-            if fitting:
-                params.max_tokens = min(max(fitting), max(remaining, 1))
-        return RequestSize(prompt_len, params.max_tokens or 0)
+        if params.max_tokens is not None and params.max_tokens != remaining:
+            return
+        fitting = [s.new_tokens for s in self.warmup_shapes
+                   if s.prompt_len >= prompt_len]
+        if fitting:
+            params.max_tokens = min(max(fitting), max(remaining, 1))
+
+    @staticmethod
+    def _size(seq_group: SequenceGroup) -> RequestSize:
+        return RequestSize(seq_group.first_seq.get_prompt_len(),
+                           seq_group.sampling_params.max_tokens or 0)
