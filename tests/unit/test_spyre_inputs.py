@@ -346,28 +346,49 @@ def test_decode_inputs_exact_small_case():
     assert torch.equal(out.input_ids, torch.tensor([[21], [22], [0]]))
     assert out.input_ids.dtype == torch.long
     assert torch.equal(out.position_ids, torch.tensor([[3], [4], [2]]))
-    assert out.mask.shape == (3, 1, 6)
+    # The cache has 4 + 3 slots; step 2 writes slot 5, slot 6 is not
+    # written yet.
+    assert out.mask.shape == (3, 1, 7)
     assert torch.equal(out.mask, torch.tensor([
-        [[F_, F_, T, T, T, T]],
-        [[F_, T, T, T, T, T]],
-        [[F_, F_, F_, T, T, T]],
+        [[F_, F_, T, T, T, T, F_]],
+        [[F_, T, T, T, T, T, F_]],
+        [[F_, F_, F_, T, T, T, F_]],
     ]))
+    assert out.cache_slots.tolist() == [5]
+    assert out.cache_len == 7
 
 
 @pytest.mark.parametrize("step", [1, 2, 5])
 def test_decode_positions_and_mask(step):
-    P = 8
-    shape = WarmupShape(prompt_len=P, new_tokens=5, batch_size=3)
+    P, G = 8, 6
+    shape = WarmupShape(prompt_len=P, new_tokens=G, batch_size=3)
     lens = [3, 8, 1]
     out = decode_inputs([1, 2, 3], lens, shape, step=step)
     assert out.position_ids.shape == (3, 1)
     assert out.position_ids[:, 0].tolist() == [n + step - 1 for n in lens]
-    assert out.mask.shape == (3, 1, P + step)
+    # Every step of a shape has the same shapes: one compiled graph.
+    assert out.mask.shape == (3, 1, P + G)
+    assert out.cache_slots.tolist() == [P + step - 1]
     for row, n in enumerate(lens):
         m = out.mask[row, 0].tolist()
         assert m[:P - n] == [F_] * (P - n)  # pads
         assert m[P - n:P] == [T] * n  # real prompt tokens
-        assert m[P:] == [T] * step  # generated tokens, current one included
+        assert m[P:P + step] == [T] * step  # generated, current included
+        assert m[P + step:] == [F_] * (G - step)  # slots not written yet
+
+
+@pytest.mark.parametrize("step", [0, 4])
+def test_decode_step_outside_shape(step):
+    shape = WarmupShape(prompt_len=4, new_tokens=4, batch_size=1)
+    with pytest.raises(ValueError, match=f"decode step {step} is outside"):
+        decode_inputs([1], [2], shape, step=step)
+
+
+def test_prefill_writes_the_prompt_slots():
+    shape = WarmupShape(prompt_len=5, new_tokens=3, batch_size=2)
+    out = prefill_inputs([[1, 2], [3]], shape, pad_id=0)
+    assert out.cache_slots.tolist() == [0, 1, 2, 3, 4]
+    assert out.cache_len == 8
 
 
 def test_decode_positions_continue_prefill_positions():
@@ -429,7 +450,7 @@ def test_decode_mask_matches_unpadded_attention():
     lens = [2, 6, 1]
     shape = WarmupShape(prompt_len=P, new_tokens=4, batch_size=3)
     out = decode_inputs([0, 0, 0], lens, shape, step=step)
-    kv = P + step
+    kv = P + shape.new_tokens  # slots past P + step hold stale values
     q = torch.randn(3, heads, 1, dim, generator=gen)
     k = torch.randn(3, heads, kv, dim, generator=gen)
     v = torch.randn(3, heads, kv, dim, generator=gen)
@@ -439,7 +460,7 @@ def test_decode_mask_matches_unpadded_attention():
                                           attn_mask=out.mask.unsqueeze(1))
     assert not torch.isnan(attn).any()
     for row, n in enumerate(lens):
-        ref = F.scaled_dot_product_attention(q[row:row + 1],
-                                             k[row:row + 1, :, P - n:],
-                                             v[row:row + 1, :, P - n:])
+        ref = F.scaled_dot_product_attention(
+            q[row:row + 1], k[row:row + 1, :, P - n:P + step],
+            v[row:row + 1, :, P - n:P + step])
         torch.testing.assert_close(attn[row:row + 1], ref)

@@ -95,11 +95,18 @@ def rejection_reason(req: RequestSize,
 
 @dataclass(frozen=True)
 class StepInputs:
-    """Tensors of one forward pass of a fixed shape."""
+    """Tensors of one forward pass of a fixed shape.
+
+    The key/value cache of a batch holds ``prompt_len + new_tokens`` slots
+    (``cache_len``); a step writes its keys and values into the slots
+    ``cache_slots``.  A prefill attends over its own ``prompt_len`` tokens,
+    a decode step over the whole cache (``kv_len`` below)."""
 
     input_ids: torch.Tensor  # [B, L] int64
     position_ids: torch.Tensor  # [B, L] int64
     mask: torch.Tensor  # [B, L, kv_len] bool: True = may attend
+    cache_slots: torch.Tensor  # [L] int64: cache slots this step writes
+    cache_len: int  # slots of the batch's cache: prompt_len + new_tokens
 
 
 def prefill_inputs(prompts: Sequence[Sequence[int]], shape: WarmupShape,
@@ -130,7 +137,8 @@ def prefill_inputs(prompts: Sequence[Sequence[int]], shape: WarmupShape,
     causal = torch.ones(P, P, dtype=torch.bool).tril()  # [P, P]
     same_kind = is_real.unsqueeze(2) == is_real.unsqueeze(1)  # [B, P, P]
     mask = causal.unsqueeze(0) & same_kind  # [B, P, P]
-    return StepInputs(input_ids, position_ids, mask)
+    return StepInputs(input_ids, position_ids, mask, torch.arange(P),
+                      shape.prompt_len + shape.new_tokens)
 
 
 def decode_inputs(last_tokens: Sequence[int], prompt_lens: Sequence[int],
@@ -138,16 +146,23 @@ def decode_inputs(last_tokens: Sequence[int], prompt_lens: Sequence[int],
     """Inputs of decode step ``step`` (1 = the first token after prefill).
 
     ``last_tokens`` and ``prompt_lens`` hold one entry per row of the
-    shape (filler and finished rows included).  The key/value cache then
-    holds ``prompt_len + step - 1`` positions and grows by one.
+    shape (filler and finished rows included).  The step writes cache slot
+    ``prompt_len + step - 1`` and attends over the whole cache of
+    ``prompt_len + new_tokens`` slots: the real prompt tokens, the tokens
+    generated so far and its own; slots not written yet are masked out.
+    Every step of a shape thus has the same tensor shapes.
     """
     B, P = shape.batch_size, shape.prompt_len
     if len(last_tokens) != B or len(prompt_lens) != B:
         raise ValueError(f"decode needs exactly {B} rows for shape {shape}")
-    kv_len = P + step
+    if not 1 <= step < shape.new_tokens:
+        raise ValueError(f"decode step {step} is outside shape {shape}")
+    kv_len = P + shape.new_tokens
     input_ids = torch.tensor(last_tokens, dtype=torch.long).unsqueeze(1)
     n = torch.tensor(prompt_lens).unsqueeze(1)  # [B, 1]
     position_ids = n + step - 1  # [B, 1]
     col = torch.arange(kv_len).unsqueeze(0)  # [1, kv_len]
-    mask = ((col >= P - n) | (col >= P)).unsqueeze(1)  # [B, 1, kv_len]
-    return StepInputs(input_ids, position_ids, mask)
+    written = col < P + step  # [1, kv_len]
+    mask = (((col >= P - n) | (col >= P)) & written).unsqueeze(1)
+    return StepInputs(input_ids, position_ids, mask,  # mask [B, 1, kv_len]
+                      torch.tensor([P + step - 1]), kv_len)

@@ -49,6 +49,8 @@ class SpyreModelInput(ModelRunnerInputBase):
             "input_ids": self.inputs.input_ids,
             "position_ids": self.inputs.position_ids,
             "mask": self.inputs.mask,
+            "cache_slots": self.inputs.cache_slots,
+            "cache_len": self.inputs.cache_len,
             "live_rows": self.live_rows,
         }
 
@@ -58,7 +60,9 @@ class SpyreModelInput(ModelRunnerInputBase):
         return cls(is_prompt=tensor_dict["is_prompt"],
                    inputs=StepInputs(tensor_dict["input_ids"],
                                      tensor_dict["position_ids"],
-                                     tensor_dict["mask"]),
+                                     tensor_dict["mask"],
+                                     tensor_dict["cache_slots"],
+                                     tensor_dict["cache_len"]),
                    live_rows=tensor_dict["live_rows"])
 
 
@@ -235,7 +239,7 @@ class SpyreModelRunner(ModelRunnerBase[SpyreModelInput]):
     def _forward(self, is_prompt: bool, step: StepInputs) -> torch.Tensor:
         assert self.model is not None
         return self.model(step.input_ids, step.position_ids, step.mask,
-                          is_prompt)
+                          step.cache_slots, step.cache_len, is_prompt)
 
 
 def _only_seq(meta: SequenceGroupMetadata):

@@ -2,9 +2,10 @@
 
 The model runner calls ``forward`` once per engine step with the fixed-shape
 tensors built by ``vllm.worker.spyre_inputs``: a prefill over a whole padded
-batch starts a new KV cache, each decode step extends it by one position.
-The cache of the running batch belongs to this module (``kv_cache``); it is
-replaced at every prefill.  ``forward`` returns the next-token logits of
+batch fills the first ``prompt_len`` slots of the batch's key/value cache,
+each decode step writes one more slot.  The caches belong to this module:
+one per warm-up shape, allocated when the shape is first run (at warm-up)
+and written in place ever after (``spyre_kv_cache``).  ``forward`` returns the next-token logits of
 every row; vLLM's own ``LogitsProcessor`` and ``Sampler`` then run on the
 rows that are still live, as in vLLM's Neuron backend.
 """
@@ -20,6 +21,7 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.sampler import Sampler, SamplerOutput
+from vllm.model_executor.model_loader import spyre_kv_cache
 from vllm.model_executor.sampling_metadata import SamplingMetadata
 from vllm.platforms.spyre_config import SpyreConfig
 
@@ -49,8 +51,12 @@ class SpyreCausalLM(nn.Module):
         self.sampler = Sampler()
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.fms_model = self._load(model_config.model)
+        spyre_kv_cache.register()
+        self.cache_layout = spyre_kv_cache.CacheLayout.of(self.fms_model)
         self.model = self._compile(self.fms_model)
-        #: Keys and values of the running batch, one pair per layer.
+        #: One key/value cache per (batch size, cache length).
+        self.kv_caches: dict[tuple[int, int], list] = {}
+        #: The cache of the running batch.
         self.kv_cache: Optional[list] = None
 
     def _load(self, path: str) -> nn.Module:
@@ -75,35 +81,58 @@ class SpyreCausalLM(nn.Module):
         backend = self.spyre_config.dynamo_backend
         if backend == "sendnn":
             import torch_sendnn  # noqa: F401  registers the backend
-        # Each shape needs a few graphs (prefill, first decode, later
-        # decodes); leave room for every configured shape.
+        # Each shape needs two graphs (prefill, decode); leave room for
+        # every configured shape.
         n = len(self.spyre_config.warmup_shapes)
         limit = max(64, 8 * n)
         torch._dynamo.config.cache_size_limit = max(
             torch._dynamo.config.cache_size_limit, limit)
         torch._dynamo.config.accumulated_cache_size_limit = max(
             torch._dynamo.config.accumulated_cache_size_limit, 4 * limit)
-        return torch.compile(model, backend=backend)
+        options = None
+        if backend == "inductor":
+            # Weights become constants of the graph: inductor folds and
+            # pre-packs them for the CPU matmul kernels.
+            options = {"freezing": True}
+        return torch.compile(model, backend=backend, options=options)
+
+    def _cache_for(self, batch_size: int, cache_len: int) -> list:
+        key = (batch_size, cache_len)
+        cache = self.kv_caches.get(key)
+        if cache is None:
+            cache = self.cache_layout.allocate(batch_size, cache_len,
+                                               self.dtype)
+            self.kv_caches[key] = cache
+            logger.info(
+                "Allocated the key/value cache of batch size %d x %d slots "
+                "(%.1f MiB)", batch_size, cache_len,
+                self.cache_layout.nbytes(batch_size, cache_len, self.dtype) /
+                2**20)
+        return cache
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor, is_prompt: bool) -> torch.Tensor:
+                mask: torch.Tensor, cache_slots: torch.Tensor,
+                cache_len: int, is_prompt: bool) -> torch.Tensor:
         """Runs one step of the whole padded batch.
 
-        input_ids, positions: [B, L]; mask: [B, L, kv_len] (True = attend).
+        input_ids, positions: [B, L]; mask: [B, L, kv_len] (True = attend);
+        cache_slots: [L], the cache slots this step writes.
         Returns the next-token logits of every row: [B, vocab].
         """
-        past = None if is_prompt else self.kv_cache
-        if not is_prompt:
-            if past is None:
-                raise RuntimeError("decode step without a prefill")
-            _mark_kv_len_dynamic(past, mask)
-        logits, self.kv_cache = self.model(
+        if is_prompt:
+            self.kv_cache = self._cache_for(input_ids.shape[0], cache_len)
+        elif self.kv_cache is None:
+            raise RuntimeError("decode step without a prefill")
+        logits, _ = self.model(
             input_ids,
             position_ids=positions,
-            past_key_value_states=past,
+            past_key_value_states=self.kv_cache,
             use_cache=True,
             last_n_tokens=1,
             mask=mask,
+            attn_name=spyre_kv_cache.ATTN_NAME,
+            cache_slots=cache_slots,
+            spyre_prefill=is_prompt,
         )
         return logits[:, -1, :]  # [B, vocab]
 
@@ -133,13 +162,3 @@ def _keep_embedding_whole() -> None:
     ignored = strategy._distributed_strategy_ignore_modules
     if "WordEmbedding" not in ignored:
         ignored.append("WordEmbedding")
-
-
-def _mark_kv_len_dynamic(past: list, mask: torch.Tensor) -> None:
-    """The cache grows by one position per decode step: compile the decode
-    graph for any cache length at once, instead of a first graph for one
-    length and a recompile at the next.  [B, kv_heads, kv_len, head_dim]"""
-    for keys, values in past:
-        torch._dynamo.maybe_mark_dynamic(keys, 2)
-        torch._dynamo.maybe_mark_dynamic(values, 2)
-    torch._dynamo.maybe_mark_dynamic(mask, 2)  # [B, 1, kv_len]

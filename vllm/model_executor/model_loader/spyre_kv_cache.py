@@ -1,0 +1,109 @@
+"""A key/value cache allocated once per warm-up shape and written in place.
+
+Fixed-shape hardware keeps the cache of a batch in one buffer of the
+shape's full length, ``prompt_len + new_tokens``, and writes each step's
+keys and values into their slots.  This module does the same on the CPU
+through FMS's attention-op registry (``register_attention_op``), so FMS's
+own model code runs unchanged:
+
+* the *store* op writes this step's keys/values into the cache at the
+  slots given by ``cache_slots`` (``index_copy_``, no new allocation);
+* a prefill attends over its own keys only (mask ``[B, P, P]``);
+* a decode step attends over the whole cache (mask ``[B, 1, P + G]``),
+  slots not written yet being masked out.
+
+Every decode step of a shape therefore has the same tensor shapes: one
+compiled decode graph serves all of them, and nothing is concatenated or
+re-allocated per token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: Name under which the op is registered with FMS.
+ATTN_NAME = "spyre_static_kv"
+
+
+def _store(keys: torch.Tensor, values: torch.Tensor,
+           key_cache: torch.Tensor, value_cache: torch.Tensor,
+           **attn_kwargs):
+    """keys, values: [B, L, kv_heads, head_dim]; caches: [B, kv_heads, T,
+    head_dim].  Returns (keys to attend over, values to attend over, cache
+    keys to return, cache values to return)."""
+    keys = keys.transpose(1, 2)
+    values = values.transpose(1, 2)
+    slots = attn_kwargs["cache_slots"]  # [L] int64
+    key_cache.index_copy_(2, slots, keys)
+    value_cache.index_copy_(2, slots, values)
+    if attn_kwargs.get("spyre_prefill", False):
+        return keys, values, key_cache, value_cache
+    return key_cache, value_cache, key_cache, value_cache
+
+
+def _compute(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+             nheads: int, kvheads: int, p_dropout: float,
+             scale_factor, **attn_kwargs) -> torch.Tensor:
+    """query: [B, L, heads, head_dim]; keys/values: [B, kv_heads, S,
+    head_dim]; mask: [B, L, S] bool.  Returns [B, L, heads, head_dim]."""
+    out = F.scaled_dot_product_attention(
+        query.transpose(1, 2),
+        keys,
+        values,
+        attn_mask=attn_kwargs["mask"].unsqueeze(1),
+        dropout_p=p_dropout,
+        scale=scale_factor,
+        enable_gqa=nheads != kvheads,
+    )
+    return out.transpose(1, 2).contiguous()
+
+
+def register() -> None:
+    """Registers the op with FMS once per process."""
+    from fms.modules import attention
+    try:
+        attention.get_attention_type(attn_name=ATTN_NAME)
+    except KeyError:
+        attention.register_attention_op(ATTN_NAME, _store, _compute)
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Per-layer cache geometry, read off the (possibly sharded) model."""
+
+    layers: int
+    kv_heads: int
+    k_head_dim: int
+    v_head_dim: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "CacheLayout":
+        from fms.modules.attention import MultiHeadAttention
+        attn = [m for m in model.modules()
+                if isinstance(m, MultiHeadAttention)]
+        if not attn:
+            raise ValueError(f"{type(model).__name__} has no FMS attention "
+                             "layers")
+        first = attn[0]
+        return cls(layers=len(attn),
+                   kv_heads=first.kvheads,
+                   k_head_dim=first.emb_kq_per_head,
+                   v_head_dim=first.emb_v_per_head)
+
+    def allocate(self, batch_size: int, length: int,
+                 dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed caches, one (keys, values) pair per layer."""
+        return [(torch.zeros(batch_size, self.kv_heads, length,
+                             self.k_head_dim, dtype=dtype),
+                 torch.zeros(batch_size, self.kv_heads, length,
+                             self.v_head_dim, dtype=dtype))
+                for _ in range(self.layers)]
+
+    def nbytes(self, batch_size: int, length: int,
+               dtype: torch.dtype) -> int:
+        item = torch.empty((), dtype=dtype).element_size()
+        per_pos = self.kv_heads * (self.k_head_dim + self.v_head_dim)
+        return self.layers * batch_size * length * per_pos * item
