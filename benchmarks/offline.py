@@ -1,0 +1,226 @@
+"""Offline generation throughput: our Spyre engine against Hugging Face
+transformers and IBM FMS, on one fixed workload.
+
+For each batch size B: B prompts of exactly P tokens cut from
+benchmarks/data/text.txt (row i starts at token 13*i), G new tokens each,
+greedy, EOS ignored.  Every engine runs in its own process and is loaded,
+compiled and warmed up for every batch size before anything is timed; then
+the repetitions alternate between engines (rep 1 of every engine, then rep
+2, ...), so slow drifts of the machine hit every engine alike.  Reported
+numbers are medians: decode tokens/s B*(G-1)/(total-TTFT), time to first
+token, total time, overall tokens/s B*G/total, and ours/peer ratios.
+
+The generated ids of all engines are compared per batch size; a mismatch
+or any compilation during a timed run makes the script exit non-zero
+(``--allow-mismatch`` forgives mismatches, never compilations).
+
+Engines: spyre-inductor, spyre-eager (ours, by compile backend), hf
+(transformers generate, sdpa), fms (FMS generate on the FMS model compiled
+with inductor), fms-eager (the same with the eager backend: a cheap check
+of the FMS path).
+
+    python benchmarks/offline.py [--model DIR] [--batch-sizes 1,4,8,16]
+        [--prompt-len 64] [--new-tokens 64] [--repetitions 3]
+        [--engines spyre-inductor,spyre-eager,hf,fms] [--json PATH]
+        [--plot PATH] [--allow-mismatch]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+from _common import (DEFAULT_MODEL, ENGINES, REPO, RESULTS, STRIDE, TEXT,
+                     Workload, cores, is_ours, leading_matches, machine_info,
+                     measure, parse_ints, start_engines, stop_engines,
+                     table, write_json)
+
+
+def compare(engines: list[str], work: Workload, ids: dict) -> list[dict]:
+    """Every pair of engines, every batch size: equal ids?  Also each
+    engine against itself across repetitions (determinism)."""
+    found = []
+    for batch in work.batch_sizes:
+        for engine in engines:
+            reps = ids[engine, batch]
+            if any(r != reps[0] for r in reps[1:]):
+                found.append(dict(batch=batch, a=engine, b=engine,
+                                  equal=False, what="differs between "
+                                  "repetitions"))
+        for a, b in itertools.combinations(engines, 2):
+            rows_a, rows_b = ids[a, batch][-1], ids[b, batch][-1]
+            leading = [leading_matches(x, y) for x, y in zip(rows_a, rows_b)]
+            equal = rows_a == rows_b
+            first = None
+            if not equal:
+                row = min(range(len(leading)), key=lambda i: leading[i])
+                first = dict(row=row, token=leading[row])
+            found.append(dict(batch=batch, a=a, b=b, equal=equal,
+                              leading_per_row=leading, first_diff=first))
+    return found
+
+
+def print_agreement(engines: list[str], work: Workload, ids: dict,
+                    mismatched: list[dict]) -> None:
+    """Per batch size, the engines grouped by identical ids ('=' joins a
+    group, ';' separates groups), then every mismatch in detail."""
+    for batch in work.batch_sizes:
+        groups: list[list[str]] = []
+        for engine in engines:
+            same = next((g for g in groups if ids[g[0], batch][-1] ==
+                         ids[engine, batch][-1]), None)
+            if same is None:
+                groups.append([engine])
+            else:
+                same.append(engine)
+        print(f"ids B={batch}: " + "; ".join(" = ".join(g) for g in groups))
+    for c in mismatched:
+        if c["a"] == c["b"]:
+            print(f"MISMATCH B={c['batch']} {c['a']}: ids {c['what']}")
+        else:
+            print(f"MISMATCH B={c['batch']} {c['a']} vs {c['b']}: first "
+                  f"difference at row {c['first_diff']['row']}, token "
+                  f"{c['first_diff']['token']}; leading matching tokens per "
+                  f"row {c['leading_per_row']}")
+
+
+def ratios(engines: list[str], summaries: dict, batch: int,
+           engine: str) -> dict[str, float]:
+    """Ours / each peer: decode tokens/s (>1: ours faster) and TTFT
+    (<1: ours faster)."""
+    if not is_ours(engine):
+        return {}
+    mine = summaries[engine, batch]
+    out = {}
+    for peer in (e for e in engines if not is_ours(e)):
+        theirs = summaries[peer, batch]
+        out[f"decode/{peer}"] = mine["decode_tok_s"] / theirs["decode_tok_s"]
+        out[f"ttft/{peer}"] = mine["ttft_s"] / theirs["ttft_s"]
+    return out
+
+
+def plot(path: str, engines: list[str], work: Workload, summaries: dict):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for engine in engines:
+        ax.plot(work.batch_sizes,
+                [summaries[engine, b]["decode_tok_s"]
+                 for b in work.batch_sizes], marker="o", label=engine)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(work.batch_sizes, [str(b) for b in work.batch_sizes])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"{Path(work.model).name}: decode throughput "
+                 f"(P={work.prompt_len}, G={work.new_tokens})")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--batch-sizes", default="1,4,8,16")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repetitions", type=int, default=3)
+    ap.add_argument("--engines", default="spyre-inductor,spyre-eager,hf,fms")
+    ap.add_argument("--json", default=str(RESULTS / "offline.json"))
+    ap.add_argument("--plot", default=str(REPO / "docs" / "images" /
+                                          "offline-throughput.png"))
+    ap.add_argument("--allow-mismatch", action="store_true",
+                    help="exit 0 even if engines generate different ids")
+    args = ap.parse_args()
+    engines = args.engines.split(",")
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        ap.error(f"unknown engine(s) {unknown}; choose from {list(ENGINES)}")
+    if args.new_tokens < 2 or args.repetitions < 1:
+        ap.error("--new-tokens must be >= 2 and --repetitions >= 1")
+
+    work = Workload.build(args.model, args.prompt_len, args.new_tokens,
+                          parse_ints(args.batch_sizes))
+    children = start_engines(engines, work)
+    try:
+        timings, ids = measure(children, work, args.repetitions)
+    finally:
+        stop_engines(children)
+
+    summaries = {k: t.summary() for k, t in timings.items()}
+    found = compare(engines, work, ids)
+    compiled = sum(s["compiles"] for s in summaries.values())
+    mismatched = [c for c in found if not c["equal"]]
+    print_agreement(engines, work, ids, mismatched)
+
+    write_json(args.json, dict(
+        args=vars(args), machine=machine_info(),
+        workload=dict(model=args.model, prompt_len=args.prompt_len,
+                      new_tokens=args.new_tokens, text=str(TEXT),
+                      stride=STRIDE, batch_sizes=work.batch_sizes),
+        engines={e: dict(info=children[e][1], batches={
+            b: dict(runs=timings[e, b].runs, median=summaries[e, b],
+                    ratios=ratios(engines, summaries, b, e),
+                    ids=ids[e, b][-1])
+            for b in work.batch_sizes}) for e in engines},
+        comparisons=found, compilations=compiled,
+        ids_match=not mismatched))
+    plot(args.plot, engines, work, summaries)
+    print_table(engines, work, summaries, found, args.repetitions)
+    if compiled:
+        print(f"FAILED: {compiled} compilation(s) during timed runs")
+        return 1
+    if mismatched and not args.allow_mismatch:
+        print(f"FAILED: {len(mismatched)} id mismatch(es); "
+              "--allow-mismatch to accept")
+        return 1
+    return 0
+
+
+def ids_cell(found: list[dict], ref: str, engine: str, batch: int,
+             new_tokens: int) -> str:
+    """The table's 'ids' cell: the fewest leading tokens any row shares
+    with the reference engine (G/G: identical), DIFF on a mismatch,
+    UNSTABLE if the engine's own repetitions differ."""
+    text = "ref"
+    for c in found:
+        if c["batch"] == batch and c["a"] == ref and c["b"] == engine \
+                and ref != engine:
+            text = f"{min(c['leading_per_row'])}/{new_tokens}" + (
+                "" if c["equal"] else " DIFF")
+    if any(c["batch"] == batch and c["a"] == c["b"] == engine
+           for c in found):
+        text += " UNSTABLE"
+    return text
+
+
+def print_table(engines, work, summaries, found, repetitions) -> None:
+    """The result table, printed last."""
+    ref = engines[0]
+    peers = [e for e in engines if not is_ours(e)]
+    ratio_cols = [f"{m}/{p}" for p in peers for m in ("decode", "ttft")] \
+        if any(is_ours(e) for e in engines) else []
+    rows = []
+    for engine, batch in itertools.product(engines, work.batch_sizes):
+        s = summaries[engine, batch]
+        r = ratios(engines, summaries, batch, engine)
+        rows.append([engine, batch, f"{s['decode_tok_s']:.1f}",
+                     f"{s['ttft_s'] * 1e3:.1f}", f"{s['total_s']:.3f}",
+                     f"{s['tok_s']:.1f}", s["compiles"],
+                     ids_cell(found, ref, engine, batch, work.new_tokens)] +
+                    [f"{r[c]:.2f}x" if c in r else "-" for c in ratio_cols])
+    print(f"\nmodel {Path(work.model).name}, P={work.prompt_len}, "
+          f"G={work.new_tokens}, median of {repetitions}, {cores()} cores. "
+          "Ratios are ours/peer: decode > 1 and TTFT < 1 mean ours is "
+          f"faster. ids: leading tokens equal to {ref}'s (worst row).")
+    print(table(["engine", "B", "decode tok/s", "TTFT ms", "total s",
+                 "tok/s", "compiles", "ids"] + ratio_cols, rows))
+
+if __name__ == "__main__":
+    sys.exit(main())
