@@ -97,7 +97,14 @@ class SpyreCausalLM(nn.Module):
             # inductor as parameters for that (prepare_freezing).
             torch._dynamo.config.prepare_freezing = True
             options = {"freezing": True, "size_asserts": False}
-        return torch.compile(model, backend=backend, options=options)
+        # dynamic=False: every warm-up shape gets graphs of its own, as on
+        # the card.  Otherwise dynamo generalises the batch dimension at the
+        # second batch size it sees, and the shared graph cannot use weights
+        # packed for one batch size.
+        return torch.compile(model,
+                             backend=backend,
+                             dynamic=False,
+                             options=options)
 
     def _cache_for(self, batch_size: int, cache_len: int) -> list:
         key = (batch_size, cache_len)

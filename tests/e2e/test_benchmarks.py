@@ -1,0 +1,44 @@
+"""The offline benchmark end to end on a small workload: our engine
+(eager) and Hugging Face generate in their own processes, alternated; the
+script must finish with identical ids, zero compilations in its timed
+runs, its JSON, its plot, and its table printed last."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.smollm2]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_offline_benchmark_small(smollm2, tmp_path):
+    out, png = tmp_path / "offline.json", tmp_path / "plot.png"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "offline.py"),
+         "--model", str(smollm2), "--engines", "spyre-eager,hf",
+         "--batch-sizes", "1,2", "--prompt-len", "16", "--new-tokens", "4",
+         "--repetitions", "2", "--json", str(out), "--plot", str(png)],
+        capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["compilations"] == 0
+    assert result["ids_match"] is True
+    spyre = result["engines"]["spyre-eager"]["batches"]
+    hf = result["engines"]["hf"]["batches"]
+    for b in ("1", "2"):
+        assert spyre[b]["ids"] == hf[b]["ids"]
+        assert len(spyre[b]["ids"]) == int(b)
+        assert all(len(row) == 4 for row in spyre[b]["ids"])
+        assert len(spyre[b]["runs"]) == 2
+        assert spyre[b]["median"]["decode_tok_s"] > 0
+        assert spyre[b]["ratios"]["decode/hf"] > 0
+    assert png.stat().st_size > 1000
+    last = proc.stdout.strip().splitlines()
+    header = next(i for i, line in enumerate(last)
+                  if line.startswith("engine "))
+    assert len(last) - header == 2 + 4  # header, rule, 2 engines x 2 sizes
