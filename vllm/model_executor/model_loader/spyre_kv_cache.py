@@ -39,7 +39,7 @@ def _store(keys: torch.Tensor, values: torch.Tensor,
     slots = attn_kwargs["cache_slots"]  # [L] int64
     key_cache.index_copy_(2, slots, keys)
     value_cache.index_copy_(2, slots, values)
-    if attn_kwargs.get("spyre_prefill", False):
+    if _is_prefill(**attn_kwargs):
         return keys, values, key_cache, value_cache
     return key_cache, value_cache, key_cache, value_cache
 
