@@ -14,6 +14,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_namespace_packages(include=["vllm", "vllm.*"]),
+    # C++ sources built on first use (torch.utils.cpp_extension.load).
+    package_data={"vllm.model_executor.model_loader": ["*.cpp"]},
     entry_points={
         "vllm.platform_plugins": ["spyre = vllm.platforms.spyre:register"],
     },

@@ -26,7 +26,8 @@ def pytest_configure(config):
     working tree must be the one installed in site-packages."""
     site = Path(sysconfig.get_paths()["purelib"])
     stale = [
-        str(src.relative_to(REPO)) for src in (REPO / "vllm").rglob("*.py")
+        str(src.relative_to(REPO)) for pattern in ("*.py", "*.cpp")
+        for src in (REPO / "vllm").rglob(pattern)
         if not (site / src.relative_to(REPO)).exists()
         or not filecmp.cmp(src, site / src.relative_to(REPO), shallow=False)
     ]

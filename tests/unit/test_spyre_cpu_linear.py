@@ -1,0 +1,107 @@
+"""The packed CPU linear kernel against ``torch.nn.functional.linear``.
+
+Sizes are chosen to hit every path: row counts below, at and above the
+12-row register tile (split into near-equal tiles), output counts that do
+not fill the last 32-column block, odd input widths, bias or none, and
+inputs of more than two dimensions.  Then a tiny FMS model with every
+linear layer packed must give the logits of the unpacked model, eagerly
+and traced (the op's fake implementation)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm.model_executor.model_loader import spyre_cpu_linear
+
+pytestmark = pytest.mark.skipif(not spyre_cpu_linear.available(),
+                                reason="no C++ compiler for the kernel")
+
+
+def _op(x, packed, n, bias=None):
+    return torch.ops.spyre_cpu.packed_linear(x, packed, n, bias)
+
+
+def test_pack_weight_layout():
+    w = torch.arange(70 * 5, dtype=torch.float32).view(70, 5)
+    p = spyre_cpu_linear.pack_weight(w)
+    assert p.shape == (3, 5, spyre_cpu_linear.BLOCK)  # 70 -> 3 blocks of 32
+    for n in (0, 31, 32, 69):
+        b, c = divmod(n, spyre_cpu_linear.BLOCK)
+        assert torch.equal(p[b, :, c], w[n])
+    assert not p[2, :, 70 - 64:].any()  # padding columns are zero
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 12, 13, 16, 25, 64])
+@pytest.mark.parametrize("out_features,in_features", [(100, 70), (64, 576),
+                                                      (33, 1)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_linear(rows, out_features, in_features, with_bias):
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    w = torch.randn(out_features, in_features, generator=g)
+    x = torch.randn(rows, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if with_bias else None
+    got = _op(x, spyre_cpu_linear.pack_weight(w), out_features, b)
+    # fp32 sums of up to 576 unit-variance products, in another order
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+def test_keeps_leading_dims_and_reads_strided_input():
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(96, 40, generator=g)
+    x = torch.randn(3, 40, 5, generator=g).transpose(1, 2)  # [3, 5, 40]
+    got = _op(x, spyre_cpu_linear.pack_weight(w), 96)
+    assert got.shape == (3, 5, 96)
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_errors_name_the_mismatch():
+    packed = spyre_cpu_linear.pack_weight(torch.randn(40, 8))
+    with pytest.raises(RuntimeError, match="input has 9 features, the "
+                       "weight 8"):
+        _op(torch.randn(2, 9), packed, 40)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        _op(torch.randn(2, 8, dtype=torch.float64), packed, 40)
+    with pytest.raises(RuntimeError, match="65 outputs"):
+        _op(torch.randn(2, 8), packed, 65)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    """A tiny FMS LLaMA with tied embeddings, and a packed copy."""
+    import copy
+
+    from fms.models.llama import LLaMA, LLaMAConfig
+    torch.manual_seed(0)
+    model = LLaMA(LLaMAConfig(src_vocab_size=100, emb_dim=64, nheads=4,
+                              kvheads=2, nlayers=2, hidden_grow_factor=2.0,
+                              tie_heads=True, max_expected_seq_len=64))
+    model.reset_parameters()
+    model.post_init()
+    model.eval().requires_grad_(False)
+    packed = copy.deepcopy(model)
+    n = spyre_cpu_linear.pack_linears(packed)
+    return model, packed, n
+
+
+def test_pack_linears_replaces_every_linear(tiny_pair):
+    model, packed, n = tiny_pair
+    # fused qkv, attention out, fused gate/up, down per layer; LM head
+    assert n == 4 * 2 + 1
+    assert not [m for m in packed.modules()
+                if isinstance(m, torch.nn.Linear)]
+    # The tied embedding keeps its weight for the lookup.
+    torch.testing.assert_close(packed.base_model.embedding.weight,
+                               model.base_model.embedding.weight)
+
+
+@torch.inference_mode()
+def test_packed_model_matches(tiny_pair):
+    model, packed, _ = tiny_pair
+    ids = torch.randint(0, 100, (3, 11), generator=torch.Generator()
+                        .manual_seed(3))
+    torch.testing.assert_close(packed(ids), model(ids), rtol=1e-4, atol=1e-4)
+    traced = torch.compile(packed, backend="aot_eager", fullgraph=True,
+                           dynamic=False)
+    torch.testing.assert_close(traced(ids), model(ids), rtol=1e-4,
+                               atol=1e-4)
