@@ -2,11 +2,12 @@
 compile cache.
 
 Starts ``vllm.LLM`` twice, each time in a fresh process: first with an
-empty ``TORCHINDUCTOR_CACHE_DIR`` (cold: every graph is compiled from
-scratch), then with the same, now filled, directory (warm: inductor and
-AOTAutograd reuse their cached artifacts; dynamo still traces).  The
-worker's ``get_startup_timings`` gives the seconds of the model load and of
-each shape's warm-up.  The shapes are every combination of the given
+empty ``TORCHINDUCTOR_CACHE_DIR`` and ``TORCH_EXTENSIONS_DIR`` (cold: every
+graph is compiled from scratch, and the packed linear kernel is built
+during the load), then with the same, now filled, directories (warm:
+inductor and AOTAutograd reuse their cached artifacts; dynamo still
+traces).  The worker's ``get_startup_timings`` gives the seconds of the
+model load and of each shape's warm-up.  The shapes are every combination of the given
 prompt lengths (rounded up to a multiple of 64), new tokens and batch
 sizes.  With ``--backend eager`` nothing is cached, so both runs cost the
 same.
@@ -79,7 +80,8 @@ def main() -> int:
                                     parse_ints(args.batch_sizes)))
     cache = tempfile.mkdtemp(prefix="warmup-inductor-cache-")
     env = dict(spyre_env(args.backend, shapes),
-               TORCHINDUCTOR_CACHE_DIR=cache)
+               TORCHINDUCTOR_CACHE_DIR=cache,
+               TORCH_EXTENSIONS_DIR=str(Path(cache) / "extensions"))
     try:
         cold = start_once("cold", args.model, env)
         warm = start_once("warm", args.model, env)
@@ -106,7 +108,8 @@ def main() -> int:
         cold=cold, warm=warm))
     print(f"\nmodel {Path(args.model).name}, backend {args.backend}, "
           f"{len(shapes)} shape(s), {cores()} cores; cold: empty "
-          "TORCHINDUCTOR_CACHE_DIR, warm: the same directory again")
+          "TORCHINDUCTOR_CACHE_DIR and TORCH_EXTENSIONS_DIR, warm: the "
+          "same directories again")
     print(table(["phase", "cold s", "warm s", "cold/warm"], rows))
     return 0
 

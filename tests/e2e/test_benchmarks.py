@@ -42,3 +42,26 @@ def test_offline_benchmark_small(smollm2, tmp_path):
     header = next(i for i, line in enumerate(last)
                   if line.startswith("engine "))
     assert len(last) - header == 2 + 4  # header, rule, 2 engines x 2 sizes
+
+
+def test_linear_benchmark_small(smollm2, tmp_path):
+    """benchmarks/linear.py: every kernel over every linear layer of the
+    model, outputs compared, JSON and table."""
+    out = tmp_path / "linear.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "linear.py"),
+         "--model", str(smollm2), "--rows", "1,3", "--repeats", "1",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["layers"] == 4 * 30 + 1  # SmolLM2: 30 layers, LM head
+    kernels = {(r["kernel"], r["rows"]) for r in result["results"]}
+    assert kernels == {(k, n) for k in ("aten", "mkl-packed", "spyre-packed")
+                       for n in (1, 3)}
+    assert all(r["same"] and r["bytes_per_s"] > 0
+               for r in result["results"])
+    lines = proc.stdout.strip().splitlines()
+    header = next(i for i, line in enumerate(lines)
+                  if line.startswith("kernel "))
+    assert len(lines) - header == 2 + 6
