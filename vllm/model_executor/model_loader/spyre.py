@@ -121,14 +121,14 @@ class SpyreCausalLM(nn.Module):
                 freezing=True,
                 # The step calls ~300 small kernels: a C++ wrapper instead
                 # of a Python one saves ~3.5 ms per SmolLM2 decode step
-                # for ~40 s more compile per shape.
+                # for ~30-40 s more compile per shape.
                 cpp_wrapper=True,
                 size_asserts=False,
                 alignment_asserts=False)
         # dynamic=False: every warm-up shape gets graphs of its own, as on
         # the card.  Otherwise dynamo generalises the batch dimension at the
-        # second batch size it sees, and the shared graph cannot use weights
-        # packed for one batch size.
+        # second batch size it sees, and the shared graph cannot use the
+        # MKL packing (per batch size) of the layers left on MKL.
         return torch.compile(model,
                              backend=backend,
                              dynamic=False,
