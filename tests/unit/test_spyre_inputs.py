@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm.platforms.spyre_config import WarmupShape
-from vllm.worker.spyre_inputs import (RequestSize, choose_shape,
+from vllm.worker.spyre_inputs import (DecodeSteps, RequestSize, choose_shape,
                                       decode_inputs, fits, prefill_inputs,
                                       rejection_reason, select_batch)
 
@@ -375,6 +375,29 @@ def test_decode_positions_and_mask(step):
         assert m[P - n:P] == [T] * n  # real prompt tokens
         assert m[P:P + step] == [T] * step  # generated, current included
         assert m[P + step:] == [F_] * (G - step)  # slots not written yet
+
+
+def test_decode_steps_cover_every_step_of_one_batch():
+    P, G = 8, 6
+    shape = WarmupShape(prompt_len=P, new_tokens=G, batch_size=3)
+    lens = [3, 8, 1]
+    steps = DecodeSteps(lens, shape)
+    storages = set()
+    for step in range(1, G):
+        out = steps.inputs([4, 5, step], step)
+        assert out.input_ids[:, 0].tolist() == [4, 5, step]
+        assert out.position_ids[:, 0].tolist() == [n + step - 1 for n in lens]
+        assert out.cache_slots.tolist() == [P + step - 1]
+        assert out.cache_len == P + G
+        for row, n in enumerate(lens):
+            assert out.mask[row, 0].tolist() == (
+                [F_] * (P - n) + [T] * (n + step) + [F_] * (G - step))
+        # Laid out as the compiled graphs saw them at warm-up: contiguous,
+        # from offset 0, and no step shares memory with another.
+        for t in (out.position_ids, out.mask, out.cache_slots):
+            assert t.is_contiguous() and t.storage_offset() == 0
+            storages.add(t.untyped_storage().data_ptr())
+    assert len(storages) == 3 * (G - 1)
 
 
 @pytest.mark.parametrize("step", [0, 4])

@@ -152,17 +152,45 @@ def decode_inputs(last_tokens: Sequence[int], prompt_lens: Sequence[int],
     generated so far and its own; slots not written yet are masked out.
     Every step of a shape thus has the same tensor shapes.
     """
-    B, P = shape.batch_size, shape.prompt_len
-    if len(last_tokens) != B or len(prompt_lens) != B:
-        raise ValueError(f"decode needs exactly {B} rows for shape {shape}")
-    if not 1 <= step < shape.new_tokens:
-        raise ValueError(f"decode step {step} is outside shape {shape}")
-    kv_len = P + shape.new_tokens
-    input_ids = torch.tensor(last_tokens, dtype=torch.long).unsqueeze(1)
-    n = torch.tensor(prompt_lens).unsqueeze(1)  # [B, 1]
-    position_ids = n + step - 1  # [B, 1]
-    col = torch.arange(kv_len).unsqueeze(0)  # [1, kv_len]
-    written = col < P + step  # [1, kv_len]
-    mask = (((col >= P - n) | (col >= P)) & written).unsqueeze(1)
-    return StepInputs(input_ids, position_ids, mask,  # mask [B, 1, kv_len]
-                      torch.tensor([P + step - 1]), kv_len)
+    return DecodeSteps(prompt_lens, shape).inputs(last_tokens, step)
+
+
+class DecodeSteps:
+    """``decode_inputs`` for every step of one batch.
+
+    Everything but the tokens is fixed when the batch starts: the masks,
+    positions and cache slots of all ``new_tokens - 1`` decode steps are
+    built then, in one go, and each step only adds its tokens.
+    """
+
+    def __init__(self, prompt_lens: Sequence[int],
+                 shape: WarmupShape) -> None:
+        B, P, G = shape.batch_size, shape.prompt_len, shape.new_tokens
+        if len(prompt_lens) != B:
+            raise ValueError(
+                f"decode needs exactly {B} rows for shape {shape}")
+        self.shape = shape
+        kv_len = P + G
+        steps = torch.arange(1, G).view(-1, 1, 1)  # [G-1, 1, 1]
+        n = torch.tensor(prompt_lens).view(1, B, 1)  # [1, B, 1]
+        col = torch.arange(kv_len).view(1, 1, kv_len)  # [1, 1, kv_len]
+        written = col < P + steps  # [G-1, 1, kv_len]
+        mask = ((col >= P - n) | (col >= P)) & written  # [G-1, B, kv_len]
+        # One tensor per step, each its own contiguous allocation.
+        self._masks = [m.unsqueeze(1).clone() for m in mask]  # [B, 1, kv]
+        self._positions = [p.clone() for p in n[0] + steps - 1]  # [B, 1]
+        self._slots = [torch.tensor([P + s - 1]) for s in range(1, G)]
+        self._kv_len = kv_len
+
+    def inputs(self, last_tokens: Sequence[int], step: int) -> StepInputs:
+        B = self.shape.batch_size
+        if len(last_tokens) != B:
+            raise ValueError(
+                f"decode needs exactly {B} rows for shape {self.shape}")
+        if not 1 <= step < self.shape.new_tokens:
+            raise ValueError(
+                f"decode step {step} is outside shape {self.shape}")
+        input_ids = torch.tensor(last_tokens, dtype=torch.long).unsqueeze(1)
+        return StepInputs(input_ids, self._positions[step - 1],
+                          self._masks[step - 1], self._slots[step - 1],
+                          self._kv_len)

@@ -28,8 +28,8 @@ from vllm.platforms.spyre_config import SpyreConfig, WarmupShape
 from vllm.sequence import IntermediateTensors, SequenceGroupMetadata
 from vllm.worker.model_runner_base import (ModelRunnerBase,
                                            ModelRunnerInputBase)
-from vllm.worker.spyre_inputs import (RequestSize, StepInputs, choose_shape,
-                                      decode_inputs, prefill_inputs)
+from vllm.worker.spyre_inputs import (DecodeSteps, RequestSize, StepInputs,
+                                      choose_shape, prefill_inputs)
 
 logger = init_logger(__name__)
 
@@ -71,7 +71,7 @@ class _Batch:
     """Row bookkeeping of the batch now running (driver only)."""
 
     shape: WarmupShape
-    prompt_lens: list[int]  # per row
+    decode: DecodeSteps  # masks, positions and slots of every decode step
     last_tokens: list[int]  # per row
     row_of: dict[str, int] = field(default_factory=dict)
     step: int = 0
@@ -141,11 +141,10 @@ class SpyreModelRunner(ModelRunnerBase[SpyreModelInput]):
         assert self.model is not None
         step = prefill_inputs(prompts, shape, self.pad_id)
         logits = self._forward(True, step)
-        lens = [len(p) for p in prompts]
+        decode = DecodeSteps([len(p) for p in prompts], shape)
         for i in range(1, shape.new_tokens):
             tokens = logits.argmax(dim=-1).tolist()
-            step = decode_inputs(tokens, lens, shape, i)
-            logits = self._forward(False, step)
+            logits = self._forward(False, decode.inputs(tokens, i))
 
     # ---- per step -------------------------------------------------------
     def make_model_input_from_broadcasted_tensor_dict(
@@ -193,7 +192,8 @@ class SpyreModelRunner(ModelRunnerBase[SpyreModelInput]):
         pad_rows = shape.batch_size - len(prompts)
         self.batch = _Batch(
             shape=shape,
-            prompt_lens=[len(p) for p in prompts] + [1] * pad_rows,
+            decode=DecodeSteps([len(p) for p in prompts] + [1] * pad_rows,
+                               shape),
             last_tokens=[self.pad_id] * shape.batch_size,
             row_of={m.request_id: i for i, m in enumerate(metas)})
         seq_lens = [len(p) for p in prompts]
@@ -212,9 +212,7 @@ class SpyreModelRunner(ModelRunnerBase[SpyreModelInput]):
             row = batch.row_of[m.request_id]
             batch.last_tokens[row] = _only_seq(m).get_last_token_id()
             rows.append(row)
-        inputs = decode_inputs(batch.last_tokens, batch.prompt_lens,
-                               batch.shape, batch.step)
-        return inputs, rows
+        return batch.decode.inputs(batch.last_tokens, batch.step), rows
 
     @current_platform.inference_mode()
     def execute_model(

@@ -8,7 +8,8 @@ one per warm-up shape, allocated when the shape is first run (at warm-up)
 and written in place ever after (``spyre_kv_cache``).  ``forward`` returns
 the next-token logits of every row; vLLM's own ``LogitsProcessor`` and
 ``Sampler`` then run on the rows that are still live, as in vLLM's Neuron
-backend.
+backend (``SpyreSampler`` takes all-greedy steps on a shorter path with the
+same result).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.sampler import Sampler, SamplerOutput
+from vllm.model_executor.layers.sampler import SamplerOutput
+from vllm.model_executor.layers.spyre_sampler import SpyreSampler
 from vllm.model_executor.model_loader import spyre_cpu_linear, spyre_kv_cache
 from vllm.model_executor.sampling_metadata import SamplingMetadata
 from vllm.platforms.spyre_config import SpyreConfig
@@ -49,7 +51,7 @@ class SpyreCausalLM(nn.Module):
         vocab_size = model_config.hf_text_config.vocab_size
         self.logits_processor = LogitsProcessor(vocab_size,
                                                 logits_as_input=True)
-        self.sampler = Sampler()
+        self.sampler = SpyreSampler()
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.fms_model = self._load(model_config.model)
         if spyre_config.dynamo_backend == "inductor":
