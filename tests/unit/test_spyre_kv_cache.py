@@ -49,10 +49,9 @@ def _fms_reference(model, prompts, shape, steps):
     return out
 
 
-def _static(model, prompts, shape, steps, cache):
+def _static(model, prompts, shape, steps, cache, attn_name):
     pre = prefill_inputs(prompts, shape, pad_id=0)
-    kwargs = dict(use_cache=True, last_n_tokens=1,
-                  attn_name=spyre_kv_cache.ATTN_NAME)
+    kwargs = dict(use_cache=True, last_n_tokens=1, attn_name=attn_name)
     logits, returned = model(pre.input_ids, position_ids=pre.position_ids,
                              past_key_value_states=cache, mask=pre.mask,
                              cache_slots=pre.cache_slots, spyre_prefill=True,
@@ -71,8 +70,18 @@ def _static(model, prompts, shape, steps, cache):
     return out
 
 
+def _attn_names():
+    from vllm.model_executor.model_loader import spyre_cpu_linear
+    kernel = pytest.param(
+        spyre_kv_cache.ATTN_NAME_CPU_KERNEL,
+        marks=pytest.mark.skipif(not spyre_cpu_linear.available(),
+                                 reason="no C++ compiler for the kernel"))
+    return [spyre_kv_cache.ATTN_NAME, kernel]
+
+
 @torch.inference_mode()
-def test_static_cache_matches_fms_growing_cache(tiny_fms):
+@pytest.mark.parametrize("attn_name", _attn_names())
+def test_static_cache_matches_fms_growing_cache(tiny_fms, attn_name):
     shape = WarmupShape(prompt_len=8, new_tokens=6, batch_size=3)
     prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [9]]
     layout = spyre_kv_cache.CacheLayout.of(tiny_fms)
@@ -81,7 +90,8 @@ def test_static_cache_matches_fms_growing_cache(tiny_fms):
                             torch.float32)
     ptrs = [(k.data_ptr(), v.data_ptr()) for k, v in cache]
     ref = _fms_reference(tiny_fms, prompts, shape, shape.new_tokens)
-    got = _static(tiny_fms, prompts, shape, shape.new_tokens, cache)
+    got = _static(tiny_fms, prompts, shape, shape.new_tokens, cache,
+                  attn_name)
     for step, (a, b) in enumerate(zip(ref, got)):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5,
                                    msg=f"step {step}")
@@ -95,7 +105,8 @@ def test_static_cache_matches_fms_growing_cache(tiny_fms):
     # of the first batch must not leak into it.
     again = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9, 3]]
     ref2 = _fms_reference(tiny_fms, again, shape, shape.new_tokens)
-    got2 = _static(tiny_fms, again, shape, shape.new_tokens, cache)
+    got2 = _static(tiny_fms, again, shape, shape.new_tokens, cache,
+                   attn_name)
     for a, b in zip(ref2, got2):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 

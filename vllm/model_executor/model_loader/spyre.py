@@ -54,8 +54,10 @@ class SpyreCausalLM(nn.Module):
         self.sampler = SpyreSampler()
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.fms_model = self._load(model_config.model)
+        #: FMS attention op of every forward (``spyre_kv_cache``).
+        self.attn_name = spyre_kv_cache.ATTN_NAME
         if spyre_config.dynamo_backend == "inductor":
-            self._pack_linears()
+            self._use_cpu_kernels()
         spyre_kv_cache.register()
         self.cache_layout = spyre_kv_cache.CacheLayout.of(self.fms_model)
         self.model = self._compile(self.fms_model)
@@ -82,14 +84,16 @@ class SpyreCausalLM(nn.Module):
                     time.perf_counter() - start)
         return model
 
-    def _pack_linears(self) -> None:
+    def _use_cpu_kernels(self) -> None:
         """Float32 linear layers go to the packed CPU kernel
-        (``spyre_cpu_linear``); other dtypes, or a machine where it cannot
-        be built, keep MKL."""
+        (``spyre_cpu_linear``) and decode attention to its companion
+        kernel; other dtypes, or a machine where they cannot be built,
+        keep MKL and the attention written in torch ops."""
         if self.dtype != torch.float32 or not spyre_cpu_linear.available():
             return
         start = time.perf_counter()
         n = spyre_cpu_linear.pack_linears(self.fms_model)
+        self.attn_name = spyre_kv_cache.ATTN_NAME_CPU_KERNEL
         logger.info("Packed the weights of %d linear layers in %.1f s", n,
                     time.perf_counter() - start)
 
@@ -170,7 +174,7 @@ class SpyreCausalLM(nn.Module):
             use_cache=True,
             last_n_tokens=1,
             mask=mask,
-            attn_name=spyre_kv_cache.ATTN_NAME,
+            attn_name=self.attn_name,
             cache_slots=cache_slots,
             spyre_prefill=is_prompt,
         )

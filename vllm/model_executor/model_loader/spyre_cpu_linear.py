@@ -13,6 +13,10 @@ first use with PyTorch's C++ extension loader (the C++ compiler that
 inductor needs anyway) and cached in ``TORCH_EXTENSIONS_DIR``.  Inductor
 calls it like any other external kernel, so one packed copy of the weights
 serves the graphs of every warm-up shape.
+
+The same build holds ``spyre_cpu::decode_attention``
+(``spyre_cpu_attention.cpp``), which ``spyre_kv_cache`` uses for decode
+steps on this path.
 """
 from __future__ import annotations
 
@@ -30,15 +34,16 @@ logger = init_logger(__name__)
 
 #: Output columns per packed block; must match kBlock in the C++ source.
 BLOCK = 32
-_SOURCE = Path(__file__).with_suffix(".cpp")
+_SOURCES = [Path(__file__).with_suffix(".cpp"),
+            Path(__file__).with_name("spyre_cpu_attention.cpp")]
 _NATIVE_FLAG = {"x86_64": "-march=native", "s390x": "-march=native",
                 "ppc64le": "-mcpu=native", "aarch64": "-mcpu=native"}
 _loaded: Optional[bool] = None
 
 
 def available() -> bool:
-    """Builds (first time on a machine) and loads the kernel; False, with a
-    warning, where it cannot be built."""
+    """Builds (first time on a machine) and loads the kernels; False, with
+    a warning, where they cannot be built."""
     global _loaded
     if _loaded is None:
         _loaded = _load()
@@ -54,7 +59,7 @@ def _load() -> bool:
     start = time.perf_counter()
     try:
         load(name="spyre_cpu_linear",
-             sources=[str(_SOURCE)],
+             sources=[str(p) for p in _SOURCES],
              extra_cflags=flags,
              extra_ldflags=["-fopenmp"],
              is_python_module=False)
@@ -64,6 +69,8 @@ def _load() -> bool:
             "layers stay on MKL", e)
         return False
     torch.library.register_fake("spyre_cpu::packed_linear")(_fake)
+    torch.library.register_fake("spyre_cpu::decode_attention")(
+        _fake_attention)
     logger.info("Loaded the packed CPU linear kernel in %.1f s",
                 time.perf_counter() - start)
     return True
@@ -72,6 +79,12 @@ def _load() -> bool:
 def _fake(input: torch.Tensor, packed: torch.Tensor, out_features: int,
           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     return input.new_empty((*input.shape[:-1], out_features))
+
+
+def _fake_attention(query: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    return query.new_empty((*query.shape[:3], values.shape[-1]))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
