@@ -21,15 +21,13 @@ from typing import Optional
 import torch
 
 from vllm.model_executor.layers.sampler import Sampler, SamplerOutput
-from vllm.model_executor.sampling_metadata import (SamplingMetadata,
+# _SAMPLING_EPS: vLLM's threshold for "this sampling parameter is set".
+from vllm.model_executor.sampling_metadata import (_SAMPLING_EPS,
+                                                   SamplingMetadata,
                                                    SequenceGroupToSample)
 from vllm.sampling_params import SamplingType
 from vllm.sequence import (CompletionSequenceGroupOutput, Logprob,
                            SequenceOutput)
-
-#: vLLM's threshold for "this sampling parameter is set"
-#: (``vllm.model_executor.sampling_metadata``).
-_EPS = 1e-5
 
 
 class SpyreSampler(Sampler):
@@ -66,9 +64,9 @@ def _plain_greedy(group: SequenceGroupToSample) -> bool:
             or params.logprobs is not None
             or params.prompt_logprobs is not None):
         return False
-    if (abs(params.presence_penalty) >= _EPS
-            or abs(params.frequency_penalty) >= _EPS
-            or abs(params.repetition_penalty - 1.0) >= _EPS):
+    if (abs(params.presence_penalty) >= _SAMPLING_EPS
+            or abs(params.frequency_penalty) >= _SAMPLING_EPS
+            or abs(params.repetition_penalty - 1.0) >= _SAMPLING_EPS):
         return False
     if params.min_tokens > 0 and params.all_stop_token_ids:
         data = group.seq_data[group.seq_ids[0]]

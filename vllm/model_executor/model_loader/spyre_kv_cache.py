@@ -65,53 +65,63 @@ def _compute(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.transpose(1, 2).contiguous()
 
 
-def _compute_decode(query: torch.Tensor, keys: torch.Tensor,
-                    values: torch.Tensor, nheads: int, kvheads: int,
-                    p_dropout: float, scale_factor,
-                    **attn_kwargs) -> torch.Tensor:
-    """Attention of a decode step, written out so that inductor fuses it
-    into the graph (the CPU flash-attention kernel costs ~0.6 ms per layer
-    at batch 8 for one query row).  The query heads sharing a key/value
-    head are stacked, so the cache is read once per key/value head.
+def _decode_op(attend):
+    """An FMS decode compute op around ``attend``.  The query heads sharing
+    a key/value head are stacked, so the cache is read once per key/value
+    head: ``attend(q, keys, values, mask, scale)`` gets q as [B, kv_heads,
+    L * group, head_dim], rows (query position, head in group), and returns
+    [B, kv_heads, L * group, v_head_dim].
 
-    query: [B, L, heads, head_dim]; keys/values: [B, kv_heads, T, head_dim];
-    mask: [B, L, T] bool.  Returns [B, L, heads, head_dim]."""
-    B, L, H, D = query.shape
-    T = keys.shape[2]
-    group = H // kvheads
-    scale = scale_factor if scale_factor is not None else D**-0.5
-    # [B, kv_heads, L * group, D]: rows (query position, head in group)
-    q = query.reshape(B, L, kvheads, group, D).transpose(1, 2).reshape(
-        B, kvheads, L * group, D)
+    The op takes query: [B, L, heads, head_dim]; keys/values: [B, kv_heads,
+    T, head_dim]; mask: [B, L, T] bool; and returns [B, L, heads,
+    v_head_dim]."""
+
+    def compute(query: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor, nheads: int, kvheads: int,
+                p_dropout: float, scale_factor,
+                **attn_kwargs) -> torch.Tensor:
+        B, L, H, D = query.shape
+        group = H // kvheads
+        scale = scale_factor if scale_factor is not None else D**-0.5
+        q = query.reshape(B, L, kvheads, group, D).transpose(1, 2).reshape(
+            B, kvheads, L * group, D)
+        out = attend(q, keys, values, attn_kwargs["mask"], scale)
+        Dv = values.shape[-1]
+        return out.view(B, kvheads, L, group, Dv).transpose(1, 2).reshape(
+            B, L, H, Dv)
+
+    return compute
+
+
+def _attend_matmul(q: torch.Tensor, keys: torch.Tensor,
+                   values: torch.Tensor, mask: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """Written out so that inductor fuses it into the graph (the CPU
+    flash-attention kernel costs ~0.6 ms per layer at batch 8 for one
+    query row)."""
+    B, kvheads, rows, _ = q.shape
+    L, T = mask.shape[1], keys.shape[2]
     scores = torch.matmul(q, keys.transpose(2, 3)) * scale
-    visible = attn_kwargs["mask"][:, None, :, None, :]  # [B, 1, L, 1, T]
-    scores = scores.view(B, kvheads, L, group, T).masked_fill(
+    visible = mask[:, None, :, None, :]  # [B, 1, L, 1, T]
+    scores = scores.view(B, kvheads, L, rows // L, T).masked_fill(
         ~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(B, kvheads, L * group, T)
-    out = torch.matmul(probs, values)  # [B, kv_heads, L * group, D]
-    return out.view(B, kvheads, L, group, D).transpose(1, 2).reshape(
-        B, L, H, D)
+    probs = torch.softmax(scores, dim=-1).view(B, kvheads, rows, T)
+    return torch.matmul(probs, values)
 
 
-def _compute_decode_kernel(query: torch.Tensor, keys: torch.Tensor,
-                           values: torch.Tensor, nheads: int, kvheads: int,
-                           p_dropout: float, scale_factor,
-                           **attn_kwargs) -> torch.Tensor:
-    """``_compute_decode`` in one C++ call per layer.  Through MKL and
-    inductor the two small matrix products and the softmax between them
-    cost about 70 us per layer at batch 1 (profiled in the graph); the
-    kernel, with leaner linear-layer calls added at the same time, made a
-    SmolLM2 batch-1 step 1.7 ms shorter.  Same arguments and result."""
-    B, L, H, D = query.shape
-    group = H // kvheads
-    scale = scale_factor if scale_factor is not None else D**-0.5
-    q = query.reshape(B, L, kvheads, group, D).transpose(1, 2).reshape(
-        B, kvheads, L * group, D)
-    out = torch.ops.spyre_cpu.decode_attention(q, keys, values,
-                                               attn_kwargs["mask"], scale)
-    Dv = values.shape[-1]
-    return out.view(B, kvheads, L, group, Dv).transpose(1, 2).reshape(
-        B, L, H, Dv)
+def _attend_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One C++ call per layer.  Through MKL and inductor the two small
+    matrix products and the softmax between them cost about 70 us per layer
+    at batch 1 (profiled in the graph); the kernel, with leaner linear-layer
+    calls added at the same time, made a SmolLM2 batch-1 step 1.7 ms
+    shorter."""
+    return torch.ops.spyre_cpu.decode_attention(q, keys, values, mask, scale)
+
+
+#: Decode attention in torch ops, and the same on the C++ kernel.
+_compute_decode = _decode_op(_attend_matmul)
+_compute_decode_kernel = _decode_op(_attend_kernel)
 
 
 def _is_prefill(**attn_kwargs) -> bool:
