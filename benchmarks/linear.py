@@ -13,7 +13,9 @@ three kernels:
 
 Reports the best of N passes, the weight bytes read per second, and the
 ratio to ``mkl-packed``; the machine's read bandwidth (as in roofline.py)
-is printed first for reference.  Outputs of the three kernels are compared.
+is printed first for reference.  Outputs of the three kernels are compared,
+and any dynamo compilation during the passes fails the run (the kernels
+run eagerly; none is expected).
 
     python benchmarks/linear.py [--model DIR] [--rows 1,8,16,64]
         [--repeats 7] [--json PATH]
@@ -25,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from _common import (DEFAULT_MODEL, RESULTS, cores, machine_info, parse_ints,
-                     table, write_json)
+from _common import (DEFAULT_MODEL, RESULTS, compile_count, cores,
+                     machine_info, parse_ints, table, write_json)
 from roofline import read_bandwidth
 
 
@@ -103,6 +105,7 @@ def main() -> int:
     nbytes = sum(w.numel() * w.element_size() for w in weights)
 
     results, mismatches = [], 0
+    compiles_before = compile_count()
     for n in args.rows:
         ref_out = None
         for name, (prepare, apply) in kernels(n).items():
@@ -117,6 +120,7 @@ def main() -> int:
             results.append(dict(kernel=name, rows=n, seconds=best,
                                 bytes_per_s=nbytes / best, same=same))
             print(f"{name} rows={n}: {best * 1e3:.2f} ms", flush=True)
+    compiled = compile_count() - compiles_before
     mkl = {r["rows"]: r["seconds"] for r in results
            if r["kernel"] == "mkl-packed"}
     rows = [[r["kernel"], r["rows"], f"{r['seconds'] * 1e3:.2f}",
@@ -127,7 +131,7 @@ def main() -> int:
     write_json(args.json, dict(args=vars(args), machine=machine_info(),
                                bandwidth_bytes_per_s=bandwidth,
                                weight_bytes=nbytes, layers=len(weights),
-                               results=results))
+                               results=results, compilations=compiled))
     print(f"\nmodel {Path(args.model).name}: {len(weights)} linear layers, "
           f"{nbytes / 1e6:.1f} MB of weights, best of {args.repeats}, "
           f"{cores()} cores, read bandwidth {bandwidth / 1e9:.2f} GB/s")
@@ -135,8 +139,9 @@ def main() -> int:
                  "vs mkl-packed", "same output"], rows))
     if mismatches:
         print(f"FAILED: {mismatches} kernel(s) disagree with aten")
-        return 1
-    return 0
+    if compiled:
+        print(f"FAILED: {compiled} compilation(s) during the timed passes")
+    return 1 if mismatches or compiled else 0
 
 
 if __name__ == "__main__":

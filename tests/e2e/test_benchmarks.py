@@ -46,7 +46,7 @@ def test_offline_benchmark_small(smollm2, tmp_path):
 
 def test_linear_benchmark_small(smollm2, tmp_path):
     """benchmarks/linear.py: every kernel over every linear layer of the
-    model, outputs compared, JSON and table."""
+    model, outputs compared, no compilation, JSON and table."""
     out = tmp_path / "linear.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "linear.py"),
@@ -61,6 +61,7 @@ def test_linear_benchmark_small(smollm2, tmp_path):
                        for n in (1, 3)}
     assert all(r["same"] and r["bytes_per_s"] > 0
                for r in result["results"])
+    assert result["compilations"] == 0
     lines = proc.stdout.strip().splitlines()
     header = next(i for i, line in enumerate(lines)
                   if line.startswith("kernel "))
