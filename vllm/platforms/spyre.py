@@ -4,8 +4,9 @@
 vLLM calls it in every process (API server, MQLLMEngine, workers) to resolve
 ``current_platform``.  ``SpyrePlatform.check_and_update_config`` runs once, in
 the process that builds the ``VllmConfig``: it parses the Spyre environment
-variables, derives the engine limits from the warm-up shapes, selects the
-Spyre executor, worker and scheduler, and stores the parsed settings in
+variables, derives the engine limits (from the warm-up shapes under static
+batching, from vLLM's own flags under continuous batching), selects the
+Spyre executor, worker and scheduler of that mode, and stores the parsed settings in
 ``vllm_config.additional_config`` for every other process.
 """
 from __future__ import annotations
@@ -17,8 +18,8 @@ import torch
 
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
-from vllm.platforms.spyre_config import (ADDITIONAL_CONFIG_KEY, SpyreConfig,
-                                         sendnn_available)
+from vllm.platforms.spyre_config import (ADDITIONAL_CONFIG_KEY, CB_BLOCK_SIZE,
+                                         SpyreConfig, sendnn_available)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 SPYRE_WORKER_CLS = "vllm.worker.spyre_worker.SpyreWorker"
+SPYRE_CB_WORKER_CLS = "vllm.worker.spyre_cb_worker.SpyreCBWorker"
 
 
 def register() -> Optional[str]:
@@ -92,9 +94,7 @@ class SpyrePlatform(Platform):
                     spyre.dynamo_backend, spyre.backend_reason)
 
         model_config = vllm_config.model_config
-        scheduler_config = vllm_config.scheduler_config
         parallel_config = vllm_config.parallel_config
-        cache_config = vllm_config.cache_config
 
         tp_before = parallel_config.tensor_parallel_size
         _configure_parallel(parallel_config, spyre)
@@ -111,36 +111,84 @@ class SpyrePlatform(Platform):
             raise NotImplementedError(
                 f"The {model_config.runner_type!r} runner is not supported on "
                 "Spyre yet; only text generation is.")
-        hf_max_len = _model_max_len(model_config.hf_text_config)
-        if hf_max_len is not None:
-            spyre.validate_model_len(hf_max_len)
-
-        max_model_len = spyre.max_model_len
-        model_config.max_model_len = max_model_len
-        scheduler_config.max_model_len = max_model_len
-        scheduler_config.max_num_seqs = spyre.max_num_seqs
-        scheduler_config.max_num_batched_tokens = max(
-            spyre.max_num_batched_tokens, max_model_len)
-        scheduler_config.chunked_prefill_enabled = False
-        scheduler_config.enable_chunked_prefill = False
-        from vllm.core.spyre_scheduler import SpyreScheduler
-        scheduler_config.scheduler_cls = functools.partial(
-            SpyreScheduler, spyre_config=spyre)
+        if spyre.use_cb:
+            _configure_continuous_batching(vllm_config, spyre)
+        else:
+            _configure_static_batching(vllm_config, spyre)
         model_config.enforce_eager = True
-        # One KV "block" holds a whole sequence: there is no paging.
-        cache_config.block_size = max_model_len
-        cache_config.enable_prefix_caching = False
 
         extra = dict(vllm_config.additional_config or {})
         extra[ADDITIONAL_CONFIG_KEY] = spyre.to_dict()
         vllm_config.additional_config = extra
 
-        logger.info(
-            "Spyre static batching: warm-up shapes %s; max_model_len=%d, "
-            "max_num_seqs=%d, max_num_batched_tokens=%d, block_size=%d",
-            ", ".join(str(s) for s in spyre.warmup_shapes), max_model_len,
-            scheduler_config.max_num_seqs,
-            scheduler_config.max_num_batched_tokens, cache_config.block_size)
+
+def _configure_static_batching(vllm_config: "VllmConfig",
+                               spyre: SpyreConfig) -> None:
+    """Engine limits from the warm-up shapes; one KV block per sequence."""
+    model_config = vllm_config.model_config
+    scheduler_config = vllm_config.scheduler_config
+    cache_config = vllm_config.cache_config
+    hf_max_len = _model_max_len(model_config.hf_text_config)
+    if hf_max_len is not None:
+        spyre.validate_model_len(hf_max_len)
+
+    max_model_len = spyre.max_model_len
+    model_config.max_model_len = max_model_len
+    scheduler_config.max_model_len = max_model_len
+    scheduler_config.max_num_seqs = spyre.max_num_seqs
+    scheduler_config.max_num_batched_tokens = max(
+        spyre.max_num_batched_tokens, max_model_len)
+    _disable_chunked_prefill(scheduler_config)
+    from vllm.core.spyre_scheduler import SpyreScheduler
+    scheduler_config.scheduler_cls = functools.partial(SpyreScheduler,
+                                                       spyre_config=spyre)
+    # One KV "block" holds a whole sequence: there is no paging.
+    cache_config.block_size = max_model_len
+    cache_config.enable_prefix_caching = False
+    logger.info(
+        "Spyre static batching: warm-up shapes %s; max_model_len=%d, "
+        "max_num_seqs=%d, max_num_batched_tokens=%d, block_size=%d",
+        ", ".join(str(s) for s in spyre.warmup_shapes), max_model_len,
+        scheduler_config.max_num_seqs,
+        scheduler_config.max_num_batched_tokens, cache_config.block_size)
+
+
+def _configure_continuous_batching(vllm_config: "VllmConfig",
+                                   spyre: SpyreConfig) -> None:
+    """vLLM's own limits (``--max-model-len``, ``--max-num-seqs``), blocks
+    of ``CB_BLOCK_SIZE`` tokens, one prefill per step."""
+    scheduler_config = vllm_config.scheduler_config
+    cache_config = vllm_config.cache_config
+    parallel_config = vllm_config.parallel_config
+    for name in spyre.ignored_vars:
+        logger.warning(
+            "%s is set but ignored: VLLM_SPYRE_USE_CB=1 compiles no warm-up "
+            "shapes; size continuous batching with --max-model-len and "
+            "--max-num-seqs instead.", name)
+    if cache_config.enable_prefix_caching:
+        raise NotImplementedError(
+            "Prefix caching is not supported on Spyre yet; drop "
+            "--enable-prefix-caching.")
+    if parallel_config.worker_cls == SPYRE_WORKER_CLS:
+        parallel_config.worker_cls = SPYRE_CB_WORKER_CLS
+    max_model_len = scheduler_config.max_model_len
+    _disable_chunked_prefill(scheduler_config)
+    # A prefill step holds one whole sequence (in chunks of one block).
+    scheduler_config.max_num_batched_tokens = max(
+        scheduler_config.max_num_batched_tokens, max_model_len)
+    from vllm.core.spyre_cb_scheduler import SpyreCBScheduler
+    scheduler_config.scheduler_cls = SpyreCBScheduler
+    cache_config.block_size = CB_BLOCK_SIZE
+    cache_config.enable_prefix_caching = False
+    logger.info(
+        "Spyre continuous batching: max_model_len=%d, max_num_seqs=%d, "
+        "block_size=%d", max_model_len, scheduler_config.max_num_seqs,
+        cache_config.block_size)
+
+
+def _disable_chunked_prefill(scheduler_config) -> None:
+    scheduler_config.chunked_prefill_enabled = False
+    scheduler_config.enable_chunked_prefill = False
 
 
 def _configure_parallel(parallel_config, spyre: SpyreConfig) -> None:

@@ -18,6 +18,12 @@ from typing import Any, Callable, Mapping, Optional
 
 DYNAMO_BACKENDS = ("eager", "inductor", "sendnn")
 PROMPT_LEN_MULTIPLE = 64
+#: Tokens per key/value block under continuous batching: the card's size.
+CB_BLOCK_SIZE = 64
+#: Settings that only static batching reads.
+WARMUP_ENV_VARS = ("VLLM_SPYRE_WARMUP_PROMPT_LENS",
+                   "VLLM_SPYRE_WARMUP_NEW_TOKENS",
+                   "VLLM_SPYRE_WARMUP_BATCH_SIZES")
 ADDITIONAL_CONFIG_KEY = "spyre"
 
 
@@ -50,7 +56,8 @@ SPYRE_ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "VLLM_SPYRE_WARMUP_PROMPT_LENS", lambda: "64", "`64`",
         "Comma-separated prompt lengths of the warm-up shapes, one per "
-        f"shape; each a multiple of {PROMPT_LEN_MULTIPLE}."),
+        f"shape; each a multiple of {PROMPT_LEN_MULTIPLE}. Static batching "
+        "only: ignored, with a warning, under continuous batching."),
     EnvVar(
         "VLLM_SPYRE_WARMUP_NEW_TOKENS", lambda: "20", "`20`",
         "Comma-separated numbers of new tokens of the warm-up shapes, one "
@@ -60,8 +67,12 @@ SPYRE_ENV_VARS: tuple[EnvVar, ...] = (
         "Comma-separated batch sizes of the warm-up shapes, one per shape."),
     EnvVar(
         "VLLM_SPYRE_USE_CB", lambda: "0", "`0`",
-        "`1` selects continuous batching (not yet supported); `0` selects "
-        "static batching."),
+        "`1` selects continuous batching with paged attention: requests "
+        "join and leave the running batch at every step, keys and values "
+        f"live in blocks of {CB_BLOCK_SIZE} tokens, `--max-num-seqs` "
+        "sequences decode at once and `--max-model-len` bounds a sequence; "
+        "no warm-up shapes are needed. `0` selects static batching over "
+        "the warm-up shapes."),
     EnvVar(
         "AIU_WORLD_SIZE", lambda: "", "unset",
         "Number of Spyre cards to split the model over (tensor parallel). "
@@ -115,6 +126,8 @@ class SpyreConfig:
     world_size: Optional[int] = None
     #: Card ids visible to this server (SPYRE_DEVICES), one per rank.
     devices: tuple[str, ...] = ()
+    #: Variables set in the environment that the chosen mode ignores.
+    ignored_vars: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls,
@@ -133,11 +146,6 @@ class SpyreConfig:
             raise ValueError(
                 f"VLLM_SPYRE_USE_CB={use_cb!r} is invalid: use 0 (static "
                 "batching) or 1 (continuous batching).")
-        if use_cb == "1":
-            raise NotImplementedError(
-                "VLLM_SPYRE_USE_CB=1: continuous batching is not yet "
-                "supported on Spyre; unset it or set VLLM_SPYRE_USE_CB=0 "
-                "for static batching.")
 
         backend = get("VLLM_SPYRE_DYNAMO_BACKEND")
         if "VLLM_SPYRE_DYNAMO_BACKEND" in env:
@@ -157,18 +165,25 @@ class SpyreConfig:
                 "with Spyre cards, or set VLLM_SPYRE_DYNAMO_BACKEND to "
                 "inductor or eager to run on the CPU.")
 
-        shapes = parse_warmup_shapes(
-            get("VLLM_SPYRE_WARMUP_PROMPT_LENS"),
-            get("VLLM_SPYRE_WARMUP_NEW_TOKENS"),
-            get("VLLM_SPYRE_WARMUP_BATCH_SIZES"))
+        if use_cb == "1":
+            # Continuous batching compiles no per-shape graphs.
+            shapes: tuple[WarmupShape, ...] = ()
+            ignored = tuple(n for n in WARMUP_ENV_VARS if n in env)
+        else:
+            shapes = parse_warmup_shapes(
+                get("VLLM_SPYRE_WARMUP_PROMPT_LENS"),
+                get("VLLM_SPYRE_WARMUP_NEW_TOKENS"),
+                get("VLLM_SPYRE_WARMUP_BATCH_SIZES"))
+            ignored = ()
         world_size, devices = _parse_cards(get("AIU_WORLD_SIZE"),
                                            get("SPYRE_DEVICES"))
         return cls(dynamo_backend=backend,
                    warmup_shapes=shapes,
-                   use_cb=False,
+                   use_cb=use_cb == "1",
                    backend_reason=reason,
                    world_size=world_size,
-                   devices=devices)
+                   devices=devices,
+                   ignored_vars=ignored)
 
     @property
     def card_count(self) -> Optional[int]:
@@ -228,7 +243,8 @@ class SpyreConfig:
                    use_cb=data["use_cb"],
                    backend_reason=data["backend_reason"],
                    world_size=data.get("world_size"),
-                   devices=tuple(data.get("devices", ())))
+                   devices=tuple(data.get("devices", ())),
+                   ignored_vars=tuple(data.get("ignored_vars", ())))
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> "SpyreConfig":

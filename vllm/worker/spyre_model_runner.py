@@ -96,13 +96,7 @@ class SpyreModelRunner(ModelRunnerBase[SpyreModelInput]):
         with set_current_vllm_config(self.vllm_config):
             self.model = SpyreCausalLM(vllm_config=self.vllm_config,
                                        spyre_config=self.spyre_config)
-        hf = self.model_config.hf_text_config
-        pad = getattr(hf, "pad_token_id", None)
-        if pad is None:
-            pad = getattr(hf, "eos_token_id", None)
-        if isinstance(pad, list):
-            pad = pad[0]
-        self.pad_id = int(pad or 0)
+        self.pad_id = pad_token_id(self.model_config)
         self.startup_timings["load"] = time.perf_counter() - start
         logger.info("Spyre model load took %.1f s",
                     self.startup_timings["load"])
@@ -178,7 +172,7 @@ class SpyreModelRunner(ModelRunnerBase[SpyreModelInput]):
                                sampling_metadata=sampling_metadata)
 
     def _start_batch(self, metas: list[SequenceGroupMetadata]):
-        prompts = [_only_seq(m).prompt_token_ids for m in metas]
+        prompts = [only_seq(m).prompt_token_ids for m in metas]
         sizes = [
             RequestSize(len(p), m.sampling_params.max_tokens or 0)
             for p, m in zip(prompts, metas)
@@ -210,7 +204,7 @@ class SpyreModelRunner(ModelRunnerBase[SpyreModelInput]):
         rows = []
         for m in metas:
             row = batch.row_of[m.request_id]
-            batch.last_tokens[row] = _only_seq(m).get_last_token_id()
+            batch.last_tokens[row] = only_seq(m).get_last_token_id()
             rows.append(row)
         return batch.decode.inputs(batch.last_tokens, batch.step), rows
 
@@ -230,9 +224,8 @@ class SpyreModelRunner(ModelRunnerBase[SpyreModelInput]):
         if model_input.sampling_metadata is None:
             return []  # a non-driver rank: the driver samples
         logits = logits[model_input.live_rows]  # [N, vocab]
-        model = self.get_model()
-        logits = model.compute_logits(logits, model_input.sampling_metadata)
-        return [model.sample(logits, model_input.sampling_metadata)]
+        return [sample(self.get_model(), logits,
+                       model_input.sampling_metadata)]
 
     def _forward(self, is_prompt: bool, step: StepInputs) -> torch.Tensor:
         assert self.model is not None
@@ -240,7 +233,27 @@ class SpyreModelRunner(ModelRunnerBase[SpyreModelInput]):
                           step.cache_slots, step.cache_len, is_prompt)
 
 
-def _only_seq(meta: SequenceGroupMetadata):
+def pad_token_id(model_config) -> int:
+    """The token that fills padding positions: the model's pad token, else
+    its end-of-sequence token, else 0."""
+    hf = model_config.hf_text_config
+    pad = getattr(hf, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(hf, "eos_token_id", None)
+    if isinstance(pad, list):
+        pad = pad[0]
+    return int(pad or 0)
+
+
+def sample(model: SpyreCausalLM, logits: torch.Tensor,
+           sampling_metadata: SamplingMetadata) -> SamplerOutput:
+    """vLLM's logits processor and sampler over the live rows' logits
+    ([N, vocab], in the order of the step's sequence groups)."""
+    logits = model.compute_logits(logits, sampling_metadata)
+    return model.sample(logits, sampling_metadata)
+
+
+def only_seq(meta: SequenceGroupMetadata):
     if len(meta.seq_data) != 1:
         raise NotImplementedError(
             "Sequence groups of more than one sequence (beam search) are "

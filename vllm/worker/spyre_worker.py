@@ -38,6 +38,7 @@ class SpyreWorker(LocalOrDistributedWorkerBase):
     """Executes the model on one Spyre card (or the CPU stand-in)."""
 
     model_runner: SpyreModelRunner
+    runner_cls = SpyreModelRunner
 
     def __init__(self,
                  vllm_config: VllmConfig,
@@ -56,7 +57,7 @@ class SpyreWorker(LocalOrDistributedWorkerBase):
         if self.speculative_config is not None:
             raise NotImplementedError(
                 "Speculative decoding is not supported on Spyre")
-        self.model_runner = SpyreModelRunner(vllm_config, self.spyre_config)
+        self.model_runner = self.runner_cls(vllm_config, self.spyre_config)
 
     def init_device(self) -> None:
         """Sets intra-op threads and joins the gloo process group."""

@@ -36,6 +36,10 @@ _DTYPES_ON_CPU = (torch.float32, torch.bfloat16)
 class SpyreCausalLM(nn.Module):
     """FMS causal LM, compiled for the configured backend."""
 
+    #: FMS attention ops: in torch ops, and on the CPU kernels.
+    ATTN_NAMES = (spyre_kv_cache.ATTN_NAME,
+                  spyre_kv_cache.ATTN_NAME_CPU_KERNEL)
+
     def __init__(self, *, vllm_config: VllmConfig,
                  spyre_config: SpyreConfig) -> None:
         super().__init__()
@@ -54,11 +58,11 @@ class SpyreCausalLM(nn.Module):
         self.sampler = SpyreSampler()
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.fms_model = self._load(model_config.model)
-        #: FMS attention op of every forward (``spyre_kv_cache``).
-        self.attn_name = spyre_kv_cache.ATTN_NAME
+        #: FMS attention op of every forward.
+        self.attn_name = self.ATTN_NAMES[0]
         if spyre_config.dynamo_backend == "inductor":
             self._use_cpu_kernels()
-        spyre_kv_cache.register()
+        self._register_attention()
         self.cache_layout = spyre_kv_cache.CacheLayout.of(self.fms_model)
         self.model = self._compile(self.fms_model)
         #: One key/value cache per (batch size, cache length).
@@ -93,9 +97,13 @@ class SpyreCausalLM(nn.Module):
             return
         start = time.perf_counter()
         n = spyre_cpu_linear.pack_linears(self.fms_model)
-        self.attn_name = spyre_kv_cache.ATTN_NAME_CPU_KERNEL
+        self.attn_name = self.ATTN_NAMES[1]
         logger.info("Packed the weights of %d linear layers in %.1f s", n,
                     time.perf_counter() - start)
+
+    @staticmethod
+    def _register_attention() -> None:
+        spyre_kv_cache.register()
 
     def _compile(self, model: nn.Module) -> nn.Module:
         backend = self.spyre_config.dynamo_backend

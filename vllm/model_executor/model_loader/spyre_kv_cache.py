@@ -65,16 +65,17 @@ def _compute(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.transpose(1, 2).contiguous()
 
 
-def _decode_op(attend):
+def decode_op(attend):
     """An FMS decode compute op around ``attend``.  The query heads sharing
     a key/value head are stacked, so the cache is read once per key/value
-    head: ``attend(q, keys, values, mask, scale)`` gets q as [B, kv_heads,
-    L * group, head_dim], rows (query position, head in group), and returns
-    [B, kv_heads, L * group, v_head_dim].
+    head: ``attend(q, keys, values, scale, attn_kwargs)`` gets q as [B,
+    kv_heads, L * group, head_dim], rows (query position, head in group),
+    and returns [B, kv_heads, L * group, v_head_dim].
 
-    The op takes query: [B, L, heads, head_dim]; keys/values: [B, kv_heads,
-    T, head_dim]; mask: [B, L, T] bool; and returns [B, L, heads,
-    v_head_dim]."""
+    The op takes query: [B, L, heads, head_dim] and the keys/values the
+    store op returned, and returns [B, L, heads, v_head_dim].  Here keys/
+    values are [B, kv_heads, T, head_dim] with mask: [B, L, T] bool;
+    ``spyre_paged_kv`` uses the same op over a block pool."""
 
     def compute(query: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, nheads: int, kvheads: int,
@@ -85,7 +86,7 @@ def _decode_op(attend):
         scale = scale_factor if scale_factor is not None else D**-0.5
         q = query.reshape(B, L, kvheads, group, D).transpose(1, 2).reshape(
             B, kvheads, L * group, D)
-        out = attend(q, keys, values, attn_kwargs["mask"], scale)
+        out = attend(q, keys, values, scale, attn_kwargs)
         Dv = values.shape[-1]
         return out.view(B, kvheads, L, group, Dv).transpose(1, 2).reshape(
             B, L, H, Dv)
@@ -93,9 +94,9 @@ def _decode_op(attend):
     return compute
 
 
-def _attend_matmul(q: torch.Tensor, keys: torch.Tensor,
-                   values: torch.Tensor, mask: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+def attend_matmul(q: torch.Tensor, keys: torch.Tensor,
+                  values: torch.Tensor, mask: torch.Tensor,
+                  scale: float) -> torch.Tensor:
     """Written out so that inductor fuses it into the graph (the CPU
     flash-attention kernel costs ~0.6 ms per layer at batch 8 for one
     query row)."""
@@ -120,8 +121,10 @@ def _attend_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 #: Decode attention in torch ops, and the same on the C++ kernel.
-_compute_decode = _decode_op(_attend_matmul)
-_compute_decode_kernel = _decode_op(_attend_kernel)
+_compute_decode = decode_op(
+    lambda q, k, v, scale, kw: attend_matmul(q, k, v, kw["mask"], scale))
+_compute_decode_kernel = decode_op(
+    lambda q, k, v, scale, kw: _attend_kernel(q, k, v, kw["mask"], scale))
 
 
 def _is_prefill(**attn_kwargs) -> bool:

@@ -1,0 +1,71 @@
+"""SpyreCBScheduler: vLLM's V0 scheduler under continuous batching on Spyre.
+
+The platform installs this class as ``scheduler_config.scheduler_cls`` when
+``VLLM_SPYRE_USE_CB=1``.  Upstream's scheduler already decides what Spyre
+needs: a step is all prefill or all decode (a prefill step pauses decoding),
+requests join the running batch whenever ``--max-num-seqs`` and the block
+pool leave room, finished and aborted ones free their blocks at once, and
+when blocks run out the newest running request is preempted and later
+recomputed.  This class changes two things:
+
+* ``add_seq_group`` refuses, with a ``ValueError``, a request that can
+  never run (longer than ``max_model_len``, or more blocks than the whole
+  pool) instead of letting upstream drop it with a warning;
+* ``_schedule_prefills`` admits one sequence per prefill step, as the card
+  prefills one sequence at a time.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from vllm.core.scheduler import (Scheduler, SchedulerPrefillOutputs,
+                                 SchedulingBudget)
+from vllm.platforms.spyre import is_spyre
+from vllm.sequence import SequenceGroup
+from vllm.worker.spyre_cb_inputs import rejection_reason
+
+
+class SpyreCBScheduler(Scheduler):
+
+    def add_seq_group(self, seq_group: SequenceGroup) -> None:
+        """Refuses requests that could never be scheduled, up front."""
+        if is_spyre():
+            params = seq_group.sampling_params
+            if params is not None and params.prompt_logprobs is not None:
+                raise ValueError(
+                    "prompt_logprobs is not supported on Spyre: the compiled "
+                    "graphs return the logits of the last position only.")
+            prompt_len = seq_group.first_seq.get_prompt_len()
+            max_len = self.scheduler_config.max_model_len
+            if params is not None and params.max_tokens is None:
+                # "As many as the context allows", as upstream stops them.
+                params.max_tokens = max(max_len - prompt_len, 1)
+            manager = self.block_manager
+            reason = rejection_reason(
+                prompt_len, params.max_tokens if params else 1, max_len,
+                self.cache_config.block_size,
+                manager.num_total_gpu_blocks - manager.watermark_blocks)
+            if reason is not None:
+                raise ValueError(reason)
+        super().add_seq_group(seq_group)
+
+    def _schedule_prefills(self, budget: SchedulingBudget, curr_loras,
+                           enable_chunking: bool = False,
+                           partial_prefill_metadata=None
+                           ) -> SchedulerPrefillOutputs:
+        """Upstream's prefill scheduling, shown only the oldest waiting
+        request: one sequence per prefill step."""
+        if not is_spyre() or len(self.waiting) <= 1:
+            return super()._schedule_prefills(budget, curr_loras,
+                                              enable_chunking,
+                                              partial_prefill_metadata)
+        rest = self.waiting
+        self.waiting = deque([rest.popleft()])
+        try:
+            return super()._schedule_prefills(budget, curr_loras,
+                                              enable_chunking,
+                                              partial_prefill_metadata)
+        finally:
+            # Whatever upstream left waiting keeps its place at the front.
+            rest.extendleft(reversed(self.waiting))
+            self.waiting = rest

@@ -1,0 +1,86 @@
+"""SpyrePagedCausalLM: the FMS decoder over a paged key/value cache.
+
+Continuous batching's model: the same FMS load and ``torch.compile`` as
+``SpyreCausalLM``, with attention through ``spyre_paged_kv``'s block pools
+instead of a cache per warm-up shape.  Two graphs serve every step:
+
+* a prefill chunk, ``[1, block_size]`` positions of one sequence, static;
+* a decode step, ``[B, 1]``, its batch dimension marked dynamic
+  (``B >= MIN_DECODE_BATCH``), so one graph serves every batch size.
+
+The block table always has the width of a ``max_model_len`` sequence and
+the pools never change size, so nothing recompiles while serving.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.model_executor.model_loader import spyre_paged_kv
+from vllm.model_executor.model_loader.spyre import SpyreCausalLM
+from vllm.platforms.spyre_config import SpyreConfig
+from vllm.worker.spyre_cb_inputs import MIN_DECODE_BATCH, PagedInputs
+
+logger = init_logger(__name__)
+
+
+class SpyrePagedCausalLM(SpyreCausalLM):
+    """FMS causal LM reading and writing a block pool."""
+
+    ATTN_NAMES = (spyre_paged_kv.ATTN_NAME,
+                  spyre_paged_kv.ATTN_NAME_CPU_KERNEL)
+
+    def __init__(self, *, vllm_config: VllmConfig,
+                 spyre_config: SpyreConfig) -> None:
+        super().__init__(vllm_config=vllm_config, spyre_config=spyre_config)
+        self.pool_layout = spyre_paged_kv.PoolLayout(self.cache_layout)
+        #: Per layer (keys, values), allocated by ``allocate_pool``.
+        self.kv_pool: Optional[list] = None
+        #: Range of the dynamic decode batch (dynamo wants a bounded one).
+        self.decode_batch_range = (MIN_DECODE_BATCH, max(
+            vllm_config.scheduler_config.max_num_seqs, MIN_DECODE_BATCH + 1))
+
+    @staticmethod
+    def _register_attention() -> None:
+        spyre_paged_kv.register()
+
+    def block_bytes(self) -> int:
+        """Bytes one block of the pool takes on this rank."""
+        return self.pool_layout.block_bytes(self.dtype)
+
+    def allocate_pool(self, num_blocks: int) -> None:
+        """Allocates the pools once; they are written in place ever after."""
+        if self.kv_pool is not None:
+            raise RuntimeError("the key/value pool is allocated already")
+        self.kv_pool = self.pool_layout.allocate(num_blocks, self.dtype)
+        logger.info(
+            "Allocated the key/value pool: %d blocks of %d tokens (%.1f MiB)",
+            num_blocks, self.pool_layout.block_size,
+            num_blocks * self.block_bytes() / 2**20)
+
+    def forward(self, step: PagedInputs) -> torch.Tensor:  # type: ignore
+        """One prefill chunk ([1, block_size]) or one decode step ([B, 1]).
+        Returns the logits of each row's last position: [B, vocab]."""
+        if self.kv_pool is None:
+            raise RuntimeError("a step before the key/value pool exists")
+        if step.input_ids.shape[1] == 1:
+            # Decode: one graph for every batch size.
+            low, high = self.decode_batch_range
+            for t in (step.input_ids, step.position_ids, step.cache_slots,
+                      step.block_table, step.ctx_lens):
+                torch._dynamo.mark_dynamic(t, 0, min=low, max=high)
+        logits, _ = self.model(
+            step.input_ids,
+            position_ids=step.position_ids,
+            past_key_value_states=self.kv_pool,
+            use_cache=True,
+            last_n_tokens=1,
+            attn_name=self.attn_name,
+            cache_slots=step.cache_slots,
+            block_table=step.block_table,
+            ctx_lens=step.ctx_lens,
+        )
+        return logits[:, -1, :]  # [B, vocab]

@@ -1,0 +1,115 @@
+"""A paged key/value cache for continuous batching: one pool of blocks.
+
+Under continuous batching sequences join and leave the running batch at
+every step, so no cache can belong to a batch.  Each layer instead owns one
+pool of fixed-size blocks, allocated once at start-up, and vLLM's V0 block
+manager hands the blocks out: a sequence's token ``t`` lives in block
+``block_table[t // block_size]`` at offset ``t % block_size``, its *slot*
+being ``block * block_size + offset``.
+
+This module plugs that pool into FMS's attention-op registry, so FMS's own
+model code runs unchanged:
+
+* the *store* op writes a step's keys and values into their slots of the
+  flattened pool (``index_copy_``, in place);
+* the *compute* op lets every query position attend to the first
+  ``ctx_lens[b, l]`` tokens of its sequence, read through the block table.
+
+Both a prefill chunk (one sequence, ``block_size`` positions) and a decode
+step (one position of each running sequence) are the same op with other
+shapes.  On the CPU ``inductor`` path the compute op is the C++ kernel
+``spyre_cpu::paged_attention``, which reads keys and values straight from
+the blocks, each sequence up to its own length; elsewhere the blocks are
+gathered into a contiguous tensor and attended with torch ops.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm.model_executor.model_loader.spyre_kv_cache import (CacheLayout,
+                                                             attend_matmul,
+                                                             decode_op)
+from vllm.platforms.spyre_config import CB_BLOCK_SIZE
+
+#: Name under which the op is registered with FMS.
+ATTN_NAME = "spyre_paged"
+#: The same op on the C++ kernel (float32, CPU ``inductor`` path).
+ATTN_NAME_CPU_KERNEL = "spyre_paged_cpu_kernel"
+
+
+def _store(keys: torch.Tensor, values: torch.Tensor, key_pool: torch.Tensor,
+           value_pool: torch.Tensor, **attn_kwargs):
+    """keys, values: [B, L, kv_heads, head_dim]; pools: [slots, kv_heads,
+    head_dim]; ``cache_slots``: [B, L] int64.  The compute op reads the
+    pools, so they are returned in place of this step's keys/values."""
+    slots = attn_kwargs["cache_slots"].flatten()
+    key_pool.index_copy_(0, slots, keys.flatten(0, 1))
+    value_pool.index_copy_(0, slots, values.flatten(0, 1))
+    return key_pool, value_pool, key_pool, value_pool
+
+
+def _attend_gather(q: torch.Tensor, key_pool: torch.Tensor,
+                   value_pool: torch.Tensor, scale: float,
+                   attn_kwargs) -> torch.Tensor:
+    """Torch ops: gathers every block of the table (``[B, T]`` slots, ``T =
+    max_blocks * block_size``) and masks each query position to its
+    context length."""
+    block_table = attn_kwargs["block_table"]  # [B, MB]
+    ctx_lens = attn_kwargs["ctx_lens"]  # [B, L]
+    B, MB = block_table.shape
+    offsets = torch.arange(CB_BLOCK_SIZE, device=block_table.device)
+    slots = (block_table.unsqueeze(2) * CB_BLOCK_SIZE + offsets).view(B, -1)
+    keys = key_pool[slots].transpose(1, 2)  # [B, kv_heads, T, D]
+    values = value_pool[slots].transpose(1, 2)  # [B, kv_heads, T, Dv]
+    col = torch.arange(MB * CB_BLOCK_SIZE, device=block_table.device)
+    mask = col.view(1, 1, -1) < ctx_lens.unsqueeze(2)  # [B, L, T]
+    return attend_matmul(q, keys, values, mask, scale)
+
+
+def _attend_kernel(q: torch.Tensor, key_pool: torch.Tensor,
+                   value_pool: torch.Tensor, scale: float,
+                   attn_kwargs) -> torch.Tensor:
+    return torch.ops.spyre_cpu.paged_attention(q, key_pool, value_pool,
+                                               attn_kwargs["block_table"],
+                                               attn_kwargs["ctx_lens"],
+                                               CB_BLOCK_SIZE, scale)
+
+
+compute = decode_op(_attend_gather)
+compute_kernel = decode_op(_attend_kernel)
+
+
+def register() -> None:
+    """Registers the ops with FMS once per process.  Every step attends
+    through the pool, so there is no separate prefill op."""
+    from fms.modules import attention
+    for name, op in ((ATTN_NAME, compute),
+                     (ATTN_NAME_CPU_KERNEL, compute_kernel)):
+        try:
+            attention.get_attention_type(attn_name=name)
+        except KeyError:
+            attention.register_attention_op(name, _store, op)
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """The block pools of every layer of one (possibly sharded) model."""
+
+    cache: CacheLayout
+    block_size: int = CB_BLOCK_SIZE
+
+    def block_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes one block takes over all layers (keys and values)."""
+        return self.cache.nbytes(1, self.block_size, dtype)
+
+    def allocate(self, num_blocks: int, dtype: torch.dtype
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed pools, one (keys, values) pair per layer, each
+        ``[num_blocks * block_size, kv_heads, head_dim]``."""
+        slots = num_blocks * self.block_size
+        c = self.cache
+        return [(torch.zeros(slots, c.kv_heads, c.k_head_dim, dtype=dtype),
+                 torch.zeros(slots, c.kv_heads, c.v_head_dim, dtype=dtype))
+                for _ in range(c.layers)]

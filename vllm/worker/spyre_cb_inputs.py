@@ -1,0 +1,141 @@
+"""Pure functions that turn continuous-batching steps into paged tensors.
+
+Under continuous batching (``VLLM_SPYRE_USE_CB=1``) a step is either the
+prefill of one sequence or a decode step of every running sequence; vLLM's
+block manager has given each sequence its blocks of ``block_size`` tokens.
+
+* A prefill runs in chunks of exactly ``block_size`` positions, so one
+  compiled graph serves every prompt length.  The chunks are aligned to the
+  end of the sequence: the last chunk ends on its last token (whose logits
+  are sampled) and the first chunk is left-padded.
+* A decode step has one position per running sequence; its batch dimension
+  is dynamic, and padded to at least ``MIN_DECODE_BATCH`` rows (dynamo
+  specialises a size of 1).
+* Every step carries a block table of a fixed width (the blocks of a
+  ``max_model_len`` sequence) and, per query position, how many tokens of
+  its sequence it sees.  Padding positions write their keys and values into
+  a spare block that no sequence owns, and see one token.
+
+The scheduler uses ``rejection_reason`` to refuse requests that could never
+run.  Nothing here touches a model or global state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+#: Smallest decode batch: rows beyond the running sequences are padding.
+MIN_DECODE_BATCH = 2
+
+
+@dataclass(frozen=True)
+class PagedInputs:
+    """Tensors of one forward pass over the block pool (B rows of L
+    positions).  A prefill holds its chunks as rows, run one at a time."""
+
+    input_ids: torch.Tensor  # [B, L] int64
+    position_ids: torch.Tensor  # [B, L] int64
+    cache_slots: torch.Tensor  # [B, L] int64: pool slot each position writes
+    block_table: torch.Tensor  # [B, max_blocks] int64
+    ctx_lens: torch.Tensor  # [B, L] int64: tokens each position sees
+
+    def row(self, i: int) -> "PagedInputs":
+        """Row ``i`` as a batch of one (one prefill chunk)."""
+        return PagedInputs(*(t[i:i + 1].clone() for t in (
+            self.input_ids, self.position_ids, self.cache_slots,
+            self.block_table, self.ctx_lens)))
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def rejection_reason(prompt_len: int, max_tokens: int, max_model_len: int,
+                     block_size: int, usable_blocks: int) -> Optional[str]:
+    """Why a request can never run under continuous batching, or None."""
+    total = prompt_len + max_tokens
+    if total > max_model_len:
+        return (f"The request needs {total} tokens (prompt length "
+                f"{prompt_len} + max_tokens {max_tokens}), more than "
+                f"max_model_len={max_model_len}. Shorten the prompt or "
+                "lower max_tokens, or raise --max-model-len.")
+    need = blocks_needed(total, block_size)
+    if need > usable_blocks:
+        return (f"The request needs {need} key/value blocks of {block_size} "
+                f"tokens (prompt length {prompt_len} + max_tokens "
+                f"{max_tokens}), more than the {usable_blocks} usable blocks "
+                "of the whole pool. Shorten the prompt or lower max_tokens, "
+                "or raise --num-gpu-blocks-override or "
+                "--gpu-memory-utilization.")
+    return None
+
+
+def _table_row(block_ids: Sequence[int], max_blocks: int,
+               pad_block: int) -> list[int]:
+    if len(block_ids) > max_blocks:
+        raise ValueError(f"a sequence holds {len(block_ids)} blocks, more "
+                         f"than the {max_blocks} of max_model_len")
+    return list(block_ids) + [pad_block] * (max_blocks - len(block_ids))
+
+
+def prefill_chunks(token_ids: Sequence[int], block_ids: Sequence[int],
+                   block_size: int, max_blocks: int, pad_id: int,
+                   pad_block: int) -> PagedInputs:
+    """The prefill of one sequence as ``[chunks, block_size]`` rows, chunk
+    ``c`` of ``ceil(n / block_size)`` holding positions ``c * block_size -
+    pad`` onwards, ``pad`` being the left padding of the first chunk."""
+    n = len(token_ids)
+    if n == 0:
+        raise ValueError("a prefill needs at least one token")
+    chunks = blocks_needed(n, block_size)
+    if len(block_ids) < chunks:
+        raise ValueError(f"a prefill of {n} tokens needs {chunks} blocks, "
+                         f"the sequence holds {len(block_ids)}")
+    pad = chunks * block_size - n
+    pos = torch.arange(chunks * block_size) - pad  # [C * bs]
+    real = pos >= 0
+    ids = torch.full((chunks * block_size, ), pad_id, dtype=torch.long)
+    ids[pad:] = torch.tensor(token_ids, dtype=torch.long)
+    table = torch.tensor(block_ids[:chunks], dtype=torch.long)
+    real_pos = pos.clamp(min=0)
+    slots = table[real_pos // block_size] * block_size + real_pos % block_size
+    spare = pad_block * block_size + torch.arange(chunks * block_size) % \
+        block_size
+    slots = torch.where(real, slots, spare)
+    ctx = torch.where(real, pos + 1, torch.ones_like(pos))
+    row = torch.tensor(_table_row(block_ids, max_blocks, pad_block))
+    shape = (chunks, block_size)
+    return PagedInputs(ids.view(shape), real_pos.view(shape),
+                       slots.view(shape), row.expand(chunks, -1).clone(),
+                       ctx.view(shape))
+
+
+def decode_batch(last_tokens: Sequence[int], seq_lens: Sequence[int],
+                 block_tables: Sequence[Sequence[int]], block_size: int,
+                 max_blocks: int, pad_id: int, pad_block: int) -> PagedInputs:
+    """One decode position per sequence: the last token of a sequence of
+    ``seq_lens[i]`` tokens (the token being fed back included) at position
+    ``seq_lens[i] - 1``, seeing all ``seq_lens[i]`` tokens.  Rows beyond
+    the sequences, up to ``MIN_DECODE_BATCH``, are padding."""
+    n = len(last_tokens)
+    if not n == len(seq_lens) == len(block_tables):
+        raise ValueError("one token, length and block table per sequence")
+    rows = max(n, MIN_DECODE_BATCH)
+    spare = [pad_block] * max_blocks
+    tables = [_table_row(t, max_blocks, pad_block)
+              for t in block_tables] + [spare] * (rows - n)
+    lens = list(seq_lens) + [1] * (rows - n)
+    positions = [length - 1 for length in lens]
+    slots = []
+    for i, (table, p) in enumerate(zip(tables, positions)):
+        if i < n and p // block_size >= len(block_tables[i]):
+            raise ValueError(f"position {p} lies beyond the "
+                             f"{len(block_tables[i])} blocks of its sequence")
+        slots.append(table[p // block_size] * block_size + p % block_size
+                     if i < n else pad_block * block_size + i)
+    tokens = list(last_tokens) + [pad_id] * (rows - n)
+    column = lambda xs: torch.tensor(xs, dtype=torch.long).unsqueeze(1)  # noqa: E731
+    return PagedInputs(column(tokens), column(positions), column(slots),
+                       torch.tensor(tables, dtype=torch.long), column(lens))

@@ -1,0 +1,222 @@
+"""SpyreCBModelRunner: continuous batching over a paged key/value cache.
+
+The scheduler (``SpyreCBScheduler``) sends either the prefill of one
+sequence or a decode step of every running sequence, each with the blocks
+vLLM's block manager gave it.  The runner keeps no batch state between
+steps: everything a step needs is in its sequence-group metadata.
+
+``execute_model`` is the whole step: paged inputs (``spyre_cb_inputs``) ->
+``SpyrePagedCausalLM`` forward (a prefill runs chunk by chunk) -> the live
+rows' logits -> vLLM logits processor -> vLLM sampler.
+
+Start-up: ``load_model`` loads and compiles the model; the worker then
+sizes the block pool, ``allocate_pool`` allocates it, and ``warmup`` runs
+each of the two graphs (prefill chunk, dynamic decode batch) so serving
+compiles nothing.  The pool has one block more than vLLM's block manager
+knows of: the spare block that padding positions write to.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.logger import init_logger
+from vllm.model_executor.layers.sampler import SamplerOutput
+from vllm.model_executor.model_loader.spyre_paged import SpyrePagedCausalLM
+from vllm.model_executor.sampling_metadata import SamplingMetadata
+from vllm.platforms import current_platform
+from vllm.platforms.spyre_config import CB_BLOCK_SIZE, SpyreConfig
+from vllm.sequence import IntermediateTensors, SequenceGroupMetadata
+from vllm.worker.model_runner_base import (ModelRunnerBase,
+                                           ModelRunnerInputBase)
+from vllm.worker.spyre_cb_inputs import (PagedInputs, blocks_needed,
+                                         decode_batch, prefill_chunks)
+from vllm.worker.spyre_model_runner import only_seq, pad_token_id, sample
+
+logger = init_logger(__name__)
+
+_TENSORS = ("input_ids", "position_ids", "cache_slots", "block_table",
+            "ctx_lens")
+
+
+@dataclass(frozen=True)
+class SpyreCBModelInput(ModelRunnerInputBase):
+    """One step, built on the driver worker.  A prefill holds its chunks as
+    rows of ``inputs``; a decode step's first ``num_live`` rows are the
+    sequences, in the order of the step's sequence groups."""
+
+    is_prompt: bool
+    inputs: PagedInputs
+    num_live: int
+    sampling_metadata: Optional[SamplingMetadata] = None
+
+    def as_broadcastable_tensor_dict(self) -> dict[str, Any]:
+        tensors = {k: getattr(self.inputs, k) for k in _TENSORS}
+        return dict(tensors, is_prompt=self.is_prompt,
+                    num_live=self.num_live)
+
+    @classmethod
+    def from_broadcasted_tensor_dict(cls, tensor_dict: dict[str, Any],
+                                     attn_backend=None) -> "SpyreCBModelInput":
+        inputs = PagedInputs(*(tensor_dict[k] for k in _TENSORS))
+        return cls(is_prompt=tensor_dict["is_prompt"],
+                   inputs=inputs,
+                   num_live=tensor_dict["num_live"])
+
+
+class SpyreCBModelRunner(ModelRunnerBase[SpyreCBModelInput]):
+
+    def __init__(self, vllm_config: VllmConfig,
+                 spyre_config: SpyreConfig) -> None:
+        super().__init__(vllm_config)
+        self.spyre_config = spyre_config
+        self.generators: dict[str, torch.Generator] = {}
+        self.model: Optional[SpyrePagedCausalLM] = None
+        self.pad_id = 0
+        #: Width of every block table: the blocks of a max_model_len sequence.
+        self.max_blocks = blocks_needed(self.scheduler_config.max_model_len,
+                                        CB_BLOCK_SIZE)
+        #: The block padding positions write to; set by allocate_pool.
+        self.pad_block = -1
+        #: Seconds spent in each start-up phase.
+        self.startup_timings: dict[str, float] = {}
+
+    # ---- start-up -------------------------------------------------------
+    def load_model(self) -> None:
+        start = time.perf_counter()
+        with set_current_vllm_config(self.vllm_config):
+            self.model = SpyrePagedCausalLM(vllm_config=self.vllm_config,
+                                            spyre_config=self.spyre_config)
+        self.pad_id = pad_token_id(self.model_config)
+        self.startup_timings["load"] = time.perf_counter() - start
+        logger.info("Spyre model load took %.1f s",
+                    self.startup_timings["load"])
+
+    def get_model(self) -> nn.Module:
+        assert self.model is not None
+        return self.model
+
+    def block_bytes(self) -> int:
+        assert self.model is not None
+        return self.model.block_bytes()
+
+    def allocate_pool(self, num_blocks: int) -> None:
+        """``num_blocks`` for vLLM's block manager, plus the spare block."""
+        assert self.model is not None
+        self.model.allocate_pool(num_blocks + 1)
+        self.pad_block = num_blocks
+
+    @current_platform.inference_mode()
+    def warmup(self) -> None:
+        """Compiles both graphs: a two-chunk prefill, then decode steps at
+        the smallest and the largest batch (one dynamic graph), all on the
+        pool's first block, which nothing holds yet."""
+        assert self.model is not None
+        start = time.perf_counter()
+        vocab = self.model_config.get_vocab_size()
+        gen = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, vocab, (CB_BLOCK_SIZE + 1, ),
+                               generator=gen).tolist()
+        blocks = [0] * blocks_needed(len(prompt), CB_BLOCK_SIZE)
+        self._prefill(self._chunks(prompt, blocks))
+        for batch in sorted({1, self.scheduler_config.max_num_seqs}):
+            self._forward(self._decode([prompt[-1]] * batch, [2] * batch,
+                                       [[0]] * batch))
+        seconds = time.perf_counter() - start
+        self.startup_timings["warmup"] = seconds
+        logger.info("Spyre continuous-batching warm-up took %.1f s", seconds)
+
+    # ---- per step -------------------------------------------------------
+    def make_model_input_from_broadcasted_tensor_dict(
+            self, tensor_dict: dict[str, Any]) -> SpyreCBModelInput:
+        return SpyreCBModelInput.from_broadcasted_tensor_dict(tensor_dict)
+
+    def prepare_model_input(
+        self,
+        seq_group_metadata_list: list[SequenceGroupMetadata],
+        virtual_engine: int = 0,
+        finished_requests_ids: Optional[list[str]] = None,
+    ) -> SpyreCBModelInput:
+        metas = seq_group_metadata_list
+        is_prompt = metas[0].is_prompt
+        seq_lens = None
+        if is_prompt:
+            if len(metas) != 1:
+                raise RuntimeError("a continuous-batching prefill step holds "
+                                   f"one sequence, not {len(metas)}")
+            seq_id, data = _seq(metas[0])
+            tokens = data.get_token_ids()  # the outputs too, on recompute
+            inputs = self._chunks(tokens, metas[0].block_tables[seq_id])
+            seq_lens = [len(tokens)]
+        else:
+            if any(m.is_prompt for m in metas):
+                raise RuntimeError("a Spyre step is all prefill or all decode")
+            seqs = [_seq(m) for m in metas]
+            inputs = self._decode(
+                [d.get_last_token_id() for _, d in seqs],
+                [d.get_len() for _, d in seqs],
+                [m.block_tables[i] for m, (i, _) in zip(metas, seqs)])
+        sampling_metadata = SamplingMetadata.prepare(
+            metas,
+            seq_lens,
+            seq_lens,
+            self.device_config.device,
+            pin_memory=False,
+            generators=self.get_generators(finished_requests_ids))
+        return SpyreCBModelInput(is_prompt=is_prompt,
+                                 inputs=inputs,
+                                 num_live=1 if is_prompt else len(metas),
+                                 sampling_metadata=sampling_metadata)
+
+    @current_platform.inference_mode()
+    def execute_model(
+        self,
+        model_input: SpyreCBModelInput,
+        kv_caches: Optional[list[torch.Tensor]] = None,
+        intermediate_tensors: Optional[IntermediateTensors] = None,
+        num_steps: int = 1,
+        **kwargs,
+    ) -> Optional[list[SamplerOutput]]:
+        if num_steps > 1:
+            raise NotImplementedError(
+                "Multi-step scheduling is not supported on Spyre")
+        if model_input.is_prompt:
+            logits = self._prefill(model_input.inputs)
+        else:
+            logits = self._forward(model_input.inputs)
+        if model_input.sampling_metadata is None:
+            return []  # a non-driver rank: the driver samples
+        logits = logits[:model_input.num_live]  # [N, vocab]
+        return [sample(self.get_model(), logits,
+                       model_input.sampling_metadata)]
+
+    # ---- helpers --------------------------------------------------------
+    def _chunks(self, tokens: list[int], blocks: list[int]) -> PagedInputs:
+        return prefill_chunks(tokens, blocks, CB_BLOCK_SIZE, self.max_blocks,
+                              self.pad_id, self.pad_block)
+
+    def _decode(self, tokens: list[int], lens: list[int],
+                tables: list[list[int]]) -> PagedInputs:
+        return decode_batch(tokens, lens, tables, CB_BLOCK_SIZE,
+                            self.max_blocks, self.pad_id, self.pad_block)
+
+    def _prefill(self, chunks: PagedInputs) -> torch.Tensor:
+        """Runs the chunks in order; the last one's logits: [1, vocab]."""
+        for i in range(chunks.input_ids.shape[0]):
+            logits = self._forward(chunks.row(i))
+        return logits
+
+    def _forward(self, step: PagedInputs) -> torch.Tensor:
+        assert self.model is not None
+        return self.model(step)
+
+
+def _seq(meta: SequenceGroupMetadata):
+    """(sequence id, sequence data) of a one-sequence group."""
+    data = only_seq(meta)
+    return next(iter(meta.seq_data)), data
