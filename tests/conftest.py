@@ -40,10 +40,12 @@ def pytest_configure(config):
 
 # ---- tiny random Llama ---------------------------------------------------
 
-def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
-    """A 2-layer Llama (hidden 64, GQA 4/2 heads) with random weights large
-    enough that greedy choices are far from ties, and a BPE tokenizer trained
-    offline on a small generated corpus."""
+def build_tiny_llama(out_dir: Path, seed: int = 0, heads: int = 4,
+                     kv_heads: int = 2) -> Path:
+    """A 2-layer Llama (head size 16, GQA 4/2 heads unless told otherwise,
+    1024 positions) with random weights large enough that greedy choices are
+    far from ties, and a BPE tokenizer trained offline on a small generated
+    corpus."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from tokenizers import decoders
@@ -74,10 +76,11 @@ def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
         "{% endfor %}{% if add_generation_prompt %}<s>assistant:{% endif %}")
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=64,
-                         intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, initializer_range=0.3,
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=16 * heads,
+                         intermediate_size=32 * heads, num_hidden_layers=2,
+                         num_attention_heads=heads,
+                         num_key_value_heads=kv_heads,
+                         max_position_embeddings=1024, initializer_range=0.3,
                          rms_norm_eps=1e-5, tie_word_embeddings=False,
                          bos_token_id=1, eos_token_id=2, pad_token_id=0,
                          torch_dtype="float32")
@@ -92,6 +95,13 @@ def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_3kv(tmp_path_factory) -> Path:
+    """The tiny Llama with 6/3 heads: splits over 3 ranks."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-3kv"),
+                            heads=6, kv_heads=3)
 
 
 @pytest.fixture(scope="session")

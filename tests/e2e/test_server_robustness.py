@@ -163,8 +163,8 @@ class _any_outcome:
 
 
 def test_shape_that_cannot_fit_refuses_to_start(tiny_llama, tmp_path):
-    # The tiny model holds 512 positions; 512 + 8 cannot fit.
-    env = spyre_env("eager", [512], [8], [1])
+    # The tiny model holds 1024 positions; 1024 + 8 cannot fit.
+    env = spyre_env("eager", [1024], [8], [1])
     srv = Server(tiny_llama, env, log_path=tmp_path / "serve.log")
     try:
         rc = srv.proc.wait(timeout=180)
@@ -174,5 +174,5 @@ def test_shape_that_cannot_fit_refuses_to_start(tiny_llama, tmp_path):
     srv.stop()
     log = srv.log()
     assert rc != 0
-    assert "needs 520 tokens" in log and "maximum length of 512" in log
+    assert "needs 1032 tokens" in log and "maximum length of 1024" in log
     assert "VLLM_SPYRE_WARMUP_PROMPT_LENS" in log

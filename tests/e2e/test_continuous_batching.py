@@ -1,0 +1,245 @@
+"""Continuous batching (``VLLM_SPYRE_USE_CB=1``) end to end, offline.
+
+Requests of very different sizes share a decode batch of
+``--max-num-seqs 3``, so they join and leave mid-flight; greedy ids must
+equal Hugging Face transformers for every request, on both CPU backends,
+with nothing compiled after warm-up.  Again with a block pool so small that
+the scheduler preempts (and recomputes) requests; a scripted arrival order
+gives an exact step table; tensor parallel over 3 ranks equals 1 rank;
+requests that can never fit are refused up front."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import (HFReference, compile_count, first_logprob, spyre_engine,
+                      spyre_llm)
+
+pytestmark = pytest.mark.e2e
+
+MAX_NUM_SEQS = 3
+MAX_MODEL_LEN = 576  # 9 blocks of 64
+# (prompt length, max_tokens): 3 to 450 tokens, 1 to 64 new tokens; chunk
+# and block boundaries (63, 64, 65, 128) on both sides.
+PLAN = [(3, 64), (450, 5), (70, 1), (128, 33), (64, 64), (200, 12), (5, 40),
+        (300, 7), (65, 20), (17, 3), (63, 9)]
+# Three requests that each hold 2 blocks at prefill and grow to 3 while
+# decoding: with 7 blocks the scheduler must preempt one of them.
+PREEMPT_PLAN = [(100, 60), (110, 50), (120, 40), (5, 30), (300, 20)]
+LOGPROB_ATOL = 1e-3
+
+
+def cb_env(backend: str) -> dict:
+    return {"VLLM_SPYRE_USE_CB": "1", "VLLM_SPYRE_DYNAMO_BACKEND": backend}
+
+
+def make_requests(vocab: int, plan=PLAN) -> list[tuple[list[int], int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [(torch.randint(4, vocab, (n, ), generator=gen).tolist(), m)
+            for n, m in plan]
+
+
+def generate(llm, reqs, logprobs=None):
+    from vllm import SamplingParams, TokensPrompt
+    return llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p, _ in reqs],
+        [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True,
+                        logprobs=logprobs) for _, m in reqs],
+        use_tqdm=False)
+
+
+def run_workload(model, backend, plan=PLAN, **kwargs) -> dict:
+    at_start = compile_count()
+    with spyre_llm(model, cb_env(backend), max_num_seqs=MAX_NUM_SEQS,
+                   max_model_len=MAX_MODEL_LEN, **kwargs) as llm:
+        warmup_compiles = compile_count() - at_start
+        reqs = make_requests(llm.llm_engine.model_config.get_vocab_size(),
+                             plan)
+        before = compile_count()
+        outputs = generate(llm, reqs, logprobs=0)
+        compiled = compile_count() - before
+        scheduler = llm.llm_engine.scheduler[0]
+        manager = scheduler.block_manager
+        seen = dict(
+            reqs=reqs, outputs=outputs, compiled=compiled,
+            warmup_compiles=warmup_compiles,
+            preemptions=scheduler.num_cumulative_preemption,
+            free_blocks=manager.get_num_free_gpu_blocks(),
+            total_blocks=manager.num_total_gpu_blocks,
+            worker=type(llm.llm_engine.model_executor.driver_worker.worker
+                        ).__name__,
+            timings=llm.collective_rpc("get_startup_timings")[0])
+    return seen
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_llama):
+    return HFReference(tiny_llama)
+
+
+@pytest.fixture(scope="module", params=["eager", "inductor"])
+def cb_run(request, tiny_llama):
+    return dict(run_workload(tiny_llama, request.param),
+                backend=request.param)
+
+
+def assert_matches_hf(run, hf):
+    for (prompt, max_tokens), out in zip(run["reqs"], run["outputs"]):
+        ref_ids, ref_lp = hf.greedy(prompt, max_tokens)
+        got = list(out.outputs[0].token_ids)
+        assert got == ref_ids, (f"prompt of {len(prompt)} tokens, "
+                                f"max_tokens={max_tokens}")
+        lp = first_logprob(out.outputs[0])
+        if lp is not None:
+            assert lp == pytest.approx(ref_lp, abs=LOGPROB_ATOL)
+
+
+def test_greedy_ids_match_transformers(cb_run, hf_tiny):
+    assert cb_run["worker"] == "SpyreCBWorker"
+    assert_matches_hf(cb_run, hf_tiny)
+
+
+def test_no_compilation_after_warmup(cb_run):
+    assert cb_run["warmup_compiles"] > 0
+    assert cb_run["compiled"] == 0
+    assert set(cb_run["timings"]) == {"load", "warmup"}
+
+
+def test_every_block_is_free_at_the_end(cb_run):
+    assert cb_run["free_blocks"] == cb_run["total_blocks"]
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_preempted_requests_finish_with_the_same_tokens(
+        tiny_llama, hf_tiny, backend):
+    run = run_workload(tiny_llama, backend, PREEMPT_PLAN,
+                       num_gpu_blocks_override=7)
+    assert run["total_blocks"] == 7
+    assert run["preemptions"] > 0
+    assert run["compiled"] == 0
+    assert run["free_blocks"] == 7
+    assert_matches_hf(run, hf_tiny)
+
+
+def test_tensor_parallel_3_equals_1(tiny_llama_3kv):
+    plan = [(3, 12), (130, 5), (64, 9), (20, 1), (70, 7)]
+    results = {}
+    for tp in (1, 3):
+        with spyre_llm(tiny_llama_3kv, cb_env("eager"),
+                       tensor_parallel_size=tp, max_num_seqs=2,
+                       max_model_len=256) as llm:
+            reqs = make_requests(
+                llm.llm_engine.model_config.get_vocab_size(), plan)
+            outs = generate(llm, reqs)
+            results[tp] = [list(o.outputs[0].token_ids) for o in outs]
+            executor = type(llm.llm_engine.model_executor).__name__
+    assert executor == "MultiprocessingSpyreExecutor"
+    hf = HFReference(tiny_llama_3kv)
+    reference = [hf.greedy(p, m)[0] for p, m in reqs]
+    assert results[1] == reference
+    assert results[3] == results[1]
+
+
+# ---- the step table --------------------------------------------------------
+
+def record_steps(engine) -> list:
+    """Wraps the scheduler so that every step's kind, requests and the
+    blocks each request holds are recorded."""
+    scheduler = engine.scheduler[0]
+    steps: list = []
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        metas, outputs, allow_async = schedule()
+        if metas:
+            kind = "prefill" if metas[0].is_prompt else "decode"
+            steps.append((kind, {
+                m.request_id: len(next(iter(m.block_tables.values())))
+                for m in metas
+            }))
+        return metas, outputs, allow_async
+
+    scheduler.schedule = recording_schedule
+    return steps
+
+
+def test_step_table(tiny_llama):
+    """max_num_seqs=2; A (70 tokens, 3 new), B (10, 4) arrive first, C (60,
+    6) after the second step.  A prefill step pauses decoding; a request
+    joins as soon as one leaves; C grows into its second block at the step
+    that writes its 65th token."""
+    from vllm import SamplingParams, TokensPrompt
+    table = [
+        ("prefill", {"A": 2}),
+        ("prefill", {"B": 1}),
+        ("decode", {"A": 2, "B": 1}),   # A: 2 tokens, B: 2
+        ("decode", {"A": 2, "B": 1}),   # A: 3 (done), B: 3
+        ("prefill", {"C": 1}),          # C takes A's place
+        ("decode", {"B": 1, "C": 1}),   # B: 4 (done), C: 2
+        ("decode", {"C": 1}),           # C: 3
+        ("decode", {"C": 1}),           # C: 4
+        ("decode", {"C": 1}),           # C: 5; token 1 fed back to slot 63
+        ("decode", {"C": 2}),           # C: 6 (done); slot 64: a new block
+    ]
+    with spyre_engine(tiny_llama, cb_env("eager"), max_num_seqs=2,
+                      max_model_len=256) as engine:
+        steps = record_steps(engine)
+
+        def add(rid, n, max_tokens):
+            engine.add_request(
+                rid, TokensPrompt(prompt_token_ids=[5 + i % 50
+                                                    for i in range(n)]),
+                SamplingParams(temperature=0, max_tokens=max_tokens,
+                               ignore_eos=True))
+
+        add("A", 70, 3)
+        add("B", 10, 4)
+        finished = {}
+        for i in range(len(table)):
+            if i == 2:
+                add("C", 60, 6)
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = len(out.outputs[0].token_ids)
+        assert not engine.has_unfinished_requests()
+        free = engine.scheduler[0].block_manager.get_num_free_gpu_blocks()
+        total = engine.scheduler[0].block_manager.num_total_gpu_blocks
+    assert steps == table
+    assert finished == {"A": 3, "B": 4, "C": 6}
+    assert free == total
+
+
+# ---- refusals --------------------------------------------------------------
+
+def test_impossible_requests_are_refused_up_front(tiny_llama):
+    from vllm import SamplingParams, TokensPrompt
+    with spyre_engine(tiny_llama, cb_env("eager"), max_num_seqs=2,
+                      max_model_len=256, num_gpu_blocks_override=3) as engine:
+        with pytest.raises(ValueError, match=r"needs 261 tokens .*"
+                           r"max_model_len=256"):
+            engine.add_request(
+                "long", TokensPrompt(prompt_token_ids=[5] * 200),
+                SamplingParams(max_tokens=61))
+        with pytest.raises(ValueError, match=r"needs 4 key/value blocks.*"
+                           r"the 3 usable blocks"):
+            engine.add_request(
+                "wide", TokensPrompt(prompt_token_ids=[5] * 150),
+                SamplingParams(max_tokens=50))
+        # Nothing was queued, and a request that fits still runs.
+        assert not engine.has_unfinished_requests()
+        engine.add_request("ok", TokensPrompt(prompt_token_ids=[5] * 150),
+                           SamplingParams(max_tokens=4, ignore_eos=True))
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.finished]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4]
+
+
+def test_warmup_settings_are_ignored_with_a_warning(tiny_llama, caplog):
+    env = dict(cb_env("eager"), VLLM_SPYRE_WARMUP_BATCH_SIZES="4")
+    with spyre_llm(tiny_llama, env, max_num_seqs=2,
+                   max_model_len=128) as llm:
+        outs = generate(llm, [([5, 6, 7], 3)])
+    assert len(outs[0].outputs[0].token_ids) == 3
+    assert any("VLLM_SPYRE_WARMUP_BATCH_SIZES is set but ignored" in
+               r.getMessage() for r in caplog.records)

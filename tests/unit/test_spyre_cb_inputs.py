@@ -1,0 +1,291 @@
+"""Unit tests of vllm/worker/spyre_cb_inputs.py (no model, no engine).
+
+Tables of exact values: block size 4 keeps them readable by hand, block
+size 64 (the card's) checks the lengths around a block boundary."""
+import pytest
+import torch
+
+from vllm.worker.spyre_cb_inputs import (MIN_DECODE_BATCH, PagedInputs,
+                                         blocks_needed, decode_batch,
+                                         prefill_chunks, rejection_reason)
+
+PAD_ID = 0
+
+
+def rows(t: torch.Tensor) -> list:
+    return t.tolist()
+
+
+def assert_int64(inputs: PagedInputs) -> None:
+    for t in (inputs.input_ids, inputs.position_ids, inputs.cache_slots,
+              inputs.block_table, inputs.ctx_lens):
+        assert t.dtype == torch.int64
+
+
+# ------------------------------------------------------------ blocks_needed
+@pytest.mark.parametrize("tokens, expected", [(0, 0), (1, 1), (63, 1),
+                                              (64, 1), (65, 2), (128, 2),
+                                              (129, 3)])
+def test_blocks_needed(tokens, expected):
+    assert blocks_needed(tokens, 64) == expected
+
+
+# ----------------------------------------------------------- prefill_chunks
+def test_prefill_small_blocks_left_pads_first_chunk():
+    # 6 tokens in blocks of 4: two chunks, the first left-padded by 2.
+    tokens = [11, 12, 13, 14, 15, 16]
+    got = prefill_chunks(tokens, [7, 2], block_size=4, max_blocks=4,
+                         pad_id=PAD_ID, pad_block=9)
+    assert_int64(got)
+    assert rows(got.input_ids) == [[0, 0, 11, 12], [13, 14, 15, 16]]
+    assert rows(got.position_ids) == [[0, 0, 0, 1], [2, 3, 4, 5]]
+    # Tokens 0-1 in block 7 (slots 28-31), 2-3 likewise, 4-5 in block 2
+    # (slots 8-9); the two pads in the spare block 9 (slots 36, 37).
+    assert rows(got.cache_slots) == [[36, 37, 28, 29], [30, 31, 8, 9]]
+    assert rows(got.ctx_lens) == [[1, 1, 1, 2], [3, 4, 5, 6]]
+    assert rows(got.block_table) == [[7, 2, 9, 9], [7, 2, 9, 9]]
+
+
+def test_prefill_small_blocks_exact_multiple_has_no_padding():
+    got = prefill_chunks([1, 2, 3, 4, 5, 6, 7, 8], [3, 0], block_size=4,
+                         max_blocks=3, pad_id=PAD_ID, pad_block=5)
+    assert rows(got.input_ids) == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert rows(got.position_ids) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert rows(got.cache_slots) == [[12, 13, 14, 15], [0, 1, 2, 3]]
+    assert rows(got.ctx_lens) == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert rows(got.block_table) == [[3, 0, 5], [3, 0, 5]]
+
+
+def test_prefill_one_token_small_blocks():
+    got = prefill_chunks([42], [1], block_size=4, max_blocks=2, pad_id=7,
+                         pad_block=3)
+    assert rows(got.input_ids) == [[7, 7, 7, 42]]
+    assert rows(got.position_ids) == [[0, 0, 0, 0]]
+    # Three pads in block 3 (slots 12-14); the token at offset 0 of block 1.
+    assert rows(got.cache_slots) == [[12, 13, 14, 4]]
+    assert rows(got.ctx_lens) == [[1, 1, 1, 1]]
+    assert rows(got.block_table) == [[1, 3]]
+
+
+def test_prefill_blocks_beyond_the_prompt_stay_in_the_table():
+    # A sequence may already hold the block its first output goes to.
+    got = prefill_chunks([1, 2, 3], [6, 4], block_size=4, max_blocks=3,
+                         pad_id=PAD_ID, pad_block=8)
+    assert rows(got.cache_slots) == [[32, 24, 25, 26]]
+    assert rows(got.block_table) == [[6, 4, 8]]
+
+
+def _expected_prefill(n, block_ids, bs, max_blocks, pad_block):
+    """The same tables written out position by position."""
+    chunks = -(-n // bs)
+    pad = chunks * bs - n
+    ids, pos, slots, ctx = [], [], [], []
+    for j in range(chunks * bs):
+        p = j - pad
+        if p < 0:
+            ids.append(PAD_ID)
+            pos.append(0)
+            slots.append(pad_block * bs + j)
+            ctx.append(1)
+        else:
+            ids.append(1000 + p)
+            pos.append(p)
+            slots.append(block_ids[p // bs] * bs + p % bs)
+            ctx.append(p + 1)
+    cut = lambda xs: [xs[c * bs:(c + 1) * bs] for c in range(chunks)]  # noqa: E731
+    table = list(block_ids) + [pad_block] * (max_blocks - len(block_ids))
+    return cut(ids), cut(pos), cut(slots), cut(ctx), [table] * chunks, pad
+
+
+@pytest.mark.parametrize("n, chunks, pad", [(1, 1, 63), (63, 1, 1),
+                                            (64, 1, 0), (65, 2, 63),
+                                            (130, 3, 62)])
+def test_prefill_block_size_64(n, chunks, pad):
+    block_ids = [5, 0, 3][:chunks]
+    max_blocks, pad_block = 4, 6
+    got = prefill_chunks([1000 + i for i in range(n)], block_ids, 64,
+                         max_blocks, PAD_ID, pad_block)
+    ids, pos, slots, ctx, table, want_pad = _expected_prefill(
+        n, block_ids, 64, max_blocks, pad_block)
+    assert want_pad == pad
+    assert got.input_ids.shape == (chunks, 64)
+    assert rows(got.input_ids) == ids
+    assert rows(got.position_ids) == pos
+    assert rows(got.cache_slots) == slots
+    assert rows(got.ctx_lens) == ctx
+    assert rows(got.block_table) == table
+    # The last chunk ends on the last token, which sees the whole prompt.
+    assert got.input_ids[-1, -1] == 1000 + n - 1
+    assert got.position_ids[-1, -1] == n - 1
+    assert got.ctx_lens[-1, -1] == n
+    # Every real token has its own slot, none in the spare block.
+    real = got.input_ids != PAD_ID
+    real_slots = got.cache_slots[real].tolist()
+    assert len(set(real_slots)) == n
+    assert all(s // 64 in block_ids for s in real_slots)
+    assert got.cache_slots[~real].div(64, rounding_mode="floor").eq(
+        pad_block).all()
+
+
+def test_prefill_65_tokens_explicit_values():
+    got = prefill_chunks(list(range(100, 165)), [2, 7], 64, 3, PAD_ID, 9)
+    # Chunk 0: 63 pads, then token 0 at slot 2 * 64.
+    assert got.input_ids[0, :63].eq(PAD_ID).all()
+    assert got.input_ids[0, 63] == 100
+    assert got.cache_slots[0, :63].tolist() == list(range(576, 639))
+    assert got.cache_slots[0, 63] == 128
+    assert got.ctx_lens[0].tolist() == [1] * 64
+    # Chunk 1: tokens 1..64; token 63 ends block 2, token 64 starts block 7.
+    assert got.input_ids[1].tolist() == list(range(101, 165))
+    assert got.position_ids[1].tolist() == list(range(1, 65))
+    assert got.cache_slots[1].tolist() == list(range(129, 192)) + [448]
+    assert got.ctx_lens[1].tolist() == list(range(2, 66))
+
+
+def test_prefill_errors():
+    with pytest.raises(ValueError, match="at least one token"):
+        prefill_chunks([], [0], 4, 2, PAD_ID, 3)
+    with pytest.raises(ValueError) as exc:
+        prefill_chunks(list(range(9)), [0, 1], 4, 4, PAD_ID, 5)
+    assert str(exc.value) == ("a prefill of 9 tokens needs 3 blocks, the "
+                              "sequence holds 2")
+    with pytest.raises(ValueError) as exc:
+        prefill_chunks(list(range(9)), [0, 1, 2], 4, 2, PAD_ID, 5)
+    assert str(exc.value) == ("a sequence holds 3 blocks, more than the 2 "
+                              "of max_model_len")
+
+
+# ------------------------------------------------------------- decode_batch
+def test_decode_small_blocks():
+    got = decode_batch([21, 22, 23], [1, 4, 6], [[3], [0], [2, 5]],
+                       block_size=4, max_blocks=3, pad_id=PAD_ID,
+                       pad_block=7)
+    assert_int64(got)
+    assert rows(got.input_ids) == [[21], [22], [23]]
+    assert rows(got.position_ids) == [[0], [3], [5]]
+    # 1 token: block 3 offset 0; 4 tokens: block 0 offset 3; 6 tokens:
+    # block 5 offset 1.
+    assert rows(got.cache_slots) == [[12], [3], [21]]
+    assert rows(got.ctx_lens) == [[1], [4], [6]]
+    assert rows(got.block_table) == [[3, 7, 7], [0, 7, 7], [2, 5, 7]]
+
+
+def test_decode_pads_to_min_batch():
+    assert MIN_DECODE_BATCH == 2
+    got = decode_batch([9], [3], [[4]], block_size=4, max_blocks=2, pad_id=1,
+                       pad_block=6)
+    assert rows(got.input_ids) == [[9], [1]]
+    assert rows(got.position_ids) == [[2], [0]]
+    # The padding row writes into the spare block (6 * 4 + its row index)
+    # and sees one token.
+    assert rows(got.cache_slots) == [[18], [25]]
+    assert rows(got.ctx_lens) == [[3], [1]]
+    assert rows(got.block_table) == [[4, 6], [6, 6]]
+
+
+def test_decode_without_sequences_is_all_padding():
+    got = decode_batch([], [], [], block_size=4, max_blocks=2, pad_id=1,
+                       pad_block=6)
+    assert rows(got.input_ids) == [[1], [1]]
+    assert rows(got.cache_slots) == [[24], [25]]
+    assert rows(got.ctx_lens) == [[1], [1]]
+    assert rows(got.block_table) == [[6, 6], [6, 6]]
+
+
+def test_decode_batch_is_not_padded_beyond_its_sequences():
+    got = decode_batch([1] * 5, [2] * 5, [[i] for i in range(5)], 4, 1,
+                       PAD_ID, 9)
+    assert got.input_ids.shape == (5, 1)
+    assert rows(got.cache_slots) == [[1], [5], [9], [13], [17]]
+
+
+def test_decode_across_a_block_boundary():
+    # 64 tokens: the last one is offset 63 of the first block; 65 tokens:
+    # offset 0 of the second.
+    got = decode_batch([5, 6], [64, 65], [[3, 1], [3, 1]], 64, 4, PAD_ID, 8)
+    assert rows(got.position_ids) == [[63], [64]]
+    assert rows(got.cache_slots) == [[3 * 64 + 63], [1 * 64]]
+    assert rows(got.ctx_lens) == [[64], [65]]
+    assert rows(got.block_table) == [[3, 1, 8, 8], [3, 1, 8, 8]]
+
+
+def test_decode_errors():
+    with pytest.raises(ValueError, match="one token, length and block table"):
+        decode_batch([1, 2], [3], [[0], [1]], 4, 2, PAD_ID, 5)
+    with pytest.raises(ValueError, match="one token, length and block table"):
+        decode_batch([1], [3], [[0], [1]], 4, 2, PAD_ID, 5)
+    with pytest.raises(ValueError) as exc:
+        decode_batch([1], [65], [[0]], 64, 2, PAD_ID, 5)
+    assert str(exc.value) == ("position 64 lies beyond the 1 blocks of its "
+                              "sequence")
+    with pytest.raises(ValueError) as exc:
+        decode_batch([1], [3], [[0, 1, 2]], 4, 2, PAD_ID, 5)
+    assert str(exc.value) == ("a sequence holds 3 blocks, more than the 2 "
+                              "of max_model_len")
+
+
+# --------------------------------------------------------- rejection_reason
+def test_rejection_reason_model_len_boundary():
+    # 60 + 4 == max_model_len: fits; one more token does not.
+    assert rejection_reason(60, 4, 64, 64, usable_blocks=10) is None
+    assert rejection_reason(1, 63, 64, 64, usable_blocks=10) is None
+    msg = rejection_reason(61, 4, 64, 64, usable_blocks=10)
+    assert msg is not None
+    assert "needs 65 tokens" in msg
+    assert "prompt length 61 + max_tokens 4" in msg
+    assert "max_model_len=64" in msg
+    assert "--max-model-len" in msg
+    assert rejection_reason(60, 5, 64, 64, usable_blocks=10) is not None
+
+
+def test_rejection_reason_block_boundary():
+    # 128 tokens need exactly the 2 usable blocks; 129 need 3.
+    assert rejection_reason(100, 28, 1024, 64, usable_blocks=2) is None
+    msg = rejection_reason(100, 29, 1024, 64, usable_blocks=2)
+    assert msg is not None
+    assert "needs 3 key/value blocks of 64 tokens" in msg
+    assert "prompt length 100 + max_tokens 29" in msg
+    assert "the 2 usable blocks" in msg
+    assert "--num-gpu-blocks-override" in msg
+    # A short request needs one block, however small the pool.
+    assert rejection_reason(1, 1, 1024, 64, usable_blocks=1) is None
+    assert rejection_reason(1, 1, 1024, 64, usable_blocks=0) is not None
+
+
+def test_rejection_reason_model_len_is_checked_first():
+    msg = rejection_reason(200, 100, 256, 64, usable_blocks=1)
+    assert "max_model_len=256" in msg
+    assert "key/value blocks" not in msg
+
+
+# ------------------------------------------------------------ PagedInputs
+def test_row_is_an_independent_batch_of_one():
+    chunks = prefill_chunks(list(range(1, 10)), [0, 1, 2], 4, 3, PAD_ID, 3)
+    before = [t.clone() for t in (chunks.input_ids, chunks.position_ids,
+                                  chunks.cache_slots, chunks.block_table,
+                                  chunks.ctx_lens)]
+    row = chunks.row(1)
+    # 9 tokens in 3 chunks of 4, left-padded by 3: chunk 1 holds
+    # positions 1-4, the last of them at offset 0 of block 1.
+    assert rows(row.input_ids) == [[2, 3, 4, 5]]
+    assert rows(row.position_ids) == [[1, 2, 3, 4]]
+    assert rows(row.cache_slots) == [[1, 2, 3, 4]]
+    assert rows(row.ctx_lens) == [[2, 3, 4, 5]]
+    assert rows(row.block_table) == [[0, 1, 2]]
+    for t in (row.input_ids, row.position_ids, row.cache_slots,
+              row.block_table, row.ctx_lens):
+        t.fill_(-1)
+    after = (chunks.input_ids, chunks.position_ids, chunks.cache_slots,
+             chunks.block_table, chunks.ctx_lens)
+    for a, b in zip(before, after):
+        assert torch.equal(a, b)
+    # The block table rows of a prefill are copies too, not one expanded
+    # row: writing one chunk's table leaves the others alone.
+    chunks.block_table[0, 0] = 99
+    assert chunks.block_table[1, 0] == 0
+
+
+def test_paged_inputs_is_frozen():
+    got = decode_batch([1], [1], [[0]], 4, 1, PAD_ID, 1)
+    with pytest.raises(Exception):
+        got.input_ids = torch.zeros(1)  # type: ignore[misc]
