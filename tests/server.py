@@ -1,6 +1,8 @@
-"""A real ``vllm serve`` process on loopback, for the online tests."""
+"""A real ``vllm serve`` process on loopback, for the online tests, and
+client helpers: a Prometheus metric's value, a streamed completion."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -81,3 +83,33 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def metric(server, name: str) -> float:
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+async def stream(client, url, model, prompt, max_tokens, cancel_after):
+    """Streams a completion; closes the connection after ``cancel_after``
+    tokens (None: read to the end).  Returns the tokens received."""
+    body = dict(model=model, prompt=prompt, max_tokens=max_tokens,
+                temperature=0, ignore_eos=True, stream=True,
+                stream_options={"include_usage": True})
+    got = 0
+    usage = None
+    async with client.stream("POST", url, json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            if chunk.get("usage"):
+                usage = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices"):
+                got += 1
+                if cancel_after is not None and got >= cancel_after:
+                    return got, None  # leaving the block drops the stream
+    return got, usage

@@ -243,3 +243,72 @@ def test_warmup_settings_are_ignored_with_a_warning(tiny_llama, caplog):
     assert len(outs[0].outputs[0].token_ids) == 3
     assert any("VLLM_SPYRE_WARMUP_BATCH_SIZES is set but ignored" in
                r.getMessage() for r in caplog.records)
+
+
+def test_ray_backend_tp2(tiny_llama, hf_tiny):
+    """Continuous batching on a one-machine Ray cluster declaring 2 cards."""
+    import ray
+    plan = [(3, 12), (130, 5), (64, 9), (20, 1)]
+    ray.init(num_cpus=2, resources={"spyre": 2}, include_dashboard=False,
+             _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        with spyre_llm(tiny_llama, cb_env("eager"), tensor_parallel_size=2,
+                       distributed_executor_backend="ray", max_num_seqs=2,
+                       max_model_len=256) as llm:
+            executor = type(llm.llm_engine.model_executor).__name__
+            reqs = make_requests(
+                llm.llm_engine.model_config.get_vocab_size(), plan)
+            got = [list(o.outputs[0].token_ids) for o in generate(llm, reqs)]
+            llm.llm_engine.model_executor.shutdown()
+    finally:
+        ray.shutdown()
+    assert executor == "RaySpyreExecutor"
+    assert got == [hf_tiny.greedy(p, m)[0] for p, m in reqs]
+
+
+# ---- sampling within one batch ---------------------------------------------
+
+def test_per_request_sampling_in_one_batch(tiny_llama):
+    """Seeded random sampling gives the same tokens alone and beside other
+    requests; greedy, n=2, stop tokens and logprobs share the batch."""
+    from vllm import SamplingParams, TokensPrompt
+    prompt = TokensPrompt(prompt_token_ids=[7, 8, 9, 10, 11])
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=1234,
+                            max_tokens=12, ignore_eos=True)
+    with spyre_llm(tiny_llama, cb_env("eager"), max_num_seqs=4,
+                   max_model_len=256) as llm:
+        alone = llm.generate([prompt], [seeded], use_tqdm=False)[0]
+        greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        ref = llm.generate([prompt], [greedy], use_tqdm=False)[0]
+        stop_at = ref.outputs[0].token_ids[3]
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=[20] * 70), prompt, prompt,
+             prompt, prompt],
+            [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+             seeded,
+             # n=2 of a one-token top-k: both samples are the greedy ones.
+             SamplingParams(temperature=1.0, top_k=1, max_tokens=10,
+                            ignore_eos=True, n=2),
+             SamplingParams(temperature=0, max_tokens=10,
+                            stop_token_ids=[stop_at]),
+             SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                            logprobs=3)],
+            use_tqdm=False)
+    ref_ids = list(ref.outputs[0].token_ids)
+    assert len(set(ref_ids)) > 1  # the seeded run below is not trivial
+    assert outs[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert [list(c.token_ids) for c in outs[2].outputs] == [ref_ids] * 2
+    stopped = list(outs[3].outputs[0].token_ids)
+    assert stopped == ref_ids[:ref_ids.index(stop_at) + 1]
+    assert outs[3].outputs[0].finish_reason == "stop"
+    lp = outs[4].outputs[0].logprobs
+    assert list(outs[4].outputs[0].token_ids) == ref_ids
+    assert all(len(step) >= 3 for step in lp)
+    assert all(step[t].rank == 1 for step, t in zip(lp, ref_ids))
+
+
+@pytest.mark.smollm2
+def test_smollm2_matches_transformers(smollm2):
+    run = run_workload(smollm2, "eager")
+    assert run["compiled"] == 0
+    assert_matches_hf(run, HFReference(smollm2))

@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from conftest import spyre_env, spyre_llm
-from server import Server
+from server import Server, metric
 
 pytestmark = pytest.mark.e2e
 
@@ -44,15 +44,6 @@ def model_name(server) -> str:
 def completion_ids(choice) -> list[int]:
     """Token ids of a completion asked with return_tokens_as_token_ids."""
     return [int(t.split(":")[1]) for t in choice.logprobs.tokens]
-
-
-def metric(server, name: str) -> float:
-    text = requests.get(server.url + "/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_engine_is_mqllmengine_in_its_own_process(server):

@@ -4,7 +4,6 @@ Every loop is bounded in count and time; all traffic stays on loopback."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import re
@@ -12,14 +11,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import requests
 
 from conftest import REPO, spyre_env
-from server import Server
+from server import Server, metric, stream
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from serving_load import run_load  # noqa: E402
@@ -33,36 +31,6 @@ ENV = spyre_env("eager", [64], [16], [4])
 def server(tiny_llama):
     with Server(tiny_llama, ENV) as srv:
         yield srv
-
-
-def metric(server, name: str) -> float:
-    text = requests.get(server.url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
-
-
-async def stream(client, url, model, prompt, max_tokens, cancel_after):
-    """Streams a completion; closes the connection after ``cancel_after``
-    tokens (None: read to the end).  Returns the tokens received."""
-    body = dict(model=model, prompt=prompt, max_tokens=max_tokens,
-                temperature=0, ignore_eos=True, stream=True,
-                stream_options={"include_usage": True})
-    got = 0
-    usage = None
-    async with client.stream("POST", url, json=body) as resp:
-        assert resp.status_code == 200
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            if chunk.get("usage"):
-                usage = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices"):
-                got += 1
-                if cancel_after is not None and got >= cancel_after:
-                    return got, None  # leaving the block drops the stream
-    return got, usage
 
 
 def test_abort_storm(server):

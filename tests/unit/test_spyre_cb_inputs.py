@@ -92,7 +92,10 @@ def _expected_prefill(n, block_ids, bs, max_blocks, pad_block):
             pos.append(p)
             slots.append(block_ids[p // bs] * bs + p % bs)
             ctx.append(p + 1)
-    cut = lambda xs: [xs[c * bs:(c + 1) * bs] for c in range(chunks)]  # noqa: E731
+
+    def cut(xs):
+        return [xs[c * bs:(c + 1) * bs] for c in range(chunks)]
+
     table = list(block_ids) + [pad_block] * (max_blocks - len(block_ids))
     return cut(ids), cut(pos), cut(slots), cut(ctx), [table] * chunks, pad
 

@@ -247,15 +247,67 @@ def test_bad_use_cb_value(no_sendnn, value):
     assert "1 (continuous batching)" in msg
 
 
-def test_use_cb_one_is_not_implemented(no_sendnn):
-    with pytest.raises(NotImplementedError) as exc:
-        SpyreConfig.from_env(environ={"VLLM_SPYRE_USE_CB": "1"})
-    msg = str(exc.value)
-    assert "VLLM_SPYRE_USE_CB=1" in msg
-    assert "continuous batching" in msg
-    assert "not yet supported" in msg
-    # Not a ValueError: callers can tell "unsupported" from "malformed".
-    assert not isinstance(exc.value, ValueError)
+def test_use_cb_one_selects_continuous_batching(no_sendnn):
+    cfg = SpyreConfig.from_env(environ={"VLLM_SPYRE_USE_CB": " 1 "})
+    assert cfg.use_cb is True
+    assert cfg.warmup_shapes == ()
+    assert cfg.ignored_vars == ()
+    assert cfg.dynamo_backend == "inductor"
+
+
+def test_static_batching_ignores_nothing(no_sendnn):
+    cfg = SpyreConfig.from_env(environ=shapes_env("128", "8", "2"))
+    assert cfg.use_cb is False
+    assert cfg.ignored_vars == ()
+
+
+def test_use_cb_lists_the_warmup_vars_it_ignores(no_sendnn):
+    env = {"VLLM_SPYRE_USE_CB": "1",
+           "VLLM_SPYRE_WARMUP_BATCH_SIZES": "4",
+           "VLLM_SPYRE_WARMUP_PROMPT_LENS": "128"}
+    cfg = SpyreConfig.from_env(environ=env)
+    assert cfg.warmup_shapes == ()
+    # In declaration order, whatever the order of the environment.
+    assert cfg.ignored_vars == ("VLLM_SPYRE_WARMUP_PROMPT_LENS",
+                                "VLLM_SPYRE_WARMUP_BATCH_SIZES")
+    every = dict(shapes_env("64", "20", "1"), VLLM_SPYRE_USE_CB="1")
+    assert SpyreConfig.from_env(environ=every).ignored_vars == (
+        "VLLM_SPYRE_WARMUP_PROMPT_LENS", "VLLM_SPYRE_WARMUP_NEW_TOKENS",
+        "VLLM_SPYRE_WARMUP_BATCH_SIZES")
+
+
+def test_use_cb_does_not_parse_the_ignored_warmup_vars(no_sendnn):
+    # Values static batching would reject are only reported as ignored.
+    env = shapes_env("100", "x", "1,2", VLLM_SPYRE_USE_CB="1")
+    cfg = SpyreConfig.from_env(environ=env)
+    assert cfg.use_cb is True and cfg.warmup_shapes == ()
+    assert len(cfg.ignored_vars) == 3
+
+
+def test_use_cb_still_validates_the_other_vars(no_sendnn):
+    with pytest.raises(ValueError, match="VLLM_SPYRE_DYNAMO_BACKEND='cuda'"):
+        SpyreConfig.from_env(environ={"VLLM_SPYRE_USE_CB": "1",
+                                      "VLLM_SPYRE_DYNAMO_BACKEND": "cuda"})
+    with pytest.raises(ValueError, match="AIU_WORLD_SIZE='0'"):
+        SpyreConfig.from_env(environ={"VLLM_SPYRE_USE_CB": "1",
+                                      "AIU_WORLD_SIZE": "0"})
+
+
+def test_use_cb_round_trip(no_sendnn):
+    env = {"VLLM_SPYRE_USE_CB": "1", "VLLM_SPYRE_DYNAMO_BACKEND": "eager",
+           "VLLM_SPYRE_WARMUP_NEW_TOKENS": "20", "SPYRE_DEVICES": "0,1"}
+    cfg = SpyreConfig.from_env(environ=env)
+    d = cfg.to_dict()
+    assert d["use_cb"] is True
+    assert d["warmup_shapes"] == ()
+    assert d["ignored_vars"] == ("VLLM_SPYRE_WARMUP_NEW_TOKENS", )
+    back = SpyreConfig.from_dict(d)
+    assert back == cfg
+    assert back.use_cb is True
+    assert back.ignored_vars == ("VLLM_SPYRE_WARMUP_NEW_TOKENS", )
+    via_json = SpyreConfig.from_dict(json.loads(json.dumps(d)))
+    assert via_json == cfg  # JSON turns the tuples into lists
+    assert SpyreConfig.from_dict(pickle.loads(pickle.dumps(d))) == cfg
 
 
 # ---------------------------------------------------------- derived limits

@@ -1,0 +1,133 @@
+"""The OpenAI server (MQLLMEngine) under continuous batching, on loopback:
+streams that arrive while others decode join the running batch and get the
+tokens they would get alone; an abort storm leaves every block free;
+requests that can never fit get HTTP 400 and the server keeps serving."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import httpx
+import pytest
+import requests
+
+from server import Server, metric, stream
+
+pytestmark = pytest.mark.e2e
+
+ENV = {"VLLM_SPYRE_USE_CB": "1", "VLLM_SPYRE_DYNAMO_BACKEND": "eager"}
+# 4 sequences at once, 512 tokens each at most, and a pool of 6 blocks
+# (384 tokens): small enough that requests also wait for blocks.
+ARGS = ("--max-num-seqs", "4", "--max-model-len", "512",
+        "--num-gpu-blocks-override", "6")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    with Server(tiny_llama, ENV, args=ARGS) as srv:
+        yield srv
+
+
+def complete(server, prompt, max_tokens) -> requests.Response:
+    return requests.post(server.url + "/v1/completions",
+                         json=dict(model=server.model, prompt=prompt,
+                                   max_tokens=max_tokens, temperature=0,
+                                   ignore_eos=True),
+                         timeout=120)
+
+
+async def timed_stream(client, server, prompt, max_tokens):
+    """Streams a completion; returns (text, arrival time of each token)."""
+    body = dict(model=server.model, prompt=prompt, max_tokens=max_tokens,
+                temperature=0, ignore_eos=True, stream=True)
+    text, times = "", []
+    async with client.stream("POST", server.url + "/v1/completions",
+                             json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choices = json.loads(line[6:])["choices"]
+                if choices:
+                    text += choices[0]["text"]
+                    times.append(time.monotonic())
+    return text, times
+
+
+def test_streams_join_a_running_batch(server):
+    """A long stream is decoding when three more arrive: they get their
+    first tokens before it ends, and every text equals the same request
+    served alone."""
+    long = ([9] * 30, 120)
+    later = [([5 + i] * (10 + 40 * i), 12) for i in range(3)]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            first = asyncio.create_task(
+                timed_stream(client, server, *long))
+            deadline = time.monotonic() + 60
+            while metric(server, "vllm:num_requests_running") < 1:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            rest = await asyncio.gather(*(timed_stream(client, server, *r)
+                                          for r in later))
+            return await first, rest
+
+    (long_text, long_times), rest = asyncio.run(
+        asyncio.wait_for(main(), timeout=300))
+    assert len(long_times) == 120
+    for (text, times), (prompt, n) in zip(rest, later):
+        assert len(times) == n
+        assert times[0] < long_times[-1], "did not join the running batch"
+        assert text == complete(server, prompt, n).json()["choices"][0][
+            "text"]
+    assert long_text == complete(server, *long).json()["choices"][0]["text"]
+
+
+def test_abort_storm_frees_every_block(server):
+    """30 streams, about a third dropped mid-stream: the others get all
+    their tokens, and afterwards no request and no block is held."""
+    rng = random.Random(3)
+    plan = [([rng.randint(3, 380) for _ in range(rng.randint(1, 150))],
+             rng.randint(4, 60)) for _ in range(30)]
+    cancel = [rng.randint(1, n - 1) if rng.random() < 0.35 else None
+              for _, n in plan]
+    url = server.url + "/v1/completions"
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(
+                stream(client, url, server.model, p, n, c)
+                for (p, n), c in zip(plan, cancel)))
+
+    results = asyncio.run(asyncio.wait_for(main(), timeout=300))
+    assert any(c is not None for c in cancel)
+    for (_, n), c, (got, usage) in zip(plan, cancel, results):
+        assert (got, usage) == ((n, n) if c is None else (c, None))
+    deadline = time.monotonic() + 30
+    while (metric(server, "vllm:num_requests_running") +
+           metric(server, "vllm:num_requests_waiting") +
+           metric(server, "vllm:gpu_cache_usage_perc")) > 0:
+        assert time.monotonic() < deadline, "blocks left held"
+        time.sleep(0.2)
+    assert complete(server, [5] * 9, 8).json()["usage"][
+        "completion_tokens"] == 8
+    assert "Traceback" not in server.log()
+
+
+def test_requests_that_cannot_fit_get_http_400(server):
+    # Longer than --max-model-len: vLLM's own check.
+    too_long = complete(server, [5] * 500, 20)
+    assert too_long.status_code == 400
+    assert "512" in too_long.text
+    # Within max_model_len, but 7 blocks of 64 and the pool has 6.
+    too_wide = complete(server, [5] * 300, 100)
+    assert too_wide.status_code == 400
+    assert "needs 7 key/value blocks" in too_wide.text
+    assert "6 usable blocks" in too_wide.text
+    # The server keeps serving, and nothing was left queued.
+    ok = complete(server, [5] * 300, 84)
+    assert ok.status_code == 200
+    assert ok.json()["usage"]["completion_tokens"] == 84
+    assert metric(server, "vllm:num_requests_waiting") == 0

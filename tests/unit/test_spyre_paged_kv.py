@@ -1,0 +1,543 @@
+"""The paged key/value pool of continuous batching against plain attention.
+
+``spyre_paged_kv`` stores a step's keys and values into a block pool and
+attends through a block table.  Checked here:
+
+* the torch-op path (``compute``) equals causal attention over the same
+  keys laid out contiguously (a float64 softmax written out), for a decode
+  batch of sequences of different lengths and for left-padded prefill
+  chunks, with grouped-query and plain heads and a shuffled block table;
+* the C++ kernel path (``compute_kernel``) equals the torch-op path, also
+  for head sizes that do not fill a 16-float vector, and never reads a slot
+  outside a row's context (those hold NaN here);
+* the kernel's argument checks, and tracing under ``torch.compile`` with a
+  dynamic batch;
+* a tiny FMS LLaMA prefilled chunk by chunk and decoding two sequences in
+  one batch through the pool gives the logits and greedy tokens of FMS's
+  own forward over the whole sequence.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm.model_executor.model_loader import spyre_cpu_linear, spyre_paged_kv
+from vllm.model_executor.model_loader.spyre_kv_cache import CacheLayout
+from vllm.platforms.spyre_config import CB_BLOCK_SIZE
+from vllm.worker.spyre_cb_inputs import (PagedInputs, blocks_needed,
+                                         decode_batch, prefill_chunks)
+
+BS = CB_BLOCK_SIZE
+needs_kernel = pytest.mark.skipif(not spyre_cpu_linear.available(),
+                                  reason="no C++ compiler for the kernel")
+
+# (heads, kv heads, head size): grouped-query, plain multi-head, and head
+# sizes that are not a multiple of the kernel's 16-float vector.
+HEADS = [(4, 2, 16), (3, 3, 8), (6, 2, 20), (2, 1, 36)]
+
+
+def _slot(table, t: int) -> int:
+    return int(table[t // BS]) * BS + t % BS
+
+
+class Pool:
+    """A pool of ``blocks`` blocks holding finite garbage, and the
+    contiguous keys/values of the sequences written into it."""
+
+    def __init__(self, blocks, kvh, D, Dv, seed=0):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.kvh, self.D, self.Dv = kvh, D, Dv
+        self.keys = 3 * torch.randn(blocks * BS, kvh, D, generator=self.gen)
+        self.values = 3 * torch.randn(blocks * BS, kvh, Dv,
+                                      generator=self.gen)
+
+    def sequence(self, n):
+        """Random keys/values of an n-token sequence: [n, kvh, D/Dv]."""
+        return (torch.randn(n, self.kvh, self.D, generator=self.gen),
+                torch.randn(n, self.kvh, self.Dv, generator=self.gen))
+
+    def write(self, table, k, v, start=0, end=None):
+        """Tokens start..end of a sequence through its block table, as
+        earlier steps would have stored them."""
+        end = k.shape[0] if end is None else end
+        for t in range(start, end):
+            self.keys[_slot(table, t)] = k[t]
+            self.values[_slot(table, t)] = v[t]
+
+
+def _reference(q, seq_k, seq_v, ctx_lens, scale=None):
+    """q: [B, L, H, D]; seq_k/seq_v: per row, the contiguous [n, kvh, D]
+    keys/values of its sequence; ctx_lens: [B, L].  Attention of each
+    position over the first ctx_lens[b, l] tokens, in float64."""
+    B, L, H, D = q.shape
+    scale = D**-0.5 if scale is None else scale
+    out = torch.empty(B, L, H, seq_v[0].shape[-1], dtype=torch.float64)
+    for b in range(B):
+        kvh = seq_k[b].shape[1]
+        k = seq_k[b].double().repeat_interleave(H // kvh, dim=1)  # [n, H, D]
+        v = seq_v[b].double().repeat_interleave(H // kvh, dim=1)
+        for pos in range(L):
+            n = int(ctx_lens[b, pos])
+            scores = torch.einsum("hd,nhd->hn", q[b, pos].double(),
+                                  k[:n]) * scale
+            probs = torch.exp(scores - scores.max(-1, keepdim=True).values)
+            probs = probs / probs.sum(-1, keepdim=True)
+            out[b, pos] = torch.einsum("hn,nhd->hd", probs, v[:n])
+    return out.float()
+
+
+def _attend(op, q, pool_k, pool_v, H, kvh, step: PagedInputs, scale=None):
+    return op(q, pool_k, pool_v, H, kvh, 0.0, scale,
+              block_table=step.block_table, ctx_lens=step.ctx_lens,
+              cache_slots=step.cache_slots)
+
+
+def _store(pool, keys, values, step):
+    k, v, rk, rv = spyre_paged_kv._store(keys, values, pool.keys,
+                                         pool.values,
+                                         cache_slots=step.cache_slots)
+    assert k is pool.keys and v is pool.values
+    assert rk is pool.keys and rv is pool.values
+
+
+# ---- a decode batch --------------------------------------------------------
+LENS = [64, 65, 3, 130]  # both sides of a block boundary, one and 3 blocks
+POOL_BLOCKS = 9  # 1 + 2 + 1 + 3 blocks, one free, and the spare (8)
+PAD_BLOCK = 8
+MAX_BLOCKS = 4
+
+
+def _decode_case(H, kvh, D, Dv, seed=0, lens=LENS):
+    """A pool holding every sequence but its last token, the decode step of
+    the last tokens, their queries/keys/values and the contiguous
+    sequences."""
+    pool = Pool(POOL_BLOCKS, kvh, D, Dv, seed)
+    order = torch.randperm(PAD_BLOCK, generator=pool.gen).tolist()
+    tables, seqs = [], []
+    for n in lens:
+        need = blocks_needed(n, BS)
+        tables.append(order[:need])
+        order = order[need:]
+        seqs.append(pool.sequence(n))
+        pool.write(tables[-1], *seqs[-1], end=n - 1)
+    step = decode_batch([7] * len(lens), lens, tables, BS, MAX_BLOCKS, 0,
+                        PAD_BLOCK)
+    B = step.input_ids.shape[0]
+    q = torch.randn(B, 1, H, D, generator=pool.gen)
+    new_k = torch.randn(B, 1, kvh, D, generator=pool.gen)
+    new_v = torch.randn(B, 1, kvh, Dv, generator=pool.gen)
+    for b, n in enumerate(lens):
+        new_k[b, 0], new_v[b, 0] = seqs[b][0][n - 1], seqs[b][1][n - 1]
+    return pool, tables, seqs, step, q, new_k, new_v
+
+
+@pytest.mark.parametrize("H, kvh, D", HEADS)
+def test_torch_ops_decode_matches_contiguous_attention(H, kvh, D):
+    pool, tables, seqs, step, q, new_k, new_v = _decode_case(H, kvh, D, D)
+    _store(pool, new_k, new_v, step)
+    # The step's own keys landed in their slots.
+    for b, n in enumerate(LENS):
+        s = _slot(tables[b], n - 1)
+        assert int(step.cache_slots[b, 0]) == s
+        assert torch.equal(pool.keys[s], seqs[b][0][n - 1])
+        assert torch.equal(pool.values[s], seqs[b][1][n - 1])
+    for scale in (None, 0.3):
+        got = _attend(spyre_paged_kv.compute, q, pool.keys, pool.values, H,
+                      kvh, step, scale)
+        assert got.shape == (4, 1, H, D)
+        ref = _reference(q, [k for k, _ in seqs], [v for _, v in seqs],
+                         step.ctx_lens, scale)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_ops_decode_with_padding_row():
+    H, kvh, D = 4, 2, 16
+    pool, tables, seqs, step, q, new_k, new_v = _decode_case(
+        H, kvh, D, D, lens=[70])
+    assert step.input_ids.shape == (2, 1)  # padded to MIN_DECODE_BATCH
+    _store(pool, new_k, new_v, step)
+    got = _attend(spyre_paged_kv.compute, q, pool.keys, pool.values, H, kvh,
+                  step)
+    # The live row sees its 70 tokens; the padding row sees the first slot
+    # of the spare block.
+    spare = PAD_BLOCK * BS
+    ref = _reference(q, [seqs[0][0], pool.keys[spare:spare + 1]],
+                     [seqs[0][1], pool.values[spare:spare + 1]],
+                     step.ctx_lens)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+# ---- prefill chunks --------------------------------------------------------
+def _prefill_case(n, H, kvh, D, Dv, seed=0):
+    """Chunks of an n-token prompt over a shuffled table, with per chunk the
+    queries and keys/values (pads: random)."""
+    pool = Pool(POOL_BLOCKS, kvh, D, Dv, seed)
+    table = torch.randperm(PAD_BLOCK, generator=pool.gen)[:blocks_needed(
+        n, BS)].tolist()
+    seq_k, seq_v = pool.sequence(n)
+    chunks = prefill_chunks(list(range(1, n + 1)), table, BS, MAX_BLOCKS, 0,
+                            PAD_BLOCK)
+    C = chunks.input_ids.shape[0]
+    pad = C * BS - n
+    keys = torch.randn(C * BS, kvh, D, generator=pool.gen)
+    values = torch.randn(C * BS, kvh, Dv, generator=pool.gen)
+    keys[pad:], values[pad:] = seq_k, seq_v
+    q = torch.randn(C, BS, H, D, generator=pool.gen)
+    return (pool, table, seq_k, seq_v, chunks, q, keys.view(C, BS, kvh, D),
+            values.view(C, BS, kvh, Dv))
+
+
+@pytest.mark.parametrize("H, kvh, D", HEADS[:2])
+@pytest.mark.parametrize("n", [1, 64, 100, 130])
+def test_torch_ops_prefill_chunks_match_causal_attention(n, H, kvh, D):
+    pool, table, seq_k, seq_v, chunks, q, keys, values = _prefill_case(
+        n, H, kvh, D, D)
+    for c in range(chunks.input_ids.shape[0]):
+        row = chunks.row(c)
+        _store(pool, keys[c:c + 1], values[c:c + 1], row)
+        got = _attend(spyre_paged_kv.compute, q[c:c + 1], pool.keys,
+                      pool.values, H, kvh, row)
+        # Real positions: causal over the prompt; pads: its first token.
+        ref = _reference(q[c:c + 1], [seq_k], [seq_v], row.ctx_lens)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5,
+                                   msg=f"chunk {c}")
+    # The pool now holds the prompt in order through the table.
+    for t in range(n):
+        assert torch.equal(pool.keys[_slot(table, t)], seq_k[t])
+
+
+def test_left_padded_chunk_equals_sdpa_causal():
+    """The last position of a 100-token prompt's chunks, against torch's
+    causal sdpa over the contiguous prompt."""
+    H, kvh, D, n = 4, 2, 16, 100
+    pool, table, seq_k, seq_v, chunks, q, keys, values = _prefill_case(
+        n, H, kvh, D, D)
+    outs = []
+    for c in range(2):
+        row = chunks.row(c)
+        _store(pool, keys[c:c + 1], values[c:c + 1], row)
+        outs.append(_attend(spyre_paged_kv.compute, q[c:c + 1], pool.keys,
+                            pool.values, H, kvh, row))
+    pad = 2 * BS - n
+    got = torch.cat(outs, 1)[:, pad:]  # [1, n, H, D]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.reshape(1, 2 * BS, H, D)[:, pad:].transpose(1, 2),
+        seq_k.unsqueeze(0).transpose(1, 2).repeat_interleave(H // kvh, 1),
+        seq_v.unsqueeze(0).transpose(1, 2).repeat_interleave(H // kvh, 1),
+        is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+# ---- the C++ kernel --------------------------------------------------------
+def _poison_unread(pool_k, pool_v, step: PagedInputs):
+    """Copies of the pools with NaN in every slot no position may read."""
+    readable = torch.zeros(pool_k.shape[0], dtype=torch.bool)
+    B, L = step.ctx_lens.shape
+    for b in range(B):
+        for pos in range(L):
+            for t in range(int(step.ctx_lens[b, pos])):
+                readable[_slot(step.block_table[b], t)] = True
+    k, v = pool_k.clone(), pool_v.clone()
+    k[~readable] = float("nan")
+    v[~readable] = float("nan")
+    assert (~readable).sum() > BS  # whole blocks are poisoned
+    return k, v
+
+
+@needs_kernel
+@pytest.mark.parametrize("H, kvh, D", HEADS)
+def test_kernel_decode_matches_torch_ops(H, kvh, D):
+    pool, _, _, step, q, new_k, new_v = _decode_case(H, kvh, D, D, seed=1)
+    _store(pool, new_k, new_v, step)
+    nan_k, nan_v = _poison_unread(pool.keys, pool.values, step)
+    for scale in (None, 0.3):
+        ref = _attend(spyre_paged_kv.compute, q, pool.keys, pool.values, H,
+                      kvh, step, scale)
+        got = _attend(spyre_paged_kv.compute_kernel, q, nan_k, nan_v, H,
+                      kvh, step, scale)
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("H, kvh, D", HEADS)
+def test_kernel_prefill_matches_torch_ops(H, kvh, D):
+    pool, _, _, _, chunks, q, keys, values = _prefill_case(100, H, kvh, D, D,
+                                                           seed=2)
+    for c in range(2):
+        row = chunks.row(c)
+        _store(pool, keys[c:c + 1], values[c:c + 1], row)
+        nan_k, nan_v = _poison_unread(pool.keys, pool.values, row)
+        ref = _attend(spyre_paged_kv.compute, q[c:c + 1], pool.keys,
+                      pool.values, H, kvh, row)
+        got = _attend(spyre_paged_kv.compute_kernel, q[c:c + 1], nan_k,
+                      nan_v, H, kvh, row)
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_kernel_value_head_size_may_differ():
+    H, kvh, D, Dv = 4, 2, 16, 24
+    pool, _, seqs, step, q, new_k, new_v = _decode_case(H, kvh, D, Dv)
+    _store(pool, new_k, new_v, step)
+    got = _attend(spyre_paged_kv.compute_kernel, q, pool.keys, pool.values,
+                  H, kvh, step)
+    assert got.shape == (4, 1, H, Dv)
+    ref = _reference(q, [k for k, _ in seqs], [v for _, v in seqs],
+                     step.ctx_lens)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def _raw_args(B=2, kvh=2, group=2, D=16, blocks=3, block_size=4, MB=2):
+    gen = torch.Generator().manual_seed(0)
+    return dict(
+        query=torch.randn(B, kvh, group, D, generator=gen),
+        key_pool=torch.randn(blocks * block_size, kvh, D, generator=gen),
+        value_pool=torch.randn(blocks * block_size, kvh, D, generator=gen),
+        block_table=torch.tensor([[0, 2], [1, 0]])[:B, :MB],
+        ctx_lens=torch.tensor([[5], [8]])[:B],
+        block_size=block_size,
+        scale=0.25)
+
+
+def _paged(args):
+    return torch.ops.spyre_cpu.paged_attention(
+        args["query"], args["key_pool"], args["value_pool"],
+        args["block_table"], args["ctx_lens"], args["block_size"],
+        args["scale"])
+
+
+@needs_kernel
+def test_kernel_small_blocks_and_empty_context():
+    args = _raw_args()
+    out = _paged(args)  # [B, kvh, group, D]
+    # Row 1, kv head 0, the first of its group: tokens 0-3 in block 1,
+    # 4-7 in block 0, computed by hand.
+    slots = [4, 5, 6, 7, 0, 1, 2, 3]
+    k = args["key_pool"][slots, 0]  # [8, D]
+    v = args["value_pool"][slots, 0]
+    probs = torch.softmax(k @ args["query"][1, 0, 0] * 0.25, dim=0)
+    torch.testing.assert_close(out[1, 0, 0], probs @ v, atol=1e-5,
+                               rtol=1e-5)
+    # A position that sees nothing gets zeros.
+    args["ctx_lens"] = torch.tensor([[0], [8]])
+    out = _paged(args)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert out[1].abs().sum() > 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("change, message", [
+    (dict(block_table=torch.tensor([[0, 3], [1, 0]])),
+     "block 3 outside the pool of 3 blocks"),
+    (dict(block_table=torch.tensor([[0, 2], [-1, 0]])),
+     "block -1 outside the pool of 3 blocks"),
+    (dict(ctx_lens=torch.tensor([[5], [9]])),
+     "context length 9 outside the block table's 8 tokens"),
+    (dict(ctx_lens=torch.tensor([[-1], [8]])),
+     "context length -1 outside the block table's 8 tokens"),
+    (dict(block_size=5), "pool of 12 slots is not a whole number of blocks "
+     "of 5"),
+    (dict(block_size=0), "not a whole number of blocks of 0"),
+    (dict(key_pool=torch.zeros(12, 2, 8)), "pools"),
+    (dict(value_pool=torch.zeros(8, 2, 16)), "pools"),
+    (dict(ctx_lens=torch.tensor([[5]])), "ctx_lens"),
+    (dict(ctx_lens=torch.zeros(2, 0, dtype=torch.long)), "ctx_lens"),
+    (dict(query=torch.zeros(2, 2, 2, 16, dtype=torch.float64)),
+     "float32 only, got Double"),
+    (dict(key_pool=torch.zeros(12, 2, 16, dtype=torch.bfloat16)),
+     "float32 only"),
+    (dict(block_table=torch.tensor([[0, 2], [1, 0]], dtype=torch.int32)),
+     "must be int64"),
+    (dict(ctx_lens=torch.tensor([[5], [8]], dtype=torch.int32)),
+     "must be int64"),
+    (dict(block_table=torch.tensor([0, 2])), "2-d block table"),
+])
+def test_kernel_rejects_bad_inputs(change, message):
+    args = dict(_raw_args(), **change)
+    with pytest.raises(RuntimeError) as exc:
+        _paged(args)
+    assert message in str(exc.value)
+
+
+# ---- torch.compile ---------------------------------------------------------
+def _compiled_decode_steps(op):
+    """The op traced once with a dynamic batch, then called at three batch
+    sizes; returns the number of compilations."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    H, kvh, D = 4, 2, 16
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def attend(q, pool_k, pool_v, block_table, ctx_lens):
+        return op(q, pool_k, pool_v, H, kvh, 0.0, None,
+                  block_table=block_table, ctx_lens=ctx_lens)
+
+    compiled = torch.compile(attend, backend=counter, fullgraph=True)
+    for lens in ([64, 65], [64, 65, 3], LENS):
+        pool, _, _, step, q, new_k, new_v = _decode_case(H, kvh, D, D,
+                                                         lens=lens)
+        _store(pool, new_k, new_v, step)
+        args = (q, pool.keys, pool.values, step.block_table, step.ctx_lens)
+        for t in (q, step.block_table, step.ctx_lens):
+            torch._dynamo.mark_dynamic(t, 0, min=2, max=16)
+        got = compiled(*args)
+        assert got.shape == (len(lens), 1, H, D)
+        torch.testing.assert_close(got, attend(*args), atol=1e-5, rtol=1e-5)
+    return counter.frame_count
+
+
+def test_torch_ops_trace_with_dynamic_batch():
+    assert _compiled_decode_steps(spyre_paged_kv.compute) == 1
+
+
+@needs_kernel
+def test_kernel_traces_with_dynamic_batch():
+    assert _compiled_decode_steps(spyre_paged_kv.compute_kernel) == 1
+
+
+# ---- PoolLayout ------------------------------------------------------------
+def test_pool_layout_allocates_and_sizes_blocks():
+    layout = spyre_paged_kv.PoolLayout(
+        CacheLayout(layers=3, kv_heads=2, k_head_dim=16, v_head_dim=8))
+    assert layout.block_size == BS
+    pools = layout.allocate(5, torch.float32)
+    assert len(pools) == 3
+    for k, v in pools:
+        assert k.shape == (5 * BS, 2, 16) and v.shape == (5 * BS, 2, 8)
+        assert not k.any() and not v.any()
+    # One block over all layers: 3 layers * 64 tokens * 2 heads * (16 + 8)
+    # floats.
+    assert layout.block_bytes(torch.float32) == 3 * 64 * 2 * 24 * 4
+    assert layout.block_bytes(torch.float16) == 3 * 64 * 2 * 24 * 2
+    assert 5 * layout.block_bytes(torch.float32) == sum(
+        k.nbytes + v.nbytes for k, v in pools)
+
+
+def test_register_is_idempotent():
+    from fms.modules import attention
+    spyre_paged_kv.register()
+    spyre_paged_kv.register()
+    ops = attention.get_attention_type(attn_name=spyre_paged_kv.ATTN_NAME)
+    assert ops["store"] is spyre_paged_kv._store
+    assert ops["compute_decode"] is spyre_paged_kv.compute
+    kernel = attention.get_attention_type(
+        attn_name=spyre_paged_kv.ATTN_NAME_CPU_KERNEL)
+    assert kernel["compute_decode"] is spyre_paged_kv.compute_kernel
+    # No separate prefill op: a chunk attends through the pool too.
+    assert ops["is_prefill"]() is True
+    assert ops["compute_prefill"] is spyre_paged_kv.compute
+
+
+# ---- a tiny FMS model end to end -------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_fms():
+    from fms.models.llama import LLaMA, LLaMAConfig
+    torch.manual_seed(0)
+    model = LLaMA(LLaMAConfig(src_vocab_size=96, emb_dim=64, nheads=4,
+                              kvheads=2, nlayers=2, hidden_grow_factor=2.0,
+                              max_expected_seq_len=256))
+    model.reset_parameters()
+    model.post_init()
+    model.eval()
+    spyre_paged_kv.register()
+    return model
+
+
+class PagedRun:
+    """Sequences sharing one pool, driven as the CB runner drives them."""
+
+    def __init__(self, model, attn_name, blocks=9, max_blocks=4, seed=0):
+        self.model, self.attn_name = model, attn_name
+        layout = spyre_paged_kv.PoolLayout(CacheLayout.of(model))
+        self.pool = layout.allocate(blocks, torch.float32)
+        gen = torch.Generator().manual_seed(seed)
+        for k, v in self.pool:  # stale values of earlier sequences
+            k.copy_(torch.randn(k.shape, generator=gen))
+            v.copy_(torch.randn(v.shape, generator=gen))
+        self.pad_block = blocks - 1
+        self.free = torch.randperm(self.pad_block, generator=gen).tolist()
+        self.max_blocks = max_blocks
+        self.tables: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.logits: dict[str, list[torch.Tensor]] = {}
+
+    def _forward(self, step: PagedInputs) -> torch.Tensor:
+        logits, cache = self.model(
+            step.input_ids, position_ids=step.position_ids,
+            past_key_value_states=self.pool, use_cache=True,
+            last_n_tokens=1, attn_name=self.attn_name,
+            cache_slots=step.cache_slots, block_table=step.block_table,
+            ctx_lens=step.ctx_lens)
+        assert all(k is pk and v is pv
+                   for (k, v), (pk, pv) in zip(cache, self.pool))
+        return logits[:, -1]  # [B, vocab]
+
+    def _grow(self, name):
+        while blocks_needed(len(self.tokens[name]),
+                            BS) > len(self.tables[name]):
+            self.tables[name].append(self.free.pop())
+
+    def prefill(self, name, prompt):
+        self.tokens[name] = list(prompt)
+        self.tables[name] = []
+        self._grow(name)
+        chunks = prefill_chunks(prompt, self.tables[name], BS,
+                                self.max_blocks, 0, self.pad_block)
+        for c in range(chunks.input_ids.shape[0]):
+            logits = self._forward(chunks.row(c))
+        self.logits[name] = [logits[0]]
+        self.tokens[name].append(int(logits[0].argmax()))
+
+    def decode(self, names):
+        for name in names:
+            self._grow(name)
+        step = decode_batch([self.tokens[n][-1] for n in names],
+                            [len(self.tokens[n]) for n in names],
+                            [self.tables[n] for n in names], BS,
+                            self.max_blocks, 0, self.pad_block)
+        logits = self._forward(step)
+        assert logits.shape[0] == max(len(names), 2)
+        for i, name in enumerate(names):
+            self.logits[name].append(logits[i])
+            self.tokens[name].append(int(logits[i].argmax()))
+
+
+def _attn_names():
+    kernel = pytest.param(spyre_paged_kv.ATTN_NAME_CPU_KERNEL,
+                          marks=needs_kernel)
+    return [spyre_paged_kv.ATTN_NAME, kernel]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("attn_name", _attn_names())
+def test_tiny_fms_paged_matches_fms_forward(tiny_fms, attn_name):
+    gen = torch.Generator().manual_seed(1)
+    prompts = {
+        "a": torch.randint(1, 96, (62, ), generator=gen).tolist(),
+        "b": torch.randint(1, 96, (130, ), generator=gen).tolist(),
+        "c": torch.randint(1, 96, (5, ), generator=gen).tolist(),
+    }
+    run = PagedRun(tiny_fms, attn_name)
+    run.prefill("a", prompts["a"])
+    run.prefill("b", prompts["b"])
+    for _ in range(4):  # a crosses from 1 block into 2 (64 -> 65 tokens)
+        run.decode(["a", "b"])
+    run.decode(["b"])  # b alone: a padding row
+    run.prefill("c", prompts["c"])  # joins the running batch
+    for _ in range(2):
+        run.decode(["c", "b", "a"])
+    assert len(run.tables["a"]) == 2 and len(run.tables["b"]) == 3
+
+    for name, prompt in prompts.items():
+        tokens, logits = run.tokens[name], run.logits[name]
+        n = len(prompt)
+        # FMS's own forward, no cache, over the prompt and every output
+        # token but the last (which was never fed back).
+        ref = tiny_fms(torch.tensor([tokens[:-1]]), use_cache=False)[0]
+        ref = ref[n - 1:]  # [outputs, vocab]
+        assert len(logits) == ref.shape[0]
+        torch.testing.assert_close(torch.stack(logits), ref, atol=1e-4,
+                                   rtol=1e-4, msg=f"sequence {name}")
+        assert tokens[n:] == ref.argmax(-1).tolist(), name
