@@ -156,6 +156,9 @@ def test_prefill_errors():
         prefill_chunks(list(range(9)), [0, 1, 2], 4, 2, PAD_ID, 5)
     assert str(exc.value) == ("a sequence holds 3 blocks, more than the 2 "
                               "of max_model_len")
+    with pytest.raises(ValueError) as exc:
+        decode_batch([5], [0], [[3]], 64, 2, PAD_ID, 7)
+    assert str(exc.value) == "sequence lengths must be positive, got [0]"
 
 
 # ------------------------------------------------------------- decode_batch

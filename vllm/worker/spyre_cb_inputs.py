@@ -122,6 +122,9 @@ def decode_batch(last_tokens: Sequence[int], seq_lens: Sequence[int],
     n = len(last_tokens)
     if not n == len(seq_lens) == len(block_tables):
         raise ValueError("one token, length and block table per sequence")
+    if any(length < 1 for length in seq_lens):
+        raise ValueError(f"sequence lengths must be positive, got "
+                         f"{list(seq_lens)}")
     rows = max(n, MIN_DECODE_BATCH)
     spare = [pad_block] * max_blocks
     tables = [_table_row(t, max_blocks, pad_block)

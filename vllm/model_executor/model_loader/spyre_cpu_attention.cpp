@@ -164,8 +164,10 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys,
 // query position r / group); key_pool: [S, KVH, D] and value_pool:
 // [S, KVH, Dv], S = blocks * block_size; block_table: [B, MB] int64;
 // ctx_lens: [B, L] int64, the tokens query position l of sequence b sees
-// (its first ctx_lens[b, l] tokens; 0 for a padding position, which gets
-// zeros).  Returns [B, KVH, R, Dv].
+// (its first ctx_lens[b, l] tokens; a length of 0 gives zeros, though the
+// model runner gives padding positions one token to see, so that the
+// torch-op path, which would give NaN there, agrees).  Returns
+// [B, KVH, R, Dv].
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool,
                            const at::Tensor& value_pool,
                            const at::Tensor& block_table,
@@ -174,7 +176,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool,
   check_float_query(query, key_pool, value_pool, "paged_attention");
   TORCH_CHECK(block_table.scalar_type() == at::kLong &&
                   ctx_lens.scalar_type() == at::kLong,
-              "paged_attention: block_table and ctx_lens must be int64");
+              "paged_attention: block_table and ctx_lens must be int64, got ",
+              block_table.scalar_type(), " and ", ctx_lens.scalar_type());
   TORCH_CHECK(query.dim() == 4 && key_pool.dim() == 3 &&
                   value_pool.dim() == 3 && block_table.dim() == 2 &&
                   ctx_lens.dim() == 2,

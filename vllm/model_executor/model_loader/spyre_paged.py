@@ -21,7 +21,7 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import spyre_paged_kv
 from vllm.model_executor.model_loader.spyre import SpyreCausalLM
-from vllm.platforms.spyre_config import SpyreConfig
+from vllm.platforms.spyre_config import CB_BLOCK_SIZE, SpyreConfig
 from vllm.worker.spyre_cb_inputs import MIN_DECODE_BATCH, PagedInputs
 
 logger = init_logger(__name__)
@@ -58,7 +58,7 @@ class SpyrePagedCausalLM(SpyreCausalLM):
         self.kv_pool = self.pool_layout.allocate(num_blocks, self.dtype)
         logger.info(
             "Allocated the key/value pool: %d blocks of %d tokens (%.1f MiB)",
-            num_blocks, self.pool_layout.block_size,
+            num_blocks, CB_BLOCK_SIZE,
             num_blocks * self.block_bytes() / 2**20)
 
     def forward(self, step: PagedInputs) -> torch.Tensor:  # type: ignore

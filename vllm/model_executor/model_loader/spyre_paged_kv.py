@@ -95,20 +95,20 @@ def register() -> None:
 
 @dataclass(frozen=True)
 class PoolLayout:
-    """The block pools of every layer of one (possibly sharded) model."""
+    """The block pools of every layer of one (possibly sharded) model, in
+    blocks of ``CB_BLOCK_SIZE`` tokens (the size both attention paths use)."""
 
     cache: CacheLayout
-    block_size: int = CB_BLOCK_SIZE
 
     def block_bytes(self, dtype: torch.dtype) -> int:
         """Bytes one block takes over all layers (keys and values)."""
-        return self.cache.nbytes(1, self.block_size, dtype)
+        return self.cache.nbytes(1, CB_BLOCK_SIZE, dtype)
 
     def allocate(self, num_blocks: int, dtype: torch.dtype
                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Zeroed pools, one (keys, values) pair per layer, each
-        ``[num_blocks * block_size, kv_heads, head_dim]``."""
-        slots = num_blocks * self.block_size
+        ``[num_blocks * CB_BLOCK_SIZE, kv_heads, head_dim]``."""
+        slots = num_blocks * CB_BLOCK_SIZE
         c = self.cache
         return [(torch.zeros(slots, c.kv_heads, c.k_head_dim, dtype=dtype),
                  torch.zeros(slots, c.kv_heads, c.v_head_dim, dtype=dtype))
