@@ -45,10 +45,7 @@ frozen `SpyreConfig` and stores it in
 `vllm_config.additional_config["{key}"]`. The engine process (MQLLMEngine
 behind the OpenAI server) and the worker receive it inside the pickled vLLM
 config and never read the environment themselves. Set the variables before
-vLLM starts; changing them later has no effect on a running engine. (The
-one other reader is `SpyrePlatform.get_max_output_tokens`, which the OpenAI
-server calls to pick a request's default `max_tokens`; it runs in the API
-server process and so sees the same environment.)
+vLLM starts; changing them later has no effect on a running engine.
 
 For example, two warm-up shapes compiled with the CPU `inductor` backend:
 
@@ -77,8 +74,10 @@ loaded; a bad value stops `LLM(...)` or `vllm serve` with an error that
 names the variable, its value and the rule.
 
 - `VLLM_SPYRE_USE_CB` must be `0` or `1` (`ValueError` otherwise). `1`
-  asks for continuous batching, which is not yet supported:
-  `NotImplementedError`.
+  selects continuous batching ([continuous-batching.md](continuous-batching.md)),
+  which reads no warm-up list: each `VLLM_SPYRE_WARMUP_*` variable set
+  with it is named in a warning and otherwise ignored, and the list rules
+  below do not apply.
 - `VLLM_SPYRE_DYNAMO_BACKEND` must be one of {backends}
   (`ValueError`). `sendnn` requires the `torch_sendnn` package to be
   importable; without it start-up fails with a `ValueError` that suggests
@@ -95,12 +94,15 @@ names the variable, its value and the rule.
   (prompt_len, new_tokens, batch_size).
 
 Start-up also refuses what the Spyre backend does not support yet, with a
-`NotImplementedError`: tensor parallel size above 1, runners other than
-text generation (for example pooling / embedding models), LoRA and
-speculative decoding. Requests are checked one by one when they arrive; see
+`NotImplementedError`: pipeline parallelism, runners other than text
+generation (for example pooling / embedding models), LoRA, speculative
+decoding, and prefix caching under continuous batching. A card count from
+`AIU_WORLD_SIZE` or `SPYRE_DEVICES` must agree with
+`--tensor-parallel-size` and split the model's heads
+([tensor-parallel.md](tensor-parallel.md)). Requests are checked one by one when they arrive; see
 [warmup-shapes.md](warmup-shapes.md) for what is rejected and why.
 
-## What the platform derives from the shapes
+## What the platform derives from the shapes (static batching)
 
 Spyre runs only graphs compiled for the warm-up shapes, so the platform
 sets vLLM's own limits from them. Values given for these settings on the
@@ -126,6 +128,21 @@ dtype for a float32 checkpoint: float32 on the CPU, float16 where
 `torch_sendnn` is importable. Checkpoints stored in bfloat16 or float16 keep
 their dtype; on the CPU backends (`inductor`, `eager`) the model falls back
 to float32, with a warning, for any dtype other than float32 or bfloat16.
+
+## What the platform sets under continuous batching
+
+With `VLLM_SPYRE_USE_CB=1` vLLM's own limits stay in force; the start-up
+log prints them ("Spyre continuous batching: ...").
+
+| vLLM setting | value | why |
+|---|---|---|
+| `max_model_len` | `--max-model-len`, else the model's | the longest sequence; also the width of every block table |
+| `max_num_seqs` | `--max-num-seqs` (vLLM's default: 256) | the most sequences in one decode step |
+| `max_num_batched_tokens` | at least `max_model_len` | a prefill step holds one whole sequence |
+| `block_size` | 64 | the card's block size; the pool is sized from memory or `--num-gpu-blocks-override` |
+| chunked prefill | off | the runner cuts a prefill into 64-token chunks itself, in one engine step |
+| prefix caching | refused | not supported yet |
+| executor, worker, scheduler | the same executors, `SpyreCBWorker`, `SpyreCBScheduler` | continuous batching over a block pool |
 """
 
 
