@@ -70,6 +70,8 @@ def test_streams_join_a_running_batch(server):
             while metric(server, "vllm:num_requests_running") < 1:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)
+            # The running request's blocks show in vLLM's metrics.
+            assert metric(server, "vllm:gpu_cache_usage_perc") > 0
             rest = await asyncio.gather(*(timed_stream(client, server, *r)
                                           for r in later))
             return await first, rest

@@ -116,6 +116,11 @@ class SpyrePlatform(Platform):
         else:
             _configure_static_batching(vllm_config, spyre)
         model_config.enforce_eager = True
+        # Tensors stay on the "cpu" torch device, but the KV blocks are the
+        # card's: vLLM's engine swaps its device and host cache statistics
+        # (vllm:gpu_cache_usage_perc) for a device type of "cpu", after its
+        # CPU worker's convention.
+        vllm_config.device_config.device_type = "spyre"
 
         extra = dict(vllm_config.additional_config or {})
         extra[ADDITIONAL_CONFIG_KEY] = spyre.to_dict()
