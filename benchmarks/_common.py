@@ -1,9 +1,12 @@
 """Shared pieces of the offline benchmarks (offline.py, roofline.py,
-warmup.py).
+warmup.py) and of the mixed workload of serving_load.py.
 
 * the workload: prompts of exactly P tokens cut from ``data/text.txt``;
+  for the server, requests of random but exact prompt lengths and
+  ``max_tokens`` (``mixed_requests``);
 * engine drivers with one interface, ``run(prompts) -> Run``: our Spyre
-  engine stepped by hand (``SpyreDriver``), Hugging Face ``generate``
+  engine stepped by hand, under static batching (``SpyreDriver``) or
+  continuous batching (``SpyreCBDriver``), Hugging Face ``generate``
   (``HFDriver``) and FMS ``generate`` on a compiled FMS model
   (``FMSDriver``);
 * ``Child``: one engine per process (multiprocessing 'spawn' and a Pipe),
@@ -20,6 +23,7 @@ import json
 import multiprocessing
 import os
 import platform
+import random
 import statistics
 import time
 import traceback
@@ -67,6 +71,31 @@ def build_prompts(ids: list[int], batch: int, prompt_len: int,
     return [ids[i * stride:i * stride + prompt_len] for i in range(batch)]
 
 
+def mixed_requests(ids: list[int], n: int, prompt_lens: tuple[int, int],
+                   max_tokens: tuple[int, int],
+                   seed: int = 0) -> list[tuple[list[int], int]]:
+    """``n`` requests ``(prompt ids, max_tokens)``: the prompt length and
+    ``max_tokens`` drawn uniformly from the inclusive ranges, the prompt a
+    window of exactly that many tokens of ``ids`` at a random offset; the
+    same ``seed`` gives the same requests."""
+    lo, hi = prompt_lens
+    if not 1 <= lo <= hi <= len(ids):
+        raise ValueError(
+            f"prompt lengths {lo}..{hi} must satisfy 1 <= min <= max <= "
+            f"{len(ids)}, the tokens of {TEXT}")
+    if not 1 <= max_tokens[0] <= max_tokens[1]:
+        raise ValueError(f"max_tokens {max_tokens[0]}..{max_tokens[1]} must "
+                         "satisfy 1 <= min <= max")
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(n):
+        length = rng.randint(lo, hi)
+        start = rng.randint(0, len(ids) - length)
+        requests.append((ids[start:start + length],
+                         rng.randint(*max_tokens)))
+    return requests
+
+
 @dataclass(frozen=True)
 class Workload:
     """What every engine runs: for each batch size B, the same B prompts,
@@ -94,10 +123,14 @@ class Workload:
 class Run:
     """One timed generation of a batch."""
 
-    ttft: float  # seconds until the first generated token of the batch
+    # seconds until every row has its first generated token: the batch's
+    # prefill (one step, except under continuous batching: one per row)
+    ttft: float
     total: float  # seconds until every row has all its tokens
     ids: list[list[int]]  # generated ids, one list per row, in row order
     compiles: int = 0  # dynamo compilations during the run (must be 0)
+    # rows the scheduler preempted (ours only; the work is then recomputed)
+    preemptions: int = 0
 
 
 @dataclass
@@ -111,7 +144,8 @@ class Timings:
     def summary(self) -> dict[str, float]:
         """Medians over the repetitions of: decode tokens/s
         B*(G-1)/(total-TTFT), TTFT, total, overall tokens/s B*G/total and
-        the decode step (total-TTFT)/(G-1); compilations are summed."""
+        the decode step (total-TTFT)/(G-1); compilations and preemptions
+        are summed."""
         b, g = self.batch, self.new_tokens
 
         def med(f: Callable[[dict], float]) -> float:
@@ -122,7 +156,8 @@ class Timings:
             total_s=med(lambda r: r["total"]),
             tok_s=med(lambda r: b * g / r["total"]),
             step_s=med(lambda r: (r["total"] - r["ttft"]) / (g - 1)),
-            compiles=sum(r["compiles"] for r in self.runs))
+            compiles=sum(r["compiles"] for r in self.runs),
+            preemptions=sum(r.get("preemptions", 0) for r in self.runs))
 
 
 def compile_count() -> int:
@@ -136,6 +171,13 @@ def compile_count() -> int:
 def padded_prompt_len(prompt_len: int) -> int:
     """The Spyre warm-up prompt length holding ``prompt_len`` tokens."""
     return -(-prompt_len // PROMPT_LEN_MULTIPLE) * PROMPT_LEN_MULTIPLE
+
+
+def cb_max_model_len(prompt_len: int, new_tokens: int) -> int:
+    """``--max-model-len`` of a continuous-batching engine for prompts of
+    ``prompt_len`` tokens and ``new_tokens`` outputs: their sum, rounded up
+    to whole 64-token blocks."""
+    return padded_prompt_len(prompt_len + new_tokens)
 
 
 def spyre_env(backend: str,
@@ -154,27 +196,44 @@ def spyre_env(backend: str,
     }
 
 
+def spyre_cb_env(backend: str) -> dict[str, str]:
+    """Environment selecting continuous batching with ``backend``."""
+    return {"VLLM_SPYRE_DYNAMO_BACKEND": backend, "VLLM_SPYRE_USE_CB": "1"}
+
+
 class SpyreDriver:
     """Our vLLM engine (V0 ``LLMEngine``, Spyre platform), stepped by hand,
     with one warm-up shape per batch size; start-up compiles them all."""
 
     def __init__(self, work: Workload, backend: str) -> None:
         # Before vLLM is first imported (the platform reads it at start-up).
-        os.environ.update(spyre_env(
-            backend, [(work.prompt_len, work.new_tokens, b)
-                      for b in work.batch_sizes]))
+        os.environ.update(self.env(work, backend))
         from vllm import EngineArgs, LLMEngine
         self.work = work
         # No periodic stats logging inside timed steps (vllm.LLM's default).
         self.engine = LLMEngine.from_engine_args(
-            EngineArgs(model=work.model, max_num_seqs=max(work.batch_sizes),
-                       disable_log_stats=True))
+            EngineArgs(model=work.model, disable_log_stats=True,
+                       **self.engine_args(work)))
         self.next_id = 0
+
+    @staticmethod
+    def env(work: Workload, backend: str) -> dict[str, str]:
+        # Static batching even if the caller's environment says otherwise.
+        return dict(spyre_env(backend, [(work.prompt_len, work.new_tokens, b)
+                                        for b in work.batch_sizes]),
+                    VLLM_SPYRE_USE_CB="0")
+
+    @staticmethod
+    def engine_args(work: Workload) -> dict[str, Any]:
+        return dict(max_num_seqs=max(work.batch_sizes))
 
     def run(self, prompts: list[list[int]]) -> Run:
         from vllm import SamplingParams, TokensPrompt
         ids: dict[int, list[int]] = {}
+        started: set[str] = set()  # rows that have their first token
         ttft = None
+        scheduler = self.engine.scheduler[0]
+        preempted = scheduler.num_cumulative_preemption
         start = time.perf_counter()
         for prompt in prompts:
             self.engine.add_request(
@@ -184,15 +243,37 @@ class SpyreDriver:
             self.next_id += 1
         while self.engine.has_unfinished_requests():
             outputs = self.engine.step()
-            if ttft is None and any(o.outputs and o.outputs[0].token_ids
-                                    for o in outputs):
-                ttft = time.perf_counter() - start  # the prefill step
+            started.update(o.request_id for o in outputs
+                           if o.outputs and o.outputs[0].token_ids)
+            if ttft is None and len(started) == len(prompts):
+                ttft = time.perf_counter() - start  # the last prefill step
             for o in outputs:
                 if o.finished:
                     ids[int(o.request_id)] = list(o.outputs[0].token_ids)
         total = time.perf_counter() - start
-        assert ttft is not None, "the engine produced no token"
-        return Run(ttft, total, [ids[k] for k in sorted(ids)])
+        assert ttft is not None, "some row got no token"
+        return Run(ttft, total, [ids[k] for k in sorted(ids)],
+                   preemptions=scheduler.num_cumulative_preemption -
+                   preempted)
+
+
+class SpyreCBDriver(SpyreDriver):
+    """The same engine under continuous batching: a block pool instead of
+    warm-up shapes, ``max_num_seqs`` the largest batch size and
+    ``max_model_len`` P + G in whole blocks, so that each of a batch's
+    prefills runs alone and then every decode step runs the whole batch,
+    as a static shape does.  Start-up compiles the prefill-chunk graph and
+    the one decode graph whatever the batch sizes."""
+
+    @staticmethod
+    def env(work: Workload, backend: str) -> dict[str, str]:
+        return spyre_cb_env(backend)
+
+    @staticmethod
+    def engine_args(work: Workload) -> dict[str, Any]:
+        return dict(max_num_seqs=max(work.batch_sizes),
+                    max_model_len=cb_max_model_len(work.prompt_len,
+                                                   work.new_tokens))
 
 
 class _FirstTokenTimer:
@@ -307,11 +388,17 @@ class Engine:
     driver: Callable[..., Any]  # (Workload[, backend]) -> driver
     backend: Optional[str] = None  # torch.compile backend, if it compiles
     ours: bool = False
+    # continuous batching: the static-batching engine it is compared with
+    static_peer: Optional[str] = None
 
 
 ENGINES: dict[str, Engine] = {
     "spyre-inductor": Engine(SpyreDriver, "inductor", ours=True),
     "spyre-eager": Engine(SpyreDriver, "eager", ours=True),
+    "spyre-cb-inductor": Engine(SpyreCBDriver, "inductor", ours=True,
+                                static_peer="spyre-inductor"),
+    "spyre-cb-eager": Engine(SpyreCBDriver, "eager", ours=True,
+                             static_peer="spyre-eager"),
     "hf": Engine(HFDriver),
     "fms": Engine(FMSDriver, "inductor"),
     "fms-eager": Engine(FMSDriver, "eager"),
@@ -460,7 +547,9 @@ def measure(children: dict, work: Workload, repetitions: int) -> tuple:
         ids.setdefault(key, []).append(run["ids"])
         print(f"[{engine}] rep {rep + 1}/{repetitions} B={batch}: "
               f"TTFT {run['ttft'] * 1e3:.1f} ms, total {run['total']:.3f} s"
-              f", compilations {run['compiles']}", flush=True)
+              f", compilations {run['compiles']}" + (
+                  f", preemptions {run['preemptions']}"
+                  if run["preemptions"] else ""), flush=True)
     return timings, ids
 
 

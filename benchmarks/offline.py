@@ -14,15 +14,22 @@ The generated ids of all engines are compared per batch size; a mismatch
 or any compilation during a timed run makes the script exit non-zero
 (``--allow-mismatch`` forgives mismatches, never compilations).
 
-Engines: spyre-inductor, spyre-eager (ours, by compile backend), hf
-(transformers generate, sdpa), fms (FMS generate on the FMS model compiled
-with inductor), fms-eager (the same with the eager backend: a cheap check
-of the FMS path).
+Engines: spyre-inductor, spyre-eager (ours, by compile backend),
+spyre-cb-inductor, spyre-cb-eager (ours under continuous batching:
+VLLM_SPYRE_USE_CB=1, max_num_seqs the largest B, max_model_len P+G rounded
+up to 64; the B prefills run one by one, then every decode step runs the
+whole batch), hf (transformers generate, sdpa), fms (FMS generate on the
+FMS model compiled with inductor), fms-eager (the same with the eager
+backend: a cheap check of the FMS path).  TTFT is the time until every row
+has its first token.  A CB engine run next to its static counterpart gets
+the column cbstep/static: static decode tok/s over CB decode tok/s, the
+cost of a CB decode step relative to a static one (> 1: CB slower).
 
     python benchmarks/offline.py [--model DIR] [--batch-sizes 1,4,8,16]
         [--prompt-len 64] [--new-tokens 64] [--repetitions 3]
-        [--engines spyre-inductor,spyre-eager,hf,fms] [--json PATH]
-        [--plot PATH] [--allow-mismatch]
+        [--engines spyre-inductor,spyre-eager,hf,fms]
+        (add spyre-cb-inductor,spyre-cb-eager for continuous batching)
+        [--json PATH] [--plot PATH] [--allow-mismatch]
 """
 from __future__ import annotations
 
@@ -32,9 +39,9 @@ import sys
 from pathlib import Path
 
 from _common import (DEFAULT_MODEL, ENGINES, REPO, RESULTS, STRIDE, TEXT,
-                     Workload, cores, is_ours, leading_matches, machine_info,
-                     measure, parse_ints, start_engines, stop_engines,
-                     table, write_json)
+                     SpyreCBDriver, Workload, cores, is_ours,
+                     leading_matches, machine_info, measure, parse_ints,
+                     start_engines, stop_engines, table, write_json)
 
 
 def compare(engines: list[str], work: Workload, ids: dict) -> list[dict]:
@@ -85,10 +92,15 @@ def print_agreement(engines: list[str], work: Workload, ids: dict,
                   f"row {c['leading_per_row']}")
 
 
+CB_STEP = "cbstep/static"
+
+
 def ratios(engines: list[str], summaries: dict, batch: int,
            engine: str) -> dict[str, float]:
     """Ours / each peer: decode tokens/s (>1: ours faster) and TTFT
-    (<1: ours faster)."""
+    (<1: ours faster); for a continuous-batching engine whose static
+    counterpart ran too, the decode step time CB / static (>1: CB
+    slower)."""
     if not is_ours(engine):
         return {}
     mine = summaries[engine, batch]
@@ -97,6 +109,10 @@ def ratios(engines: list[str], summaries: dict, batch: int,
         theirs = summaries[peer, batch]
         out[f"decode/{peer}"] = mine["decode_tok_s"] / theirs["decode_tok_s"]
         out[f"ttft/{peer}"] = mine["ttft_s"] / theirs["ttft_s"]
+    static = ENGINES[engine].static_peer
+    if static in engines:
+        out[CB_STEP] = (summaries[static, batch]["decode_tok_s"] /
+                        mine["decode_tok_s"])
     return out
 
 
@@ -206,21 +222,35 @@ def print_table(engines, work, summaries, found, repetitions) -> None:
     peers = [e for e in engines if not is_ours(e)]
     ratio_cols = [f"{m}/{p}" for p in peers for m in ("decode", "ttft")] \
         if any(is_ours(e) for e in engines) else []
+    if any(ENGINES[e].static_peer in engines for e in engines):
+        ratio_cols.append(CB_STEP)
+    cb = [e for e in engines if ENGINES[e].driver is SpyreCBDriver]
     rows = []
     for engine, batch in itertools.product(engines, work.batch_sizes):
         s = summaries[engine, batch]
         r = ratios(engines, summaries, batch, engine)
         rows.append([engine, batch, f"{s['decode_tok_s']:.1f}",
                      f"{s['ttft_s'] * 1e3:.1f}", f"{s['total_s']:.3f}",
-                     f"{s['tok_s']:.1f}", s["compiles"],
-                     ids_cell(found, ref, engine, batch, work.new_tokens)] +
+                     f"{s['tok_s']:.1f}", s["compiles"]] +
+                    ([s["preemptions"] if engine in cb else "-"]
+                     if cb else []) +
+                    [ids_cell(found, ref, engine, batch, work.new_tokens)] +
                     [f"{r[c]:.2f}x" if c in r else "-" for c in ratio_cols])
     print(f"\nmodel {Path(work.model).name}, P={work.prompt_len}, "
           f"G={work.new_tokens}, median of {repetitions}, {cores()} cores. "
           "Ratios are ours/peer: decode > 1 and TTFT < 1 mean ours is "
-          f"faster. ids: leading tokens equal to {ref}'s (worst row).")
+          f"faster; {CB_STEP}: CB decode step time over static's. TTFT: "
+          "until every row has a token. ids: leading tokens equal to "
+          f"{ref}'s (worst row).")
     print(table(["engine", "B", "decode tok/s", "TTFT ms", "total s",
-                 "tok/s", "compiles", "ids"] + ratio_cols, rows))
+                 "tok/s", "compiles"] + (["preempt"] if cb else []) +
+                ["ids"] + ratio_cols, rows))
+    preempted = [f"{e} B={b}" for e in cb for b in work.batch_sizes
+                 if summaries[e, b]["preemptions"]]
+    if preempted:
+        print("WARNING: rows were preempted (and recomputed) in the timed "
+              f"runs of {', '.join(preempted)}: not every decode step ran "
+              f"the whole batch, so {CB_STEP} there is not the step cost.")
 
 if __name__ == "__main__":
     sys.exit(main())

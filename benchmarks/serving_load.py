@@ -1,12 +1,44 @@
-"""Load benchmark of the OpenAI server on the Spyre backend.
+"""Load benchmark of the Spyre OpenAI server; continuous vs static batching.
 
 Sends N streaming completion requests with a fixed concurrency and reports
-requests/s, time to first token (TTFT) and inter-token latency (ITL), p50 and
-p99, plus the error count.  Without --url it starts ``vllm serve`` on the
-default model itself (eager backend, one shape), on loopback.
+requests/s, output tokens/s, time to first token (TTFT) and inter-token
+latency (ITL), p50 and p99, plus the error count.  Every request must
+stream exactly its ``max_tokens`` (EOS ignored); any error makes the exit
+code non-zero.
+
+Workloads (``--workload``):
+
+* ``default``: short prompts of random words, ``--max-tokens`` (16) each;
+* ``mixed``: prompt lengths drawn uniformly from ``--min-prompt`` to
+  ``--max-prompt`` tokens (16..512) and ``max_tokens`` from
+  ``--min-tokens`` to ``--max-tokens`` (8..128), from a fixed ``--seed``.
+  Prompts are sent as token ids, windows of benchmarks/data/text.txt
+  tokenized by the model's tokenizer, so their lengths are exact.
+
+Without ``--url`` the script starts ``vllm serve`` on the model itself, on
+loopback, once per mode of ``--modes``, runs the same requests and stops
+it:
+
+* ``static``: static batching over the warm-up shapes ``--static-shapes``
+  (``prompt_len:new_tokens:batch_size,...``; default workload:
+  ``64:<max-tokens>:<batch-size>``, mixed: ``256:128:8,512:128:4``, which
+  an operator would configure for it: every request fits the 512 shape,
+  about half of them also the 256 one, with twice the batch);
+* ``cb``: continuous batching (``VLLM_SPYRE_USE_CB=1``) with
+  ``--max-num-seqs`` (16) and ``--max-model-len`` (default: the longest
+  prompt plus the most tokens, in whole 64-token blocks: 640).
+
+The default workload runs ``static`` with ``eager``, as before; the mixed
+workload runs ``cb,static`` with ``inductor`` and prints one side-by-side
+table with each server's warm-up seconds (from its log), a CB/static ratio
+line, JSON and a plot.
 
     python benchmarks/serving_load.py [--url http://127.0.0.1:8000]
         [--requests 200] [--concurrency 16] [--max-tokens 16] [--json FILE]
+    python benchmarks/serving_load.py --workload mixed [--modes cb,static]
+        [--backend inductor] [--static-shapes 256:128:8,512:128:4]
+        [--max-num-seqs 16] [--max-model-len 640] [--json FILE]
+        [--plot docs/images/continuous-batching.png] [--start-timeout 3600]
 """
 from __future__ import annotations
 
@@ -14,15 +46,21 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import httpx
 
+from _common import (RESULTS, cb_max_model_len, machine_info, mixed_requests,
+                     table, text_ids, write_json)
+
 REPO = Path(__file__).resolve().parent.parent
+MIXED_SHAPES = "256:128:8,512:128:4"
+MODES = ("cb", "static")
 
 
 @dataclass
@@ -31,9 +69,9 @@ class LoadResult:
     concurrency: int
     errors: int
     wall_s: float
-    tokens: int
+    tokens: int  # output tokens
     req_per_s: float
-    tok_per_s: float
+    tok_per_s: float  # output tokens/s
     ttft_p50_ms: float
     ttft_p99_ms: float
     itl_p50_ms: float
@@ -80,19 +118,10 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, ttfts: list,
     counts.append(n)
 
 
-async def run_load(base_url: str, model: str, n_requests: int = 200,
-                   concurrency: int = 16, max_tokens: int = 16,
-                   prompt_words: tuple[int, int] = (3, 40),
-                   seed: int = 0) -> LoadResult:
-    """Sends the requests; every one must stream exactly max_tokens."""
-    rng = random.Random(seed)
-    words = "spyre card batch token shape prompt model cache graph".split()
-    bodies = [
-        dict(model=model, stream=True, temperature=0, ignore_eos=True,
-             max_tokens=max_tokens,
-             prompt=" ".join(rng.choice(words) for _ in range(
-                 rng.randint(*prompt_words)))) for _ in range(n_requests)
-    ]
+async def send(base_url: str, bodies: list[dict],
+               concurrency: int) -> LoadResult:
+    """Streams every completion request, at most ``concurrency`` at once;
+    every one must stream exactly its max_tokens."""
     ttfts: list[float] = []
     itls: list[float] = []
     counts: list[int] = []
@@ -100,7 +129,7 @@ async def run_load(base_url: str, model: str, n_requests: int = 200,
     sem = asyncio.Semaphore(concurrency)
     url = base_url.rstrip("/") + "/v1/completions"
     limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
 
         async def bounded(body):
             async with sem:
@@ -111,12 +140,36 @@ async def run_load(base_url: str, model: str, n_requests: int = 200,
         wall = time.perf_counter() - start
     tokens = sum(counts)
     return LoadResult(
-        requests=n_requests, concurrency=concurrency, errors=len(errors),
+        requests=len(bodies), concurrency=concurrency, errors=len(errors),
         wall_s=wall, tokens=tokens, req_per_s=len(counts) / wall,
         tok_per_s=tokens / wall,
         ttft_p50_ms=1e3 * _pct(ttfts, 0.5), ttft_p99_ms=1e3 * _pct(ttfts, .99),
         itl_p50_ms=1e3 * _pct(itls, 0.5), itl_p99_ms=1e3 * _pct(itls, 0.99),
         error_samples=errors[:5])
+
+
+def _body(model: str, prompt, max_tokens: int) -> dict:
+    return dict(model=model, stream=True, temperature=0, ignore_eos=True,
+                max_tokens=max_tokens, prompt=prompt)
+
+
+def default_bodies(model: str, n_requests: int, max_tokens: int,
+                   prompt_words: tuple[int, int] = (3, 40),
+                   seed: int = 0) -> list[dict]:
+    """The default workload: prompts of 3 to 40 random words."""
+    rng = random.Random(seed)
+    words = "spyre card batch token shape prompt model cache graph".split()
+    return [_body(model, " ".join(rng.choice(words) for _ in range(
+        rng.randint(*prompt_words))), max_tokens) for _ in range(n_requests)]
+
+
+async def run_load(base_url: str, model: str, n_requests: int = 200,
+                   concurrency: int = 16, max_tokens: int = 16,
+                   prompt_words: tuple[int, int] = (3, 40),
+                   seed: int = 0) -> LoadResult:
+    """The default workload against a running server."""
+    return await send(base_url, default_bodies(
+        model, n_requests, max_tokens, prompt_words, seed), concurrency)
 
 
 def print_table(r: LoadResult) -> None:
@@ -129,51 +182,349 @@ def print_table(r: LoadResult) -> None:
           f"| {r.itl_p99_ms:.0f} ms |")
 
 
-def main() -> None:
+# ---- self-started servers, one per mode ------------------------------------
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """'256:128:8,512:128:4' -> [(256, 128, 8), (512, 128, 4)]."""
+    shapes = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        if len(parts) != 3:
+            raise ValueError(f"shape {item!r} is not prompt_len:new_tokens:"
+                             "batch_size")
+        shapes.append(tuple(int(p) for p in parts))
+    return shapes
+
+
+def server_setup(mode: str, args) -> tuple[dict, tuple, str]:
+    """Environment, extra ``vllm serve`` arguments and a description of
+    the server of ``mode``."""
+    if mode == "cb":
+        env = {"VLLM_SPYRE_DYNAMO_BACKEND": args.backend,
+               "VLLM_SPYRE_USE_CB": "1"}
+        cli = ("--max-num-seqs", str(args.max_num_seqs),
+               "--max-model-len", str(args.max_model_len))
+        return env, cli, (f"continuous batching, --max-num-seqs "
+                          f"{args.max_num_seqs} --max-model-len "
+                          f"{args.max_model_len}")
+    shapes = parse_shapes(args.static_shapes)
+    env = {"VLLM_SPYRE_DYNAMO_BACKEND": args.backend,
+           "VLLM_SPYRE_USE_CB": "0"}
+    for i, name in enumerate(("PROMPT_LENS", "NEW_TOKENS", "BATCH_SIZES")):
+        env[f"VLLM_SPYRE_WARMUP_{name}"] = ",".join(str(s[i]) for s in shapes)
+    return env, (), "static batching, warm-up shapes " + ", ".join(
+        f"(prompt_len={p}, new_tokens={g}, batch_size={b})"
+        for p, g, b in shapes)
+
+
+def misfits(mode: str, args, sizes: list[tuple[int, int]]) -> list:
+    """The (prompt length, max_tokens) the server of ``mode`` could not
+    hold; None where the prompt length is not known (word prompts)."""
+    if mode == "cb":
+        return [s for s in sizes if s[0] is not None and
+                s[0] + s[1] > args.max_model_len]
+    shapes = parse_shapes(args.static_shapes)
+    return [s for s in sizes if not any(
+        (s[0] is None or s[0] <= p) and s[1] <= g for p, g, _ in shapes)]
+
+
+def startup_from_log(log: str) -> dict[str, float]:
+    """Seconds of the model load and of the whole warm-up, as the Spyre
+    model runners log them."""
+    found = {}
+    for key, pattern in (
+            ("load_s", r"Spyre model load took ([\d.]+) s"),
+            ("warmup_s", r"Spyre warm-up of \d+ shape\(s\) took ([\d.]+) s"),
+            ("warmup_s",
+             r"Spyre continuous-batching warm-up took ([\d.]+) s")):
+        match = re.search(pattern, log)
+        if match:
+            found[key] = float(match.group(1))
+    return found
+
+
+def run_mode(mode: str, args, make_bodies) -> dict:
+    """Starts the server of ``mode``, sends the workload, stops it."""
+    if str(REPO / "tests") not in sys.path:
+        sys.path.insert(0, str(REPO / "tests"))
+    from server import Server, metric
+    env, cli, what = server_setup(mode, args)
+    print(f"[{mode}] starting vllm serve {args.model}: {what}, backend "
+          f"{args.backend} (warm-up takes a while)", flush=True)
+    print(f"[{mode}] environment: " + " ".join(
+        f"{k}={v}" for k, v in env.items()), flush=True)
+    start = time.perf_counter()
+    server = Server(Path(args.model), env, cli)
+    try:
+        server.wait_healthy(timeout=args.start_timeout)
+        startup = dict(healthy_after_s=time.perf_counter() - start,
+                       **startup_from_log(server.log()))
+        print(f"[{mode}] healthy after {startup['healthy_after_s']:.1f} s "
+              f"(warm-up {startup.get('warmup_s', float('nan')):.1f} s); "
+              f"sending {args.requests} requests", flush=True)
+        result = asyncio.run(send(server.url, make_bodies(served(server.url)),
+                                  args.concurrency))
+        preemptions = int(metric(server, "vllm:num_preemptions_total"))
+    finally:
+        server.stop()
+    print(f"[{mode}] {result.tok_per_s:.1f} output tokens/s, "
+          f"{result.errors} errors, {preemptions} preemptions", flush=True)
+    return dict(server=dict(description=what, env=env, args=list(cli),
+                            backend=args.backend, log=str(server.log_path)),
+                startup=startup, preemptions=preemptions,
+                result=asdict(result))
+
+
+def served(url: str) -> str:
+    """The id of the model a server serves."""
+    return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+# ---- the comparison's report ------------------------------------------------
+
+def ratios(modes: dict) -> dict[str, float]:
+    """CB / static: output tokens/s (>1: CB faster), TTFT and ITL p50
+    (<1: CB faster)."""
+    if not {"cb", "static"} <= modes.keys():
+        return {}
+    cb, st = modes["cb"]["result"], modes["static"]["result"]
+    return {"output_tok_s": cb["tok_per_s"] / st["tok_per_s"],
+            "ttft_p50": cb["ttft_p50_ms"] / st["ttft_p50_ms"],
+            "itl_p50": cb["itl_p50_ms"] / st["itl_p50_ms"]}
+
+
+def print_comparison(modes: dict, workload: dict) -> None:
+    print(f"\nmodel {Path(workload['model']).name}, {workload['requests']} "
+          f"requests, concurrency {workload['concurrency']}, "
+          f"{workload['text']}; {workload['output_tokens']} output tokens")
+    for mode, m in modes.items():
+        print(f"{mode}: {m['server']['description']}, backend "
+              f"{m['server']['backend']}")
+    rows = []
+    for mode, m in modes.items():
+        r, s = m["result"], m["startup"]
+        rows.append([mode, f"{r['req_per_s']:.2f}", f"{r['tok_per_s']:.1f}",
+                     f"{r['ttft_p50_ms']:.0f}", f"{r['ttft_p99_ms']:.0f}",
+                     f"{r['itl_p50_ms']:.0f}", f"{r['itl_p99_ms']:.0f}",
+                     r["errors"], m["preemptions"], f"{r['wall_s']:.1f}",
+                     f"{s.get('warmup_s', float('nan')):.1f}"])
+    print(table(["mode", "req/s", "output tok/s", "TTFT p50 ms",
+                 "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "errors",
+                 "preempted", "wall s", "warm-up s"], rows))
+    r = ratios(modes)
+    if r:
+        print(f"CB/static: output tok/s {r['output_tok_s']:.2f}x, TTFT p50 "
+              f"{r['ttft_p50']:.2f}x, ITL p50 {r['itl_p50']:.2f}x")
+
+
+def plot(path: str, modes: dict, workload: dict) -> None:
+    """TTFT p50 and p99 (left) and output tokens/s (right) per mode."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(modes)
+    res = [modes[m]["result"] for m in names]
+    colors = ["tab:blue" if m == "cb" else "tab:orange" for m in names]
+    x = range(len(names))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 4))
+    width = 0.38
+    for bars in (
+            left.bar([i - width / 2 for i in x],
+                     [r["ttft_p50_ms"] for r in res], width, color=colors),
+            left.bar([i + width / 2 for i in x],
+                     [r["ttft_p99_ms"] for r in res], width, color=colors,
+                     alpha=0.45, hatch="//")):
+        left.bar_label(bars, fmt="%.0f", fontsize=8)
+    left.set_ylabel("time to first token, ms")
+    left.set_title("TTFT (p50 solid, p99 hatched)")
+    right.bar_label(right.bar(list(x), [r["tok_per_s"] for r in res], 0.6,
+                              color=colors), fmt="%.1f", fontsize=8)
+    right.set_ylabel("output tokens/s")
+    right.set_title("throughput")
+    for ax in (left, right):
+        ax.set_xticks(list(x), names)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"{Path(workload['model']).name}, {workload['requests']} "
+                 f"requests, concurrency {workload['concurrency']}\n"
+                 f"{workload['text']}", fontsize=9)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)
+
+
+# ---- command line ----------------------------------------------------------
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--url", help="a running server; default: start one")
+    ap.add_argument("--url", help="a running server; default: start one "
+                    "per mode")
     ap.add_argument("--model", default=str(REPO / "models" /
                                            "SmolLM2-135M-Instruct"))
+    ap.add_argument("--workload", choices=["default", "mixed"],
+                    default="default")
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, help="max_tokens of every "
+                    "request (default workload, 16); the largest drawn "
+                    "(mixed, 128)")
+    ap.add_argument("--min-tokens", type=int, default=8,
+                    help="the smallest max_tokens drawn (mixed)")
+    ap.add_argument("--min-prompt", type=int, default=16,
+                    help="the shortest prompt drawn, in tokens (mixed)")
+    ap.add_argument("--max-prompt", type=int, default=512,
+                    help="the longest prompt drawn, in tokens (mixed)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--modes", help="servers to start, of cb,static "
+                    "(default workload: static; mixed: cb,static)")
+    ap.add_argument("--backend", choices=["eager", "inductor"],
+                    help="VLLM_SPYRE_DYNAMO_BACKEND of the servers "
+                    "(default workload: eager; mixed: inductor)")
     ap.add_argument("--batch-size", type=int, default=8,
-                    help="batch size of the shape of a self-started server")
-    ap.add_argument("--json", help="write the result here")
+                    help="batch size of the static shape (default workload)")
+    ap.add_argument("--static-shapes", help="warm-up shapes of the static "
+                    "server, prompt_len:new_tokens:batch_size,... (default "
+                    f"workload: 64:<max-tokens>:<batch-size>; mixed: "
+                    f"{MIXED_SHAPES})")
+    ap.add_argument("--max-num-seqs", type=int, default=16,
+                    help="--max-num-seqs of the CB server")
+    ap.add_argument("--max-model-len", type=int, help="--max-model-len of "
+                    "the CB server (default: the longest request, in whole "
+                    "64-token blocks)")
+    ap.add_argument("--start-timeout", type=float, default=3600,
+                    help="seconds a server may take to become healthy")
+    ap.add_argument("--json", help="write the result here (mixed default: "
+                    "benchmarks/results/serving-cb-vs-static.json)")
+    ap.add_argument("--plot", help="the comparison's plot (mixed default: "
+                    "docs/images/continuous-batching.png); '' for none")
     args = ap.parse_args()
+    mixed = args.workload == "mixed"
+    if args.max_tokens is None:
+        args.max_tokens = 128 if mixed else 16
+    if args.modes is None:
+        args.modes = "cb,static" if mixed else "static"
+    if args.backend is None:
+        args.backend = "inductor" if mixed else "eager"
+    if args.static_shapes is None:
+        args.static_shapes = (MIXED_SHAPES if mixed else
+                              f"64:{args.max_tokens}:{args.batch_size}")
+    if args.max_model_len is None:
+        # The default workload's prompts: 40 words of at most 2 tokens.
+        args.max_model_len = cb_max_model_len(
+            args.max_prompt if mixed else 80, args.max_tokens)
+    if mixed and args.json is None:
+        args.json = str(RESULTS / "serving-cb-vs-static.json")
+    if mixed and args.plot is None:
+        args.plot = str(REPO / "docs" / "images" / "continuous-batching.png")
+    modes = args.modes.split(",")
+    if not modes or any(m not in MODES for m in modes):
+        ap.error(f"--modes {args.modes!r}: choose from {','.join(MODES)}")
+    args.modes = modes
+    return args
 
-    server = None
-    url = args.url
-    if url is None:
-        sys.path.insert(0, str(REPO / "tests"))
-        from server import Server
-        env = {
-            "VLLM_SPYRE_DYNAMO_BACKEND": "eager",
-            "VLLM_SPYRE_WARMUP_PROMPT_LENS": "64",
-            "VLLM_SPYRE_WARMUP_NEW_TOKENS": str(args.max_tokens),
-            "VLLM_SPYRE_WARMUP_BATCH_SIZES": str(args.batch_size),
-        }
-        print(f"starting vllm serve {args.model} (warm-up takes a while)",
-              flush=True)
-        server = Server(Path(args.model), env)
-        server.__enter__()
-        url = server.url
-    try:
-        served = httpx.get(url + "/v1/models", timeout=30).json()
-        model = served["data"][0]["id"]
-        result = asyncio.run(
-            run_load(url, model, args.requests, args.concurrency,
-                     args.max_tokens))
-    finally:
-        if server is not None:
-            server.stop()
-    if args.json:
-        Path(args.json).write_text(json.dumps(asdict(result), indent=2))
+
+def main() -> int:
+    args = parse_args()
+    if args.workload == "mixed":
+        reqs = mixed_requests(text_ids(args.model), args.requests,
+                              (args.min_prompt, args.max_prompt),
+                              (args.min_tokens, args.max_tokens), args.seed)
+
+        def make_bodies(model: str) -> list[dict]:
+            return [_body(model, ids, n) for ids, n in reqs]
+        sizes = [(len(ids), n) for ids, n in reqs]
+    else:
+        def make_bodies(model: str) -> list[dict]:
+            return default_bodies(model, args.requests, args.max_tokens,
+                                  seed=args.seed)
+        sizes = [(None, args.max_tokens)]
+
+    if args.url is not None:
+        result = asyncio.run(send(args.url, make_bodies(served(args.url)),
+                                  args.concurrency))
+        return report_one(result, args.json)
+    for mode in args.modes:
+        bad = misfits(mode, args, sizes)
+        if bad:
+            print(f"the {mode} server could not hold {len(bad)} request(s), "
+                  f"e.g. (prompt length, max_tokens) {bad[0]}: raise "
+                  "--max-model-len or --static-shapes")
+            return 2
+    if args.workload == "default" and args.modes == ["static"]:
+        return report_one(run_mode("static", args, make_bodies)["result"],
+                          args.json)
+    return compare(args, reqs if args.workload == "mixed" else None,
+                   make_bodies)
+
+
+def report_one(result, json_path: Optional[str]) -> int:
+    """One run against one server: the original one-line table."""
+    if not isinstance(result, LoadResult):
+        result = LoadResult(**result)
+    if json_path:
+        Path(json_path).write_text(json.dumps(asdict(result), indent=2))
     print_table(result)
     if result.errors:
         print("errors:", *result.error_samples, sep="\n  ")
-        sys.exit(1)
+        return 1
+    return 0
+
+
+def describe(args, reqs: Optional[list]) -> dict:
+    """The workload, for the report and the JSON."""
+    if reqs is None:
+        return dict(model=args.model, kind="default", requests=args.requests,
+                    concurrency=args.concurrency, seed=args.seed,
+                    output_tokens=args.requests * args.max_tokens,
+                    text=f"prompts of 3-40 words, max_tokens "
+                    f"{args.max_tokens}")
+    lens = [len(ids) for ids, _ in reqs]
+    outs = [n for _, n in reqs]
+    return dict(
+        model=args.model, kind="mixed", requests=args.requests,
+        concurrency=args.concurrency, seed=args.seed,
+        prompt_range=[args.min_prompt, args.max_prompt],
+        max_tokens_range=[args.min_tokens, args.max_tokens],
+        prompt_tokens=sum(lens), output_tokens=sum(outs),
+        sizes=[[p, n] for p, n in zip(lens, outs)],
+        text=f"prompts {min(lens)}-{max(lens)} tokens (drawn from "
+        f"{args.min_prompt}-{args.max_prompt}), max_tokens "
+        f"{min(outs)}-{max(outs)} (drawn from {args.min_tokens}-"
+        f"{args.max_tokens}), seed {args.seed}")
+
+
+def compare(args, reqs: Optional[list], make_bodies) -> int:
+    """Every mode of ``args.modes`` on the same requests; a server that
+    fails to start is reported and the other modes still run."""
+    workload = describe(args, reqs)
+    modes, failed = {}, {}
+    for mode in args.modes:
+        try:
+            modes[mode] = run_mode(mode, args, make_bodies)
+        except (RuntimeError, OSError, httpx.HTTPError) as exc:
+            failed[mode] = f"{type(exc).__name__}: {exc}"
+            print(f"[{mode}] FAILED: {failed[mode][-3000:]}", flush=True)
+    if args.json:
+        write_json(args.json, dict(
+            args=vars(args), machine=machine_info(), workload=workload,
+            modes=modes, failed=failed, ratios=ratios(modes)))
+    if args.plot and modes:
+        plot(args.plot, modes, workload)
+    if modes:
+        print_comparison(modes, workload)
+    errors = sum(m["result"]["errors"] for m in modes.values())
+    for mode, m in modes.items():
+        if m["result"]["errors"]:
+            print(f"{mode} errors:", *m["result"]["error_samples"],
+                  sep="\n  ")
+    if failed or errors:
+        print(f"FAILED: {errors} request error(s)" + (
+            f"; server(s) that did not start: {', '.join(failed)}"
+            if failed else ""))
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,9 +12,18 @@ prompt lengths (rounded up to a multiple of 64), new tokens and batch
 sizes.  With ``--backend eager`` nothing is cached, so both runs cost the
 same.
 
+``--cb`` compares instead the start of a continuous-batching engine
+(``VLLM_SPYRE_USE_CB=1``, ``--max-model-len`` 2048, ``--max-num-seqs`` 16:
+its warm-up compiles one prefill-chunk graph and one decode graph whatever
+the lengths) with the start of a static engine of ONE shape, the first of
+the given prompt lengths, new tokens and batch sizes (64, 64, 1), each
+with its own empty compile cache, and prints the ratio CB / static.
+
     python benchmarks/warmup.py [--model DIR] [--prompt-lens 64]
         [--new-tokens 64] [--batch-sizes 1,4,8,16] [--backend inductor]
         [--json PATH] [--keep-cache]
+    python benchmarks/warmup.py --cb [--max-model-len 2048]
+        [--max-num-seqs 16] [--backend inductor] [--json PATH]
 """
 from __future__ import annotations
 
@@ -25,19 +34,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 from _common import (DEFAULT_MODEL, RESULTS, Child, cores, machine_info,
-                     padded_prompt_len, parse_ints, spyre_env, table,
-                     write_json)
+                     padded_prompt_len, parse_ints, spyre_cb_env, spyre_env,
+                     table, write_json)
 
 
 class StartupProbe:
     """Lives in the child: starts the engine, reports its timings."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, engine_args: Optional[dict] = None) -> None:
         from vllm import LLM
         start = time.perf_counter()
-        llm = LLM(model=model)
+        llm = LLM(model=model, **(engine_args or {}))
         self.engine_s = time.perf_counter() - start
         self.timings = llm.collective_rpc("get_startup_timings")[0]
 
@@ -45,9 +55,10 @@ class StartupProbe:
         return dict(engine_s=self.engine_s, timings=self.timings)
 
 
-def start_once(label: str, model: str, env: dict) -> dict:
+def start_once(label: str, model: str, env: dict,
+               engine_args: Optional[dict] = None) -> dict:
     print(f"[{label}] starting the engine ...", flush=True)
-    child = Child(label, StartupProbe, model, env=env)
+    child = Child(label, StartupProbe, model, engine_args, env=env)
     try:
         info = child.result()
     finally:
@@ -55,6 +66,12 @@ def start_once(label: str, model: str, env: dict) -> dict:
     print(f"[{label}] engine started in {info['engine_s']:.1f} s",
           flush=True)
     return info
+
+
+def warmup_total(info: dict) -> float:
+    """Seconds of every warm-up phase of one engine start."""
+    return sum(v for k, v in info["timings"].items()
+               if k.startswith("warmup"))
 
 
 def main() -> int:
@@ -65,11 +82,26 @@ def main() -> int:
     ap.add_argument("--batch-sizes", default="1,4,8,16")
     ap.add_argument("--backend", default="inductor",
                     choices=["inductor", "eager"])
-    ap.add_argument("--json", default=str(RESULTS / "warmup.json"))
+    ap.add_argument("--cb", action="store_true",
+                    help="a continuous-batching start against one static "
+                    "shape's")
+    ap.add_argument("--max-model-len", type=int, default=2048,
+                    help="--max-model-len of the CB engine")
+    ap.add_argument("--max-num-seqs", type=int, default=16,
+                    help="--max-num-seqs of the CB engine")
+    ap.add_argument("--json", help="default: benchmarks/results/warmup.json "
+                    "(--cb: warmup-cb.json)")
     ap.add_argument("--keep-cache", action="store_true",
                     help="keep the compile cache directory")
     args = ap.parse_args()
+    if args.json is None:
+        args.json = str(RESULTS / ("warmup-cb.json" if args.cb
+                                   else "warmup.json"))
+    return cb_against_static(args) if args.cb else shapes_cold_warm(args)
 
+
+def shapes_cold_warm(args) -> int:
+    """Every shape, with a cold and then a warm compile cache."""
     prompt_lens = sorted({padded_prompt_len(p)
                           for p in parse_ints(args.prompt_lens)})
     if prompt_lens != sorted(set(parse_ints(args.prompt_lens))):
@@ -91,13 +123,9 @@ def main() -> int:
         else:
             shutil.rmtree(cache, ignore_errors=True)
 
-    def total(info: dict) -> float:
-        return sum(v for k, v in info["timings"].items()
-                   if k.startswith("warmup"))
-
     phases = [(k, cold["timings"][k], warm["timings"].get(k, float("nan")))
               for k in cold["timings"]]
-    phases += [("all warm-ups", total(cold), total(warm)),
+    phases += [("all warm-ups", warmup_total(cold), warmup_total(warm)),
                ("engine start-up (wall)", cold["engine_s"], warm["engine_s"])]
     rows = [[name, f"{c:.1f}", f"{w:.1f}", f"{c / w:.2f}x"]
             for name, c, w in phases]
@@ -111,6 +139,57 @@ def main() -> int:
           "TORCHINDUCTOR_CACHE_DIR and TORCH_EXTENSIONS_DIR, warm: the "
           "same directories again")
     print(table(["phase", "cold s", "warm s", "cold/warm"], rows))
+    return 0
+
+
+def cb_against_static(args) -> int:
+    """A CB engine start and a one-shape static start, each on an empty
+    compile cache of its own."""
+    shape = (padded_prompt_len(parse_ints(args.prompt_lens)[0]),
+             parse_ints(args.new_tokens)[0], parse_ints(args.batch_sizes)[0])
+    cb_args = dict(max_model_len=args.max_model_len,
+                   max_num_seqs=args.max_num_seqs)
+    runs = {
+        "cb": (f"continuous batching (max_model_len={args.max_model_len}, "
+               f"max_num_seqs={args.max_num_seqs})",
+               spyre_cb_env(args.backend), cb_args),
+        "static": ("static, one shape (prompt_len={}, new_tokens={}, "
+                   "batch_size={})".format(*shape),
+                   dict(spyre_env(args.backend, [shape]),
+                        VLLM_SPYRE_USE_CB="0"), None),
+    }
+    found = {}
+    for label, (what, env, engine_args) in runs.items():
+        cache = tempfile.mkdtemp(prefix=f"warmup-{label}-inductor-cache-")
+        env = dict(env, TORCHINDUCTOR_CACHE_DIR=cache,
+                   TORCH_EXTENSIONS_DIR=str(Path(cache) / "extensions"))
+        try:
+            found[label] = start_once(label, args.model, env, engine_args)
+        finally:
+            if args.keep_cache:
+                print(f"compile cache kept in {cache}")
+            else:
+                shutil.rmtree(cache, ignore_errors=True)
+        found[label].update(what=what, warmup_s=warmup_total(found[label]),
+                            load_s=found[label]["timings"]["load"])
+
+    cb, st = found["cb"], found["static"]
+    ratios = {k: cb[k] / st[k] for k in ("load_s", "warmup_s", "engine_s")}
+    write_json(args.json, dict(
+        args=vars(args), machine=machine_info(),
+        static_shape=dict(prompt_len=shape[0], new_tokens=shape[1],
+                          batch_size=shape[2]),
+        cb=cb, static=st, ratios=ratios))
+    rows = [[i["what"], f"{i['load_s']:.1f}", f"{i['warmup_s']:.1f}",
+             f"{i['engine_s']:.1f}"] for i in (cb, st)]
+    rows.append(["CB / static"] + [f"{ratios[k]:.2f}x" for k in
+                                   ("load_s", "warmup_s", "engine_s")])
+    print(f"\nmodel {Path(args.model).name}, backend {args.backend}, "
+          f"{cores()} cores; each start on an empty TORCHINDUCTOR_CACHE_DIR "
+          "and TORCH_EXTENSIONS_DIR")
+    print(table(["engine start", "load s", "warm-up s", "start-up (wall) s"],
+                rows))
+    print(f"CB warm-up / static-shape warm-up: {ratios['warmup_s']:.2f}x")
     return 0
 
 

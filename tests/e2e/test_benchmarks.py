@@ -1,7 +1,8 @@
 """The offline benchmark end to end on a small workload: our engine
-(eager) and Hugging Face generate in their own processes, alternated; the
-script must finish with identical ids, zero compilations in its timed
-runs, its JSON, its plot, and its table printed last."""
+(eager) under static and under continuous batching, and Hugging Face
+generate, each in its own process, alternated; the script must finish with
+identical ids, zero compilations in its timed runs, its JSON, its plot,
+and its table printed last."""
 from __future__ import annotations
 
 import json
@@ -17,31 +18,47 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_offline_benchmark_small(smollm2, tmp_path):
+    """P + G = 65 tokens: the CB engine's max_model_len (P + G in whole
+    64-token blocks) is two blocks, and the static prompt is padded (61 ->
+    64)."""
     out, png = tmp_path / "offline.json", tmp_path / "plot.png"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "offline.py"),
-         "--model", str(smollm2), "--engines", "spyre-eager,hf",
-         "--batch-sizes", "1,2", "--prompt-len", "16", "--new-tokens", "4",
-         "--repetitions", "2", "--json", str(out), "--plot", str(png)],
+         "--model", str(smollm2), "--engines",
+         "spyre-eager,spyre-cb-eager,hf", "--batch-sizes", "1,2",
+         "--prompt-len", "61", "--new-tokens", "4", "--repetitions", "2",
+         "--json", str(out), "--plot", str(png)],
         capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["compilations"] == 0
     assert result["ids_match"] is True
-    spyre = result["engines"]["spyre-eager"]["batches"]
-    hf = result["engines"]["hf"]["batches"]
+    engines = result["engines"]
+    hf = engines["hf"]["batches"]
+    for name in ("spyre-eager", "spyre-cb-eager"):
+        spyre = engines[name]["batches"]
+        for b in ("1", "2"):
+            assert spyre[b]["ids"] == hf[b]["ids"]
+            assert len(spyre[b]["ids"]) == int(b)
+            assert all(len(row) == 4 for row in spyre[b]["ids"])
+            assert len(spyre[b]["runs"]) == 2
+            assert all(r["compiles"] == 0 for r in spyre[b]["runs"])
+            assert spyre[b]["median"]["decode_tok_s"] > 0
+            assert spyre[b]["ratios"]["decode/hf"] > 0
     for b in ("1", "2"):
-        assert spyre[b]["ids"] == hf[b]["ids"]
-        assert len(spyre[b]["ids"]) == int(b)
-        assert all(len(row) == 4 for row in spyre[b]["ids"])
-        assert len(spyre[b]["runs"]) == 2
-        assert spyre[b]["median"]["decode_tok_s"] > 0
-        assert spyre[b]["ratios"]["decode/hf"] > 0
+        cb = engines["spyre-cb-eager"]["batches"][b]
+        static = engines["spyre-eager"]["batches"][b]
+        assert cb["ratios"]["cbstep/static"] == pytest.approx(
+            static["median"]["decode_tok_s"] / cb["median"]["decode_tok_s"])
+        assert "cbstep/static" not in static["ratios"]
+        # Every decode step ran the whole batch: nothing was preempted.
+        assert [r["preemptions"] for r in cb["runs"]] == [0, 0]
     assert png.stat().st_size > 1000
     last = proc.stdout.strip().splitlines()
     header = next(i for i, line in enumerate(last)
                   if line.startswith("engine "))
-    assert len(last) - header == 2 + 4  # header, rule, 2 engines x 2 sizes
+    assert "cbstep/static" in last[header] and "preempt" in last[header]
+    assert len(last) - header == 2 + 6  # header, rule, 3 engines x 2 sizes
 
 
 def test_linear_benchmark_small(smollm2, tmp_path):

@@ -312,3 +312,23 @@ def test_smollm2_matches_transformers(smollm2):
     run = run_workload(smollm2, "eager")
     assert run["compiled"] == 0
     assert_matches_hf(run, HFReference(smollm2))
+
+
+@pytest.mark.parametrize("max_model_len, prompt_len, max_tokens",
+                         [(128, 64, 64), (64, 40, 24)])
+def test_the_sized_pool_never_preempts_a_full_batch(
+        tiny_llama, hf_tiny, max_model_len, prompt_len, max_tokens):
+    """The pool sized at start-up holds --max-num-seqs sequences of
+    --max-model-len tokens without preempting any (vLLM's block manager
+    wants one free block per decoding sequence); a one-block
+    max_model_len starts too."""
+    plan = [(prompt_len, max_tokens)] * 3
+    with spyre_llm(tiny_llama, cb_env("eager"), max_num_seqs=3,
+                   max_model_len=max_model_len) as llm:
+        reqs = make_requests(llm.llm_engine.model_config.get_vocab_size(),
+                             plan)
+        outs = generate(llm, reqs)
+        preemptions = llm.llm_engine.scheduler[0].num_cumulative_preemption
+    assert preemptions == 0
+    assert [list(o.outputs[0].token_ids) for o in outs] == [
+        hf_tiny.greedy(p, m)[0] for p, m in reqs]

@@ -1,14 +1,19 @@
-"""The arithmetic and workload of the offline benchmarks
-(benchmarks/_common.py): what the printed tables are computed from."""
+"""The arithmetic and workloads of the benchmarks (benchmarks/_common.py,
+the pure parts of benchmarks/serving_load.py): what the printed tables are
+computed from."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import _common  # noqa: E402
+import serving_load  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_prompts_are_fixed_windows_of_exactly_p_tokens():
@@ -25,6 +30,42 @@ def test_benchmark_text_holds_the_default_workload():
     # 16 rows of 64 tokens at stride 13 need 259 tokens; a word is at
     # least one token.
     assert len(words) >= (16 - 1) * _common.STRIDE + 64
+    # The mixed serving workload's longest prompt: 512 tokens.
+    assert len(words) >= 512
+
+
+def test_mixed_requests_are_exact_windows_within_bounds():
+    ids = list(range(1000, 1600))  # distinct: a window has one place
+    reqs = _common.mixed_requests(ids, 300, (16, 40), (8, 12), seed=3)
+    assert len(reqs) == 300
+    for prompt, max_tokens in reqs:
+        assert 16 <= len(prompt) <= 40
+        assert 8 <= max_tokens <= 12
+        start = prompt[0] - 1000
+        assert prompt == ids[start:start + len(prompt)]
+    # Inclusive ranges, both ends drawn.
+    assert {len(p) for p, _ in reqs} >= {16, 40}
+    assert {n for _, n in reqs} == set(range(8, 13))
+
+
+def test_mixed_requests_are_deterministic():
+    ids = list(range(600))
+    a = _common.mixed_requests(ids, 50, (16, 512), (8, 128), seed=0)
+    assert a == _common.mixed_requests(ids, 50, (16, 512), (8, 128), seed=0)
+    assert a != _common.mixed_requests(ids, 50, (16, 512), (8, 128), seed=1)
+    # The first requests do not depend on how many are drawn.
+    assert a[:10] == _common.mixed_requests(ids, 10, (16, 512), (8, 128))
+    with pytest.raises(ValueError, match="<= 600"):
+        _common.mixed_requests(ids, 1, (16, 601), (8, 128))
+    with pytest.raises(ValueError, match="max_tokens 9..8"):
+        _common.mixed_requests(ids, 1, (16, 32), (9, 8))
+
+
+def test_cb_max_model_len_is_whole_blocks():
+    assert _common.cb_max_model_len(64, 64) == 128
+    assert _common.cb_max_model_len(61, 4) == 128
+    assert _common.cb_max_model_len(512, 128) == 640
+    assert _common.cb_max_model_len(16, 4) == 64
 
 
 def test_summary_medians_and_rates():
@@ -60,3 +101,49 @@ def test_spyre_env_one_shape_per_batch_size():
         "VLLM_SPYRE_WARMUP_NEW_TOKENS": "4,4",
         "VLLM_SPYRE_WARMUP_BATCH_SIZES": "1,8",
     }
+
+
+def test_static_shapes_and_requests_they_hold():
+    shapes = serving_load.parse_shapes("256:128:8,512:128:4")
+    assert shapes == [(256, 128, 8), (512, 128, 4)]
+    with pytest.raises(ValueError, match="prompt_len:new_tokens"):
+        serving_load.parse_shapes("256:128")
+    args = SimpleNamespace(static_shapes="256:128:8,512:128:4",
+                           max_model_len=640)
+    sizes = [(512, 128), (513, 8), (16, 129), (300, 100), (600, 50)]
+    assert serving_load.misfits("static", args, sizes) == [
+        (513, 8), (16, 129), (600, 50)]
+    assert serving_load.misfits("cb", args, sizes) == [(600, 50)]
+    # Word prompts (length unknown): only max_tokens is checked.
+    assert serving_load.misfits("static", args, [(None, 128)]) == []
+    assert serving_load.misfits("static", args, [(None, 129)]) == [
+        (None, 129)]
+
+
+@pytest.mark.parametrize("source, fmt, values, key", [
+    ("vllm/worker/spyre_model_runner.py", "Spyre model load took %.1f s",
+     (3.25, ), "load_s"),
+    ("vllm/worker/spyre_model_runner.py",
+     "Spyre warm-up of %d shape(s) took %.1f s", (2, 61.04), "warmup_s"),
+    ("vllm/worker/spyre_cb_model_runner.py",
+     "Spyre continuous-batching warm-up took %.1f s", (61.04, ), "warmup_s"),
+])
+def test_server_startup_times_are_read_from_the_runners_log_lines(
+        source, fmt, values, key):
+    """serving_load reads warm-up seconds from the server log: the lines
+    the model runners write, with their current wording."""
+    assert f'"{fmt}"' in (REPO / source).read_text()
+    line = "INFO 11-23 21:40:20 [x.py:1] " + fmt % values
+    assert serving_load.startup_from_log(line)[key] == float(
+        "%.1f" % values[-1])
+
+
+def test_cb_static_ratios():
+    def mode(tok_s, ttft, itl):
+        return dict(result=dict(tok_per_s=tok_s, ttft_p50_ms=ttft,
+                                itl_p50_ms=itl))
+    r = serving_load.ratios({"cb": mode(30.0, 100.0, 50.0),
+                             "static": mode(20.0, 400.0, 40.0)})
+    assert r == pytest.approx(dict(output_tok_s=1.5, ttft_p50=0.25,
+                                   itl_p50=1.25))
+    assert serving_load.ratios({"cb": mode(1.0, 1.0, 1.0)}) == {}

@@ -113,14 +113,16 @@ class SpyreCBModelRunner(ModelRunnerBase[SpyreCBModelInput]):
 
     @current_platform.inference_mode()
     def warmup(self) -> None:
-        """Compiles both graphs: a two-chunk prefill, then decode steps at
-        the smallest and the largest batch (one dynamic graph), all on the
+        """Compiles both graphs: a prefill of two chunks (one if
+        ``max_model_len`` holds one block only), then decode steps at the
+        smallest and the largest batch (one dynamic graph), all on the
         pool's first block, which nothing holds yet."""
         assert self.model is not None
         start = time.perf_counter()
         vocab = self.model_config.get_vocab_size()
         gen = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, vocab, (CB_BLOCK_SIZE + 1, ),
+        length = min(CB_BLOCK_SIZE + 1, self.scheduler_config.max_model_len)
+        prompt = torch.randint(0, vocab, (max(length, 2), ),
                                generator=gen).tolist()
         blocks = [0] * blocks_needed(len(prompt), CB_BLOCK_SIZE)
         self._prefill(self._chunks(prompt, blocks))

@@ -8,7 +8,8 @@ is warmed up:
 * ``determine_num_available_blocks`` sizes the block pool from the memory
   left (vLLM's ``--gpu-memory-utilization`` applied to this machine's
   memory), capped at what ``--max-num-seqs`` sequences of
-  ``--max-model-len`` tokens can ever hold; ``--num-gpu-blocks-override``
+  ``--max-model-len`` tokens can ever use (one spare block each, which
+  vLLM's block manager wants free before a sequence may decode); ``--num-gpu-blocks-override``
   replaces the result, as on every vLLM platform;
 * ``initialize_cache`` allocates the pool and then warms up, so the
   compiled graphs see the pool they will serve with.
@@ -48,7 +49,11 @@ class SpyreCBWorker(SpyreWorker):
         budget /= self.parallel_config.world_size  # ranks share the machine
         per_seq = blocks_needed(self.scheduler_config.max_model_len,
                                 CB_BLOCK_SIZE)
-        useful = self.scheduler_config.max_num_seqs * per_seq
+        # vLLM's block manager lets a sequence decode only while a block is
+        # free for it (the block it writes into counts as touched), so a
+        # full batch of full-length sequences needs one spare block each;
+        # without them it preempts at every step.
+        useful = self.scheduler_config.max_num_seqs * (per_seq + 1)
         blocks = min(int(budget // block_bytes), useful)
         logger.info(
             "Spyre key/value pool: %d blocks of %d tokens, %.2f MiB each "
