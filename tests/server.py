@@ -2,8 +2,10 @@
 client helpers: a Prometheus metric's value, a streamed completion."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -12,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import httpx
 import requests
 
 
@@ -113,3 +116,40 @@ async def stream(client, url, model, prompt, max_tokens, cancel_after):
                 if cancel_after is not None and got >= cancel_after:
                     return got, None  # leaving the block drops the stream
     return got, usage
+
+
+def abort_storm(server, n: int, seed: int, max_prompt: int,
+                max_tokens: int) -> list:
+    """``n`` concurrent streams of random lengths, about a third dropped by
+    the client at a random token.  Asserts that every other stream got all
+    its tokens and each dropped one exactly the tokens before its drop;
+    returns the plan, [(prompt, max_tokens, drop_after or None)]."""
+    rng = random.Random(seed)
+    plan = []
+    for _ in range(n):
+        prompt = [rng.randint(3, 380) for _ in range(rng.randint(1,
+                                                                 max_prompt))]
+        tokens = rng.randint(2, max_tokens)
+        drop = rng.randint(1, tokens - 1) if rng.random() < 0.35 else None
+        plan.append((prompt, tokens, drop))
+    url = server.url + "/v1/completions"
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(
+                stream(client, url, server.model, p, m, d)
+                for p, m, d in plan))
+
+    results = asyncio.run(asyncio.wait_for(main(), timeout=300))
+    assert any(d is not None for _, _, d in plan)
+    for (_, m, d), got in zip(plan, results):
+        assert got == ((m, m) if d is None else (d, None))
+    return plan
+
+
+def wait_until_zero(server, names: tuple[str, ...], timeout: float = 30):
+    """Polls /metrics until the sum of the named metrics is 0."""
+    deadline = time.monotonic() + timeout
+    while sum(metric(server, name) for name in names) > 0:
+        assert time.monotonic() < deadline, f"{names} not back to 0"
+        time.sleep(0.2)

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 
 import httpx
 import pytest
 import requests
 
-from server import Server, metric, stream
+from server import Server, abort_storm, metric, wait_until_zero
 
 pytestmark = pytest.mark.e2e
 
@@ -90,29 +89,10 @@ def test_streams_join_a_running_batch(server):
 def test_abort_storm_frees_every_block(server):
     """30 streams, about a third dropped mid-stream: the others get all
     their tokens, and afterwards no request and no block is held."""
-    rng = random.Random(3)
-    plan = [([rng.randint(3, 380) for _ in range(rng.randint(1, 150))],
-             rng.randint(4, 60)) for _ in range(30)]
-    cancel = [rng.randint(1, n - 1) if rng.random() < 0.35 else None
-              for _, n in plan]
-    url = server.url + "/v1/completions"
-
-    async def main():
-        async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.gather(*(
-                stream(client, url, server.model, p, n, c)
-                for (p, n), c in zip(plan, cancel)))
-
-    results = asyncio.run(asyncio.wait_for(main(), timeout=300))
-    assert any(c is not None for c in cancel)
-    for (_, n), c, (got, usage) in zip(plan, cancel, results):
-        assert (got, usage) == ((n, n) if c is None else (c, None))
-    deadline = time.monotonic() + 30
-    while (metric(server, "vllm:num_requests_running") +
-           metric(server, "vllm:num_requests_waiting") +
-           metric(server, "vllm:gpu_cache_usage_perc")) > 0:
-        assert time.monotonic() < deadline, "blocks left held"
-        time.sleep(0.2)
+    abort_storm(server, n=30, seed=3, max_prompt=150, max_tokens=60)
+    wait_until_zero(server, ("vllm:num_requests_running",
+                             "vllm:num_requests_waiting",
+                             "vllm:gpu_cache_usage_perc"))
     assert complete(server, [5] * 9, 8).json()["usage"][
         "completion_tokens"] == 8
     assert "Traceback" not in server.log()

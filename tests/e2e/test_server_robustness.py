@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import re
 import signal
 import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 import requests
 
 from conftest import REPO, spyre_env
-from server import Server, metric, stream
+from server import Server, abort_storm, wait_until_zero
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from serving_load import run_load  # noqa: E402
@@ -37,31 +35,10 @@ def test_abort_storm(server):
     """40 concurrent streams of mixed lengths; about a third are dropped
     at random points.  Every other stream gets exactly its tokens, nothing
     is left in the scheduler, and the next batch is served."""
-    rng = random.Random(42)
-    plan = [([rng.randint(3, 380) for _ in range(rng.randint(1, 60))],
-             rng.randint(2, 16)) for _ in range(40)]
-    cancel = [rng.randint(1, n - 1) if rng.random() < 0.35 else None
-              for _, n in plan]
+    abort_storm(server, n=40, seed=42, max_prompt=60, max_tokens=16)
+    wait_until_zero(server, ("vllm:num_requests_running",
+                             "vllm:num_requests_waiting"))
     url = server.url + "/v1/completions"
-
-    async def main():
-        async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.gather(*(
-                stream(client, url, server.model, p, n, c)
-                for (p, n), c in zip(plan, cancel)))
-
-    results = asyncio.run(asyncio.wait_for(main(), timeout=300))
-    assert any(c is not None for c in cancel)
-    for (prompt, n), c, (got, usage) in zip(plan, cancel, results):
-        if c is None:
-            assert (got, usage) == (n, n)
-        else:
-            assert got == c
-    deadline = time.monotonic() + 30
-    while (metric(server, "vllm:num_requests_running")
-           + metric(server, "vllm:num_requests_waiting")) > 0:
-        assert time.monotonic() < deadline, "rows left in the scheduler"
-        time.sleep(0.2)
     after = requests.post(url, json=dict(model=server.model, prompt=[5] * 9,
                                          max_tokens=16, ignore_eos=True),
                           timeout=60)

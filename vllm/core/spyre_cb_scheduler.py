@@ -20,6 +20,7 @@ from collections import deque
 
 from vllm.core.scheduler import (Scheduler, SchedulerPrefillOutputs,
                                  SchedulingBudget)
+from vllm.core.spyre_scheduler import refuse_prompt_logprobs
 from vllm.platforms.spyre import is_spyre
 from vllm.sequence import SequenceGroup
 from vllm.worker.spyre_cb_inputs import rejection_reason
@@ -30,11 +31,8 @@ class SpyreCBScheduler(Scheduler):
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
         """Refuses requests that could never be scheduled, up front."""
         if is_spyre():
+            refuse_prompt_logprobs(seq_group)
             params = seq_group.sampling_params
-            if params is not None and params.prompt_logprobs is not None:
-                raise ValueError(
-                    "prompt_logprobs is not supported on Spyre: the compiled "
-                    "graphs return the logits of the last position only.")
             prompt_len = seq_group.first_seq.get_prompt_len()
             max_len = self.scheduler_config.max_model_len
             if params is not None and params.max_tokens is None:

@@ -47,11 +47,7 @@ class SpyreScheduler(Scheduler):
         """Rejects requests that fit no compiled shape, up front, instead of
         leaving them to wait forever."""
         if self.static_batching:
-            params = seq_group.sampling_params
-            if params is not None and params.prompt_logprobs is not None:
-                raise ValueError(
-                    "prompt_logprobs is not supported on Spyre: the compiled "
-                    "graphs return the logits of the last position only.")
+            refuse_prompt_logprobs(seq_group)
             self._resolve_max_tokens(seq_group)
             reason = rejection_reason(self._size(seq_group),
                                       self.warmup_shapes)
@@ -117,3 +113,12 @@ class SpyreScheduler(Scheduler):
     def _size(seq_group: SequenceGroup) -> RequestSize:
         return RequestSize(seq_group.first_seq.get_prompt_len(),
                            seq_group.sampling_params.max_tokens or 0)
+
+
+def refuse_prompt_logprobs(seq_group: SequenceGroup) -> None:
+    """Both Spyre schedulers refuse ``prompt_logprobs`` up front."""
+    params = seq_group.sampling_params
+    if params is not None and params.prompt_logprobs is not None:
+        raise ValueError(
+            "prompt_logprobs is not supported on Spyre: the compiled graphs "
+            "return the logits of the last position only.")

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from torch import nn
 
-from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.sampler import SamplerOutput
 from vllm.model_executor.model_loader.spyre_paged import SpyrePagedCausalLM
@@ -32,11 +31,11 @@ from vllm.model_executor.sampling_metadata import SamplingMetadata
 from vllm.platforms import current_platform
 from vllm.platforms.spyre_config import CB_BLOCK_SIZE, SpyreConfig
 from vllm.sequence import IntermediateTensors, SequenceGroupMetadata
-from vllm.worker.model_runner_base import (ModelRunnerBase,
-                                           ModelRunnerInputBase)
+from vllm.worker.model_runner_base import ModelRunnerInputBase
 from vllm.worker.spyre_cb_inputs import (PagedInputs, blocks_needed,
                                          decode_batch, prefill_chunks)
-from vllm.worker.spyre_model_runner import only_seq, pad_token_id, sample
+from vllm.worker.spyre_model_runner import (SpyreRunnerBase, only_seq,
+                                            sample)
 
 logger = init_logger(__name__)
 
@@ -69,38 +68,21 @@ class SpyreCBModelInput(ModelRunnerInputBase):
                    num_live=tensor_dict["num_live"])
 
 
-class SpyreCBModelRunner(ModelRunnerBase[SpyreCBModelInput]):
+class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
+
+    model_cls = SpyrePagedCausalLM
+    model: Optional[SpyrePagedCausalLM]  # type: ignore[assignment]
 
     def __init__(self, vllm_config: VllmConfig,
                  spyre_config: SpyreConfig) -> None:
-        super().__init__(vllm_config)
-        self.spyre_config = spyre_config
-        self.generators: dict[str, torch.Generator] = {}
-        self.model: Optional[SpyrePagedCausalLM] = None
-        self.pad_id = 0
+        super().__init__(vllm_config, spyre_config)
         #: Width of every block table: the blocks of a max_model_len sequence.
         self.max_blocks = blocks_needed(self.scheduler_config.max_model_len,
                                         CB_BLOCK_SIZE)
         #: The block padding positions write to; set by allocate_pool.
         self.pad_block = -1
-        #: Seconds spent in each start-up phase.
-        self.startup_timings: dict[str, float] = {}
 
     # ---- start-up -------------------------------------------------------
-    def load_model(self) -> None:
-        start = time.perf_counter()
-        with set_current_vllm_config(self.vllm_config):
-            self.model = SpyrePagedCausalLM(vllm_config=self.vllm_config,
-                                            spyre_config=self.spyre_config)
-        self.pad_id = pad_token_id(self.model_config)
-        self.startup_timings["load"] = time.perf_counter() - start
-        logger.info("Spyre model load took %.1f s",
-                    self.startup_timings["load"])
-
-    def get_model(self) -> nn.Module:
-        assert self.model is not None
-        return self.model
-
     def block_bytes(self) -> int:
         assert self.model is not None
         return self.model.block_bytes()

@@ -27,7 +27,7 @@ from vllm.platforms import current_platform
 from vllm.platforms.spyre_config import SpyreConfig, WarmupShape
 from vllm.sequence import IntermediateTensors, SequenceGroupMetadata
 from vllm.worker.model_runner_base import (ModelRunnerBase,
-                                           ModelRunnerInputBase)
+                                           ModelRunnerInputBase, T)
 from vllm.worker.spyre_inputs import (DecodeSteps, RequestSize, StepInputs,
                                       choose_shape, prefill_inputs)
 
@@ -77,7 +77,11 @@ class _Batch:
     step: int = 0
 
 
-class SpyreModelRunner(ModelRunnerBase[SpyreModelInput]):
+class SpyreRunnerBase(ModelRunnerBase[T]):
+    """What both Spyre runners share: the settings, the model load (of
+    ``model_cls``), per-request generators and start-up timings."""
+
+    model_cls: type = SpyreCausalLM
 
     def __init__(self, vllm_config: VllmConfig,
                  spyre_config: SpyreConfig) -> None:
@@ -85,17 +89,15 @@ class SpyreModelRunner(ModelRunnerBase[SpyreModelInput]):
         self.spyre_config = spyre_config
         self.generators: dict[str, torch.Generator] = {}
         self.model: Optional[SpyreCausalLM] = None
-        self.batch: Optional[_Batch] = None
         self.pad_id = 0
-        #: Seconds spent in each start-up phase ("load", "warmup <shape>").
+        #: Seconds spent in each start-up phase ("load", "warmup ...").
         self.startup_timings: dict[str, float] = {}
 
-    # ---- start-up -------------------------------------------------------
     def load_model(self) -> None:
         start = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
-            self.model = SpyreCausalLM(vllm_config=self.vllm_config,
-                                       spyre_config=self.spyre_config)
+            self.model = self.model_cls(vllm_config=self.vllm_config,
+                                        spyre_config=self.spyre_config)
         self.pad_id = pad_token_id(self.model_config)
         self.startup_timings["load"] = time.perf_counter() - start
         logger.info("Spyre model load took %.1f s",
@@ -104,6 +106,16 @@ class SpyreModelRunner(ModelRunnerBase[SpyreModelInput]):
     def get_model(self) -> nn.Module:
         assert self.model is not None
         return self.model
+
+
+class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
+
+    def __init__(self, vllm_config: VllmConfig,
+                 spyre_config: SpyreConfig) -> None:
+        super().__init__(vllm_config, spyre_config)
+        self.batch: Optional[_Batch] = None
+
+    # ---- start-up -------------------------------------------------------
 
     def warmup(self) -> None:
         """Compiles every warm-up shape by running exactly the sequence of
