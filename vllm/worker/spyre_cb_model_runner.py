@@ -126,6 +126,9 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         virtual_engine: int = 0,
         finished_requests_ids: Optional[list[str]] = None,
     ) -> SpyreCBModelInput:
+        """A prefill (one sequence: its tokens, the outputs too after a
+        preemption, in chunks) or a decode step (every running sequence),
+        over the blocks vLLM's block manager gave each sequence."""
         metas = seq_group_metadata_list
         is_prompt = metas[0].is_prompt
         seq_lens = None
@@ -166,6 +169,8 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         num_steps: int = 1,
         **kwargs,
     ) -> Optional[list[SamplerOutput]]:
+        """Runs the step on the block pool the model owns (vLLM's
+        ``kv_caches`` argument is unused) and samples the live rows."""
         if num_steps > 1:
             raise NotImplementedError(
                 "Multi-step scheduling is not supported on Spyre")
