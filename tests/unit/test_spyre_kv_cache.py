@@ -16,19 +16,13 @@ from vllm.model_executor.model_loader import spyre_kv_cache
 from vllm.platforms.spyre_config import WarmupShape
 from vllm.worker.spyre_inputs import decode_inputs, prefill_inputs
 
+from conftest import build_tiny_fms
+
 
 @pytest.fixture(scope="module")
 def tiny_fms():
-    from fms.models.llama import LLaMA, LLaMAConfig
-    torch.manual_seed(0)
-    model = LLaMA(LLaMAConfig(src_vocab_size=96, emb_dim=64, nheads=4,
-                              kvheads=2, nlayers=2, hidden_grow_factor=2.0,
-                              max_expected_seq_len=64))
-    model.reset_parameters()
-    model.post_init()
-    model.eval()
     spyre_kv_cache.register()
-    return model
+    return build_tiny_fms(64)
 
 
 def _fms_reference(model, prompts, shape, steps):

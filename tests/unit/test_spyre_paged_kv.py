@@ -27,6 +27,8 @@ from vllm.platforms.spyre_config import CB_BLOCK_SIZE
 from vllm.worker.spyre_cb_inputs import (PagedInputs, blocks_needed,
                                          decode_batch, prefill_chunks)
 
+from conftest import build_tiny_fms
+
 BS = CB_BLOCK_SIZE
 needs_kernel = pytest.mark.skipif(not spyre_cpu_linear.available(),
                                   reason="no C++ compiler for the kernel")
@@ -432,16 +434,8 @@ def test_register_is_idempotent():
 # ---- a tiny FMS model end to end -------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_fms():
-    from fms.models.llama import LLaMA, LLaMAConfig
-    torch.manual_seed(0)
-    model = LLaMA(LLaMAConfig(src_vocab_size=96, emb_dim=64, nheads=4,
-                              kvheads=2, nlayers=2, hidden_grow_factor=2.0,
-                              max_expected_seq_len=256))
-    model.reset_parameters()
-    model.post_init()
-    model.eval()
     spyre_paged_kv.register()
-    return model
+    return build_tiny_fms(256)
 
 
 class PagedRun:

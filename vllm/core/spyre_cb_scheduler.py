@@ -16,11 +16,9 @@ recomputed.  This class changes two things:
 """
 from __future__ import annotations
 
-from collections import deque
-
 from vllm.core.scheduler import (Scheduler, SchedulerPrefillOutputs,
                                  SchedulingBudget)
-from vllm.core.spyre_scheduler import refuse_prompt_logprobs
+from vllm.core.spyre_scheduler import refuse_prompt_logprobs, waiting_only
 from vllm.platforms.spyre import is_spyre
 from vllm.sequence import SequenceGroup
 from vllm.worker.spyre_cb_inputs import rejection_reason
@@ -57,13 +55,7 @@ class SpyreCBScheduler(Scheduler):
             return super()._schedule_prefills(budget, curr_loras,
                                               enable_chunking,
                                               partial_prefill_metadata)
-        rest = self.waiting
-        self.waiting = deque([rest.popleft()])
-        try:
+        with waiting_only(self, [self.waiting[0]]):
             return super()._schedule_prefills(budget, curr_loras,
                                               enable_chunking,
                                               partial_prefill_metadata)
-        finally:
-            # Whatever upstream left waiting keeps its place at the front.
-            rest.extendleft(reversed(self.waiting))
-            self.waiting = rest

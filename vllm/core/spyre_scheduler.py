@@ -14,6 +14,7 @@ Decoding, aborts, freeing and output bookkeeping are upstream's.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from typing import Optional
 
@@ -77,16 +78,10 @@ class SpyreScheduler(Scheduler):
             # Cannot happen for requests admitted by add_seq_group.
             return SchedulerPrefillOutputs.create_empty()
         shape, indices = picked
-        chosen = set(indices)
-        self.waiting = deque(waiting[i] for i in indices)
-        rest = deque(g for i, g in enumerate(waiting) if i not in chosen)
-        try:
+        with waiting_only(self, [waiting[i] for i in indices]):
             outputs = super()._schedule_prefills(budget, curr_loras,
                                                  enable_chunking,
                                                  partial_prefill_metadata)
-        finally:
-            # Whatever upstream left waiting keeps its place at the front.
-            self.waiting.extend(rest)
         if outputs.seq_groups:
             self.current_shape = shape
             logger.debug("Spyre batch of %d on shape %s",
@@ -122,3 +117,17 @@ def refuse_prompt_logprobs(seq_group: SequenceGroup) -> None:
         raise ValueError(
             "prompt_logprobs is not supported on Spyre: the compiled graphs "
             "return the logits of the last position only.")
+
+
+@contextlib.contextmanager
+def waiting_only(scheduler: Scheduler, chosen: list[SequenceGroup]):
+    """Upstream's prefill scheduling, inside the block, sees only
+    ``chosen`` of the waiting queue; whatever it leaves waiting keeps its
+    place ahead of the other waiting requests."""
+    picked = {id(g) for g in chosen}
+    rest = deque(g for g in scheduler.waiting if id(g) not in picked)
+    scheduler.waiting = deque(chosen)
+    try:
+        yield
+    finally:
+        scheduler.waiting.extend(rest)
