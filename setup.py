@@ -3,7 +3,8 @@
 The wheel holds namespace portions only: modules under ``vllm/`` that land
 next to upstream vLLM's own files, without any ``__init__.py`` of ours, plus
 the ``vllm.platform_plugins`` entry point that makes vLLM select the Spyre
-platform in every process.
+platform in every process, and ``vllm.general_plugins`` entry points that
+correct upstream V0 request handling on Spyre (see the modules they name).
 """
 from setuptools import find_namespace_packages, setup
 
@@ -18,5 +19,10 @@ setup(
     package_data={"vllm.model_executor.model_loader": ["*.cpp"]},
     entry_points={
         "vllm.platform_plugins": ["spyre = vllm.platforms.spyre:register"],
+        "vllm.general_plugins": [
+            "spyre_admission = vllm.engine.spyre_admission:install",
+            "spyre_error_status = "
+            "vllm.entrypoints.openai.spyre_error_status:install",
+        ],
     },
 )

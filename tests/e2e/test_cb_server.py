@@ -113,3 +113,21 @@ def test_requests_that_cannot_fit_get_http_400(server):
     assert ok.status_code == 200
     assert ok.json()["usage"]["completion_tokens"] == 84
     assert metric(server, "vllm:num_requests_waiting") == 0
+
+
+@pytest.mark.parametrize("extra", [dict(n=5), dict(n=5, stream=True)])
+def test_n_above_max_num_seqs_is_400(server, extra):
+    resp = requests.post(server.url + "/v1/completions",
+                         json=dict(model=server.model, prompt=[5] * 9,
+                                   max_tokens=4, temperature=1.0, **extra),
+                         timeout=120)
+    assert resp.status_code == 400, resp.text
+    assert "n=5 parallel samples" in resp.text
+    assert "--max-num-seqs=4" in resp.text
+    assert metric(server, "vllm:num_requests_waiting") == 0
+    ok = requests.post(server.url + "/v1/completions",
+                       json=dict(model=server.model, prompt=[5] * 9,
+                                 max_tokens=4, n=4, temperature=1.0,
+                                 ignore_eos=True), timeout=120)
+    assert ok.status_code == 200, ok.text
+    assert len(ok.json()["choices"]) == 4

@@ -191,6 +191,41 @@ def test_omitted_max_tokens_gets_largest_fitting_shape(server):
     assert long["completion_tokens"] == 8
 
 
+
+@pytest.mark.parametrize("extra", [
+    dict(n=5), dict(n=5, stream=True), dict(n=1, best_of=5), dict(n=1000),
+])
+def test_n_above_largest_batch_is_400(server, extra):
+    """The n samples of a request share one batch: more than the largest
+    batch size (4) is refused at once, streamed or not."""
+    n = extra.get("best_of", extra["n"])
+    resp = post(server, dict(model=server.model, prompt=[7] * 5,
+                             max_tokens=4, temperature=1.0, **extra))
+    assert resp.status_code == 400, resp.text
+    assert f"n={n} parallel samples" in resp.text
+    assert "largest batch size 4" in resp.text
+    assert metric(server, "vllm:num_requests_waiting") == 0
+    assert metric(server, "vllm:num_requests_running") == 0
+    ok = post(server, dict(model=server.model, prompt=[7] * 5, max_tokens=4,
+                           n=4, temperature=1.0, ignore_eos=True))
+    assert ok.status_code == 200, ok.text
+    assert [c["index"] for c in ok.json()["choices"]] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("path,api", [
+    ("/v1/embeddings", "Embeddings"), ("/pooling", "Pooling"),
+    ("/classify", "Classification"), ("/v1/score", "Score"),
+    ("/rerank", "Rerank"),
+])
+def test_apis_a_generator_lacks_are_400(server, path, api):
+    resp = post(server, dict(model=server.model, input="hi", text_1="a",
+                             text_2="b", query="q", documents=["d"]),
+                path=path)
+    assert resp.status_code == 400, resp.text
+    assert f"does not support {api}" in resp.json()["error"]["message"]
+    assert post(server, dict(model=server.model, prompt="x",
+                             max_tokens=1)).status_code == 200
+
 @pytest.mark.parametrize("body,status", [
     ("{not json", 400),
     (dict(model="no-such-model", prompt="x", max_tokens=2), 404),

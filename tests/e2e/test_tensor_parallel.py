@@ -207,6 +207,41 @@ def test_ray_backend_tp2_on_a_local_cluster(tiny_llama, hf_tiny):
     assert got == [hf_tiny.greedy(p, n)[0] for p, n in REQUESTS]
 
 
+
+def test_ray_backend_without_a_cluster_starts_a_local_one(tiny_llama, hf_tiny,
+                                                          caplog):
+    """Nobody ran `ray start`: the executor starts a local Ray instance
+    declaring this machine's cards, says so, and stops it at shutdown."""
+    import ray
+    assert not ray.is_initialized()
+    with mock.patch.dict(os.environ, {"RAY_ADDRESS": ""}):
+        with spyre_llm(tiny_llama, spyre_env("eager", **SHAPES),
+                       tensor_parallel_size=2,
+                       distributed_executor_backend="ray") as llm:
+            got = generate(llm)
+            resources = ray.cluster_resources()
+            llm.llm_engine.model_executor.shutdown()
+    assert got == [hf_tiny.greedy(p, n)[0] for p, n in REQUESTS]
+    assert resources.get("spyre") == 2
+    assert any("starting a local Ray instance with 2 Spyre card(s)"
+               in r.getMessage() for r in caplog.records)
+    assert not ray.is_initialized()
+
+
+def test_ray_cluster_without_spyre_cards_is_refused(tiny_llama):
+    import ray
+    ray.init(num_cpus=2, include_dashboard=False,
+             _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        with pytest.raises(Exception) as err:
+            with spyre_llm(tiny_llama, spyre_env("eager", **SHAPES),
+                           tensor_parallel_size=2,
+                           distributed_executor_backend="ray"):
+                pass
+    finally:
+        ray.shutdown()
+    assert "declares 0 units of the 'spyre' resource" in str(err.value)
+
 def test_card_count_from_environment_must_split_the_heads(smollm2):
     """SmolLM2 has 9 query heads: AIU_WORLD_SIZE=2 is refused up front."""
     from vllm import EngineArgs

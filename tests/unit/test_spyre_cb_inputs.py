@@ -7,7 +7,9 @@ import torch
 
 from vllm.worker.spyre_cb_inputs import (MIN_DECODE_BATCH, PagedInputs,
                                          blocks_needed, decode_batch,
-                                         prefill_chunks, rejection_reason)
+                                         prefill_chunks,
+                                         parallel_samples_reason,
+                                         rejection_reason)
 
 PAD_ID = 0
 
@@ -263,6 +265,22 @@ def test_rejection_reason_model_len_is_checked_first():
     assert "max_model_len=256" in msg
     assert "key/value blocks" not in msg
 
+
+
+def test_parallel_samples_reason_max_num_seqs():
+    assert parallel_samples_reason(4, 10, 10, 4, 64, 100) is None
+    msg = parallel_samples_reason(5, 10, 10, 4, 64, 100)
+    assert "n=5" in msg and "--max-num-seqs=4" in msg
+
+
+def test_parallel_samples_reason_blocks_of_all_samples():
+    # 3 samples of 100 + 28 tokens: 2 blocks each, 6 in all.
+    assert parallel_samples_reason(3, 100, 28, 8, 64, 6) is None
+    msg = parallel_samples_reason(3, 100, 29, 8, 64, 8)
+    assert msg is not None
+    assert "n=3" in msg
+    assert "need 9 key/value blocks of 64 tokens" in msg
+    assert "the 8 usable blocks" in msg
 
 # ------------------------------------------------------------ PagedInputs
 def test_row_is_an_independent_batch_of_one():

@@ -7,8 +7,10 @@ import torch.nn.functional as F
 
 from vllm.platforms.spyre_config import WarmupShape
 from vllm.worker.spyre_inputs import (DecodeSteps, RequestSize, choose_shape,
-                                      decode_inputs, fits, prefill_inputs,
-                                      rejection_reason, select_batch)
+                                      decode_inputs, fits,
+                                      parallel_samples_reason,
+                                      prefill_inputs, rejection_reason,
+                                      select_batch)
 
 T, F_ = True, False
 
@@ -225,6 +227,17 @@ def test_rejection_reason_message():
     assert "(prompt_len=128, new_tokens=10, batch_size=2)" in msg
     assert "VLLM_SPYRE_WARMUP_PROMPT_LENS" in msg
 
+
+
+def test_parallel_samples_reason_names_n_and_largest_batch():
+    shapes = [WarmupShape(64, 20, 4), WarmupShape(128, 10, 2)]
+    assert parallel_samples_reason(1, shapes) is None
+    assert parallel_samples_reason(4, shapes) is None
+    msg = parallel_samples_reason(5, shapes)
+    assert msg is not None
+    assert "n=5" in msg
+    assert "largest batch size 4" in msg
+    assert "VLLM_SPYRE_WARMUP_BATCH_SIZES" in msg
 
 # ------------------------------------------------------------ prefill_inputs
 def test_prefill_inputs_exact_small_case():

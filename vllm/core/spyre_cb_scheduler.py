@@ -10,7 +10,9 @@ recomputed.  This class changes two things:
 
 * ``add_seq_group`` refuses, with a ``ValueError``, a request that can
   never run (longer than ``max_model_len``, or more blocks than the whole
-  pool) instead of letting upstream drop it with a warning;
+  pool) instead of letting upstream drop it with a warning, and
+  ``refuse_parallel_samples`` one whose ``n`` samples could never decode
+  side by side;
 * ``_schedule_prefills`` admits one sequence per prefill step, as the card
   prefills one sequence at a time.
 """
@@ -20,8 +22,10 @@ from vllm.core.scheduler import (Scheduler, SchedulerPrefillOutputs,
                                  SchedulingBudget)
 from vllm.core.spyre_scheduler import refuse_prompt_logprobs, waiting_only
 from vllm.platforms.spyre import is_spyre
+from vllm.sampling_params import SamplingParams
 from vllm.sequence import SequenceGroup
-from vllm.worker.spyre_cb_inputs import rejection_reason
+from vllm.worker.spyre_cb_inputs import (parallel_samples_reason,
+                                         rejection_reason)
 
 
 class SpyreCBScheduler(Scheduler):
@@ -32,18 +36,38 @@ class SpyreCBScheduler(Scheduler):
             refuse_prompt_logprobs(seq_group)
             params = seq_group.sampling_params
             prompt_len = seq_group.first_seq.get_prompt_len()
-            max_len = self.scheduler_config.max_model_len
             if params is not None and params.max_tokens is None:
                 # "As many as the context allows", as upstream stops them.
-                params.max_tokens = max(max_len - prompt_len, 1)
-            manager = self.block_manager
+                params.max_tokens = self._max_tokens(prompt_len, params)
             reason = rejection_reason(
-                prompt_len, params.max_tokens if params else 1, max_len,
-                self.cache_config.block_size,
-                manager.num_total_gpu_blocks - manager.watermark_blocks)
+                prompt_len, params.max_tokens if params else 1,
+                self.scheduler_config.max_model_len,
+                self.cache_config.block_size, self._usable_blocks())
             if reason is not None:
                 raise ValueError(reason)
         super().add_seq_group(seq_group)
+
+    def refuse_parallel_samples(self, prompt_len: int,
+                                params: SamplingParams) -> None:
+        """Refuses a request whose ``n`` samples could never decode side by
+        side.  Called by the engine before it fans the request out into
+        ``n`` groups of one sample (see ``vllm.engine.spyre_admission``)."""
+        if is_spyre():
+            reason = parallel_samples_reason(
+                params.n, prompt_len, self._max_tokens(prompt_len, params),
+                self.scheduler_config.max_num_seqs,
+                self.cache_config.block_size, self._usable_blocks())
+            if reason is not None:
+                raise ValueError(reason)
+
+    def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        if params.max_tokens is not None:
+            return params.max_tokens
+        return max(self.scheduler_config.max_model_len - prompt_len, 1)
+
+    def _usable_blocks(self) -> int:
+        manager = self.block_manager
+        return manager.num_total_gpu_blocks - manager.watermark_blocks
 
     def _schedule_prefills(self, budget: SchedulingBudget, curr_loras,
                            enable_chunking: bool = False,

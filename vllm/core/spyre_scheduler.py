@@ -5,7 +5,8 @@ changes only two decisions of the upstream ``Scheduler``:
 
 * ``add_seq_group`` rejects, with a ``ValueError``, a request that no
   compiled warm-up shape can ever hold (offline callers see the exception,
-  the OpenAI server answers HTTP 400);
+  the OpenAI server answers HTTP 400), and ``refuse_parallel_samples`` one
+  whose ``n`` samples are more than the largest batch;
 * ``_schedule_prefills`` starts no new batch while a batch is decoding, and
   otherwise lets the upstream prefill logic see only the requests that
   ``select_batch`` picked to share one compiled shape.
@@ -24,8 +25,9 @@ from vllm.logger import init_logger
 from vllm.platforms.spyre import is_spyre
 from vllm.platforms.spyre_config import SpyreConfig, WarmupShape
 from vllm.sequence import SequenceGroup
-from vllm.worker.spyre_inputs import (RequestSize, rejection_reason,
-                                      select_batch)
+from vllm.sampling_params import SamplingParams
+from vllm.worker.spyre_inputs import (RequestSize, parallel_samples_reason,
+                                      rejection_reason, select_batch)
 
 logger = init_logger(__name__)
 
@@ -55,6 +57,16 @@ class SpyreScheduler(Scheduler):
             if reason is not None:
                 raise ValueError(reason)
         super().add_seq_group(seq_group)
+
+    def refuse_parallel_samples(self, prompt_len: int,
+                                params: SamplingParams) -> None:
+        """Refuses a request whose ``n`` samples could never share a batch.
+        Called by the engine before it fans the request out into ``n``
+        groups of one sample (see ``vllm.engine.spyre_admission``)."""
+        if self.static_batching:
+            reason = parallel_samples_reason(params.n, self.warmup_shapes)
+            if reason is not None:
+                raise ValueError(reason)
 
     def _schedule_prefills(self, budget: SchedulingBudget, curr_loras,
                            enable_chunking: bool = False,

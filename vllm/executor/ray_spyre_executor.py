@@ -6,6 +6,8 @@ Ray resource ``spyre`` (one card).  Start Ray on every machine with its card
 count, e.g. ``ray start --head --resources '{"spyre": 4}'`` and
 ``ray start --address HEAD:6379 --resources '{"spyre": 4}'``, then run the
 server on the head machine with ``--distributed-executor-backend ray``.
+Where no cluster is running, the executor starts a local Ray instance that
+declares this machine's cards, and stops it at shutdown.
 
 vLLM's own Ray executor cannot be used: it asks Ray for the accelerator ids
 of its device resource, and Ray knows no Spyre accelerator.
@@ -53,6 +55,8 @@ class RaySpyreExecutor(SpyreExecutorMixin, MultiprocessingExecutor):
     """Several Spyre cards, possibly on several machines, through Ray."""
 
     uses_ray: bool = True
+    #: True when this executor started the local Ray instance it uses.
+    _started_ray: bool = False
 
     def _distributed_init_method(self) -> str:
         # Other machines must reach the driver: not loopback.
@@ -63,7 +67,7 @@ class RaySpyreExecutor(SpyreExecutorMixin, MultiprocessingExecutor):
 
         from vllm.executor.ray_utils import RayWorkerWrapper
         if not ray.is_initialized():
-            ray.init(address="auto")
+            self._join_or_start_ray(ray, world_size)
         have = ray.cluster_resources().get(RAY_CARD_RESOURCE, 0)
         if have < world_size - 1:
             raise ValueError(
@@ -82,6 +86,25 @@ class RaySpyreExecutor(SpyreExecutorMixin, MultiprocessingExecutor):
             for rank in range(1, world_size)
         ]
         return [_RayRank(actor) for actor in self._actors]
+
+    def _join_or_start_ray(self, ray, world_size: int) -> None:
+        """Joins the Ray cluster this machine belongs to; where nobody ran
+        ``ray start``, starts a local instance declaring this machine's
+        cards (the environment's card count, else one per rank), as vLLM
+        starts a local Ray instance when it finds no cluster."""
+        try:
+            ray.init(address="auto")
+            return
+        except ConnectionError:
+            pass
+        cards = self.spyre_config.card_count or world_size
+        logger.info(
+            "No running Ray cluster found: starting a local Ray instance "
+            "with %d Spyre card(s) (resource '%s'). Run `ray start` to use "
+            "cards on several machines.", cards, RAY_CARD_RESOURCE)
+        ray.init(resources={RAY_CARD_RESOURCE: cards},
+                 include_dashboard=False)
+        self._started_ray = True
 
     def _rank_env(self, rank: int) -> dict[str, str]:
         env = super()._rank_env(rank)
@@ -104,3 +127,6 @@ class RaySpyreExecutor(SpyreExecutorMixin, MultiprocessingExecutor):
         if actors:
             for actor in actors:
                 self._ray.kill(actor)
+        if self._started_ray:
+            self._started_ray = False
+            self._ray.shutdown()

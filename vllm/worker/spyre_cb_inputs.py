@@ -72,6 +72,27 @@ def rejection_reason(prompt_len: int, max_tokens: int, max_model_len: int,
     return None
 
 
+
+def parallel_samples_reason(n: int, prompt_len: int, max_tokens: int,
+                            max_num_seqs: int, block_size: int,
+                            usable_blocks: int) -> Optional[str]:
+    """Why the ``n`` samples of one request (``n`` or ``best_of``) can never
+    run side by side under continuous batching, or None."""
+    if n > max_num_seqs:
+        return (f"n={n} parallel samples of one request are more than "
+                f"--max-num-seqs={max_num_seqs}, the most sequences that "
+                "decode at once. Lower n (or best_of), or raise "
+                "--max-num-seqs.")
+    need = n * blocks_needed(prompt_len + max_tokens, block_size)
+    if need > usable_blocks:
+        return (f"n={n} parallel samples of {prompt_len} + {max_tokens} "
+                f"tokens need {need} key/value blocks of {block_size} "
+                f"tokens, more than the {usable_blocks} usable blocks of the "
+                "whole pool. Lower n (or best_of), shorten the prompt or "
+                "lower max_tokens, or raise --num-gpu-blocks-override or "
+                "--gpu-memory-utilization.")
+    return None
+
 def _table_row(block_ids: Sequence[int], max_blocks: int,
                pad_block: int) -> list[int]:
     if len(block_ids) > max_blocks:

@@ -93,6 +93,19 @@ def rejection_reason(req: RequestSize,
             "VLLM_SPYRE_WARMUP_NEW_TOKENS / VLLM_SPYRE_WARMUP_BATCH_SIZES.")
 
 
+
+def parallel_samples_reason(n: int,
+                            shapes: Sequence[WarmupShape]) -> Optional[str]:
+    """Why the ``n`` samples of one request (``n`` or ``best_of``) can never
+    share a batch, or None."""
+    largest = max(s.batch_size for s in shapes)
+    if n <= largest:
+        return None
+    return (f"n={n} parallel samples of one request are more than the "
+            f"largest batch size {largest} of the compiled Spyre warm-up "
+            "shapes. Lower n (or best_of), or add a larger batch size to "
+            "VLLM_SPYRE_WARMUP_BATCH_SIZES.")
+
 @dataclass(frozen=True)
 class StepInputs:
     """Tensors of one forward pass of a fixed shape.

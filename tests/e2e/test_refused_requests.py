@@ -1,0 +1,125 @@
+"""Offline refusals leave the engine as it was: a request whose ``n`` samples
+could never share a batch is refused before anything is queued (static and
+continuous batching), and an ``LLM.generate`` call that fails on one of its
+prompts withdraws the others, so the next call returns only its own."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import spyre_env, spyre_llm
+
+pytestmark = pytest.mark.e2e
+
+# Largest batch size 2.
+STATIC_ENV = spyre_env("eager", prompt_lens=[64, 128], new_tokens=[16, 8],
+                       batch_sizes=[2, 1])
+CB_ENV = {"VLLM_SPYRE_USE_CB": "1", "VLLM_SPYRE_DYNAMO_BACKEND": "eager"}
+
+
+def tokens(ids):
+    from vllm import TokensPrompt
+    return TokensPrompt(prompt_token_ids=ids)
+
+
+def params(**kwargs):
+    from vllm import SamplingParams
+    return SamplingParams(**{"max_tokens": 4, "ignore_eos": True, **kwargs})
+
+
+def assert_idle(llm) -> None:
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert not engine.seq_id_to_seq_group
+    sched = engine.scheduler[0]
+    manager = sched.block_manager
+    assert manager.get_num_free_gpu_blocks() == manager.num_total_gpu_blocks
+
+
+def generate(llm, prompts, sampling):
+    return llm.generate(prompts, sampling, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def static_llm(tiny_llama):
+    with spyre_llm(tiny_llama, STATIC_ENV) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def cb_llm(tiny_llama):
+    # 2 sequences at once, a pool of 4 blocks of 64 tokens.
+    with spyre_llm(tiny_llama, CB_ENV, max_num_seqs=2, max_model_len=512,
+                   num_gpu_blocks_override=4) as llm:
+        yield llm
+
+
+@pytest.mark.parametrize("sampling,n", [
+    (dict(n=3, temperature=1.0, seed=1), 3),
+    (dict(n=1, best_of=3, temperature=1.0, seed=1), 3),
+])
+def test_static_n_above_largest_batch_is_refused(static_llm, sampling, n):
+    with pytest.raises(ValueError, match=rf"n={n} parallel samples .* "
+                       r"largest batch size 2 "):
+        generate(static_llm, [tokens([5, 6, 7])], params(**sampling))
+    assert_idle(static_llm)
+    # n up to the largest batch size still runs, one output per sample.
+    out = generate(static_llm, [tokens([5, 6, 7])],
+                   params(n=2, temperature=1.0, seed=1))
+    assert [len(c.token_ids) for c in out[0].outputs] == [4, 4]
+    assert_idle(static_llm)
+
+
+@pytest.mark.parametrize("bad,why", [
+    ([5] * 500, "longer than the maximum model length"),  # vLLM's check
+    ([5] * 100, "fits none of the compiled Spyre warm-up"),  # Spyre's
+])
+def test_static_refused_prompt_withdraws_the_whole_call(static_llm, bad, why):
+    good = [[9, 9], [3, 4, 5]]
+    with pytest.raises(ValueError, match=why):
+        generate(static_llm, [tokens(good[0]), tokens(bad),
+                              tokens(good[1])],
+                 [params(), params(max_tokens=16), params()])
+    assert_idle(static_llm)
+    # The next call returns its own outputs only, in its own order.
+    out = generate(static_llm, [tokens([1, 2])], params(max_tokens=3))
+    assert [o.prompt_token_ids for o in out] == [[1, 2]]
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_static_refusal_after_a_parallel_request_withdraws_its_samples(
+        static_llm):
+    with pytest.raises(ValueError, match="fits none"):
+        generate(static_llm, [tokens([9, 9]), tokens([5] * 100)],
+                 [params(n=2, temperature=1.0), params(max_tokens=16)])
+    assert_idle(static_llm)
+    out = generate(static_llm, [tokens([1, 2])], params())
+    assert [o.prompt_token_ids for o in out] == [[1, 2]]
+
+
+def test_cb_n_above_max_num_seqs_is_refused(cb_llm):
+    with pytest.raises(ValueError, match=r"n=3 parallel samples .* "
+                       r"--max-num-seqs=2"):
+        generate(cb_llm, [tokens([5, 6, 7])], params(n=3, temperature=1.0))
+    assert_idle(cb_llm)
+
+
+def test_cb_n_samples_beyond_the_pool_are_refused(cb_llm):
+    # One sample of 100 + 50 tokens needs 3 of the 4 blocks; two need 6.
+    with pytest.raises(ValueError, match=r"n=2 parallel samples of 100 \+ "
+                       r"50 tokens need 6 key/value blocks .* the 4 usable"):
+        generate(cb_llm, [tokens([5] * 100)],
+                 params(n=2, max_tokens=50, temperature=1.0))
+    assert_idle(cb_llm)
+    out = generate(cb_llm, [tokens([5] * 100)],
+                   params(n=2, max_tokens=28, temperature=1.0, seed=3))
+    assert [len(c.token_ids) for c in out[0].outputs] == [28, 28]
+    assert_idle(cb_llm)
+
+
+def test_cb_refused_prompt_withdraws_the_whole_call(cb_llm):
+    with pytest.raises(ValueError, match="key/value blocks"):
+        generate(cb_llm, [tokens([9, 9]), tokens([5] * 200)],
+                 [params(), params(max_tokens=100)])
+    assert_idle(cb_llm)
+    out = generate(cb_llm, [tokens([1, 2])], params())
+    assert [o.prompt_token_ids for o in out] == [[1, 2]]

@@ -1,0 +1,98 @@
+"""Request admission on Spyre: a request is refused whole, before any of it
+reaches the scheduler, and a refused call leaves the engine as it was.
+
+vLLM's ``vllm.general_plugins`` entry point ``spyre_admission`` calls
+``install`` in every process that builds an engine (``LLM(...)``, the
+MQLLMEngine process).  It wraps two upstream V0 methods, and does nothing
+unless the platform is Spyre:
+
+* ``LLMEngine._add_processed_request`` fans a request with ``n > 1`` out
+  into ``n`` sequence groups of one sample each before the scheduler sees
+  any of them, so a scheduler cannot judge ``n``.  The wrapper first asks
+  each Spyre scheduler's ``refuse_parallel_samples`` whether the ``n``
+  samples could ever run side by side; a ``ValueError`` then reaches the
+  caller (HTTP 400 online) before anything was queued.
+* ``LLM._validate_and_add_requests`` adds a list of prompts one by one; in
+  V0 an error on the k-th leaves the first k-1 queued, and the caller's next
+  ``generate`` returns their outputs.  The wrapper aborts every request the
+  failed call added, then re-raises.
+
+The online server needs no second wrapper: MQLLMEngine already aborts a
+request whose ``add_request`` raised.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_INSTALLED_MARK = "_spyre_admission"
+
+
+def install() -> None:
+    """Entry point of the ``vllm.general_plugins`` group (idempotent)."""
+    from vllm.engine.llm_engine import LLMEngine
+    from vllm.entrypoints.llm import LLM
+    _wrap(LLMEngine, "_add_processed_request", _refuse_before_fan_out)
+    _wrap(LLM, "_validate_and_add_requests", _add_all_or_none)
+
+
+def _wrap(cls: type, name: str, make_wrapper) -> None:
+    original = getattr(cls, name)
+    if getattr(original, _INSTALLED_MARK, False):
+        return
+    wrapper = functools.wraps(original)(make_wrapper(original))
+    setattr(wrapper, _INSTALLED_MARK, True)
+    setattr(cls, name, wrapper)
+
+
+def _refuse_before_fan_out(original):
+
+    def add_processed_request(engine, request_id: str, processed_inputs,
+                              params, *args, **kwargs) -> Any:
+        from vllm.sampling_params import SamplingParams
+        if isinstance(params, SamplingParams) and params.n > 1 and _spyre():
+            prompt_len = _decoder_prompt_len(processed_inputs)
+            for scheduler in engine.scheduler:
+                refuse = getattr(scheduler, "refuse_parallel_samples", None)
+                if refuse is not None:
+                    refuse(prompt_len, params)
+        return original(engine, request_id, processed_inputs, params, *args,
+                        **kwargs)
+
+    return add_processed_request
+
+
+def _add_all_or_none(original):
+
+    def validate_and_add_requests(llm, *args, **kwargs) -> Any:
+        if not _spyre():
+            return original(llm, *args, **kwargs)
+        # LLM numbers its requests with this counter, so the ids a call
+        # added are exactly those it handed out.
+        first = llm.request_counter.counter
+        try:
+            return original(llm, *args, **kwargs)
+        except BaseException:
+            added = [str(i) for i in range(first, llm.request_counter.counter)]
+            if added:
+                llm.llm_engine.abort_request(added)
+                logger.debug("Withdrew %d request(s) of a refused call",
+                             len(added))
+            raise
+
+    return validate_and_add_requests
+
+
+def _decoder_prompt_len(processed_inputs) -> int:
+    from vllm.inputs.parse import split_enc_dec_inputs
+    _, decoder_inputs = split_enc_dec_inputs(processed_inputs)
+    return len(decoder_inputs.get("prompt_token_ids") or ())
+
+
+def _spyre() -> bool:
+    from vllm.platforms.spyre import is_spyre
+    return is_spyre()

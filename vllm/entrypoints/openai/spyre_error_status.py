@@ -1,0 +1,109 @@
+"""Error answers of the OpenAI server carry their HTTP status.
+
+In vLLM 0.10.1.1 a route whose API the served model does not offer (an
+embeddings request to a generator, a chat request to an embedding model,
+score, rerank, pooling, classify, ...) returns its ``ErrorResponse`` object
+as the body of an HTTP 200, so a client that checks the status code sees
+success.  ``ErrorStatusMiddleware`` gives such an answer the status code its
+own body names (``{"error": {"code": 400, ...}}``).  The same holds for a
+streamed answer whose first event is such an error (a request the engine
+refused before producing anything, e.g. one that fits no warm-up shape):
+it gets that status instead of a 200 stream.  Every other answer passes
+through untouched.
+
+vLLM's ``vllm.general_plugins`` entry point ``spyre_error_status`` calls
+``install`` in every process; in the API server it wraps ``build_app`` so
+that the app it builds on the Spyre platform has the middleware.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from typing import Optional
+
+_API_SERVER = "vllm.entrypoints.openai.api_server"
+_ERROR_PREFIX = b'{"error"'
+_EVENT_PREFIX = b"data: "
+_CHECKED_TYPES = (b"application/json", b"text/event-stream")
+
+
+def install() -> None:
+    """Entry point of the ``vllm.general_plugins`` group (idempotent)."""
+    api_server = _api_server_module()
+    if api_server is None or getattr(api_server.build_app, "_spyre", False):
+        return  # not the API server process, or installed already
+    original = api_server.build_app
+
+    @functools.wraps(original)
+    def build_app(args):
+        app = original(args)
+        from vllm.platforms.spyre import is_spyre
+        if is_spyre():
+            app.add_middleware(ErrorStatusMiddleware)
+        return app
+
+    build_app._spyre = True  # type: ignore[attr-defined]
+    api_server.build_app = build_app
+
+
+def _api_server_module():
+    """The API server's module if this process has imported it (``vllm
+    serve``) or runs it (``python -m vllm.entrypoints.openai.api_server``)."""
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None) == _API_SERVER:
+        return main
+    return sys.modules.get(_API_SERVER)
+
+
+def error_status(body: bytes) -> Optional[int]:
+    """The 4xx/5xx code an error body names, or None for any other body.
+    ``body`` is a whole JSON answer or the first event of a stream."""
+    if body.startswith(_EVENT_PREFIX):
+        body = body[len(_EVENT_PREFIX):].split(b"\n", 1)[0]
+    if not body.startswith(_ERROR_PREFIX):
+        return None
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if isinstance(code, int) and 400 <= code < 600:
+        return code
+    return None
+
+
+class ErrorStatusMiddleware:
+    """Pure ASGI middleware: holds back the start of a 200 answer (JSON or
+    an event stream) until its first body part is known, and gives an
+    answer that is, or a stream that opens with, an error its own code."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        held: Optional[dict] = None
+
+        async def send_checked(message) -> None:
+            nonlocal held
+            if message["type"] == "http.response.start":
+                if message["status"] == 200 and _checked_type(message):
+                    held = message
+                    return
+            elif message["type"] == "http.response.body" and held:
+                start, held = held, None
+                code = error_status(message.get("body", b""))
+                if code is not None:
+                    start = dict(start, status=code)
+                await send(start)
+            await send(message)
+
+        await self.app(scope, receive, send_checked)
+
+
+def _checked_type(start: dict) -> bool:
+    return any(name.lower() == b"content-type"
+               and value.startswith(_CHECKED_TYPES)
+               for name, value in start.get("headers", ()))
