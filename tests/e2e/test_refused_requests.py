@@ -123,3 +123,20 @@ def test_cb_refused_prompt_withdraws_the_whole_call(cb_llm):
     assert_idle(cb_llm)
     out = generate(cb_llm, [tokens([1, 2])], params())
     assert [o.prompt_token_ids for o in out] == [[1, 2]]
+
+
+@pytest.mark.parametrize("env,kwargs,feature", [
+    (STATIC_ENV, dict(enable_prompt_embeds=True), "--enable-prompt-embeds"),
+    (CB_ENV, dict(enable_prompt_embeds=True), "--enable-prompt-embeds"),
+    (CB_ENV, dict(enable_prefix_caching=True), "Prefix caching"),
+    (STATIC_ENV, dict(pipeline_parallel_size=2), "ipeline parallel"),
+])
+def test_unsupported_features_are_refused_at_start_up(tiny_llama, env, kwargs,
+                                                      feature):
+    import os
+    from unittest import mock
+
+    from vllm import EngineArgs
+    with mock.patch.dict(os.environ, env):
+        with pytest.raises(NotImplementedError, match=feature):
+            EngineArgs(model=str(tiny_llama), **kwargs).create_engine_config()

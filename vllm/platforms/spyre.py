@@ -111,6 +111,11 @@ class SpyrePlatform(Platform):
             raise NotImplementedError(
                 f"The {model_config.runner_type!r} runner is not supported on "
                 "Spyre yet; only text generation is.")
+        if model_config.enable_prompt_embeds:
+            # The compiled graphs take token ids: embeddings would be
+            # replaced by the placeholder ids vLLM stores for them.
+            raise NotImplementedError(
+                "--enable-prompt-embeds is not supported on Spyre")
         if spyre.use_cb:
             _configure_continuous_batching(vllm_config, spyre)
         else:
