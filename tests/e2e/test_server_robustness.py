@@ -61,39 +61,83 @@ def engine_pid(server) -> int:
                          server.log()).group(1))
 
 
-def test_dead_engine_is_reported_fast(tiny_llama):
-    with Server(tiny_llama, ENV) as srv:
-        url = srv.url + "/v1/completions"
-        body = dict(model=srv.model, prompt=[5] * 9, max_tokens=16,
-                    ignore_eos=True, stream=True)
-        with requests.post(url, json=body, stream=True, timeout=60) as resp:
-            lines = resp.iter_lines()
-            next(line for line in lines if line.startswith(b"data: "))
-            os.kill(engine_pid(srv), signal.SIGKILL)
-            start = time.monotonic()
-            # The in-flight stream ends (error or cut) within seconds.
-            rest = b""
-            with _any_outcome():
-                rest = b"\n".join(lines)
-            assert b"[DONE]" not in rest or b"error" in rest.lower()
-        assert time.monotonic() - start < 30
-        deadline = time.monotonic() + 30
-        healthy = True
-        while healthy and time.monotonic() < deadline:
-            try:
-                healthy = requests.get(srv.url + "/health",
-                                       timeout=5).status_code == 200
-            except requests.RequestException:
-                healthy = False
-            if healthy:
-                time.sleep(0.5)
-        assert not healthy, "server still reports healthy"
+def kill_mid_stream_and_time(srv, pid: int) -> float:
+    """Streams a long completion, SIGKILLs ``pid`` after its first token,
+    and returns the seconds from the kill until the stream has ended (with
+    an error or a cut connection, never a normal finish) and ``/health``
+    has stopped answering 200."""
+    body = dict(model=srv.model, prompt=[5] * 9, max_tokens=LONG,
+                ignore_eos=True, stream=True)
+    with requests.post(srv.url + "/v1/completions", json=body, stream=True,
+                       timeout=60) as resp:
+        lines = resp.iter_lines()
+        next(line for line in lines if line.startswith(b"data: "))
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        rest = b""
+        with _any_outcome():
+            rest = b"\n".join(lines)
+        assert b"[DONE]" not in rest or b"error" in rest.lower(), rest[-500:]
+    deadline = start + 30
+    while time.monotonic() < deadline:
         try:
-            new = requests.post(url, json=dict(model=srv.model, prompt="x",
-                                               max_tokens=2), timeout=10)
-            assert new.status_code >= 500
+            if requests.get(srv.url + "/health", timeout=5).status_code != 200:
+                break
         except requests.RequestException:
-            pass  # the server shut itself down: the request fails fast
+            break  # the server shut itself down
+        time.sleep(0.2)
+    else:
+        pytest.fail("server still reports healthy 30 s after the kill")
+    return time.monotonic() - start
+
+
+def assert_new_requests_fail(srv) -> None:
+    try:
+        new = requests.post(srv.url + "/v1/completions",
+                            json=dict(model=srv.model, prompt="x",
+                                      max_tokens=2), timeout=10)
+        assert new.status_code >= 500
+    except requests.RequestException:
+        pass  # the server shut itself down: the request fails fast
+
+
+# Long enough that a stream is still decoding when its engine is killed.
+LONG = 512
+LONG_ENV = spyre_env("eager", [64], [LONG], [1])
+
+
+@pytest.mark.parametrize("rpc_timeout_ms,limit_s", [
+    (None, 21),  # vLLM's default: two polls of 10 s at most
+    ("3000", 7),  # the setting docs/serving.md recommends
+])
+def test_dead_engine_is_reported_fast(tiny_llama, rpc_timeout_ms, limit_s):
+    """The API server learns of its engine's death from the client's
+    heartbeat loop and then its output loop, each polling with a timeout
+    of VLLM_RPC_TIMEOUT."""
+    env = dict(LONG_ENV)
+    if rpc_timeout_ms:
+        env["VLLM_RPC_TIMEOUT"] = rpc_timeout_ms
+    with Server(tiny_llama, env) as srv:
+        took = kill_mid_stream_and_time(srv, engine_pid(srv))
+        print(f"engine death reported after {took:.1f} s")
+        assert took < limit_s
+        assert_new_requests_fail(srv)
+
+
+def test_dead_tensor_parallel_rank_is_reported_fast(tiny_llama_3kv):
+    """TP=3 over worker processes: rank 2 is killed mid-stream."""
+    with Server(tiny_llama_3kv, LONG_ENV,
+                args=("--tensor-parallel-size", "3")) as srv:
+        pid = int(re.search(r"rank 2 runs in process (\d+)",
+                            srv.log()).group(1))
+        took = kill_mid_stream_and_time(srv, pid)
+        print(f"rank death reported after {took:.1f} s")
+        assert took < 10
+        assert_new_requests_fail(srv)
+        time.sleep(0.5)  # let the engine's last log lines reach the file
+        log = srv.log()
+    assert f"rank 2 (process {pid}) died" in log
+    assert "rank(s) [2] died" in log
 
 
 class _any_outcome:

@@ -4,7 +4,8 @@ A device-agnostic base for tensor-parallel executors.  The driver worker
 (rank 0) runs in the engine's own process; ranks 1..N-1 run in worker
 processes started with vLLM's ``ProcessWorkerWrapper`` (task queue in, result
 queue out) and watched by vLLM's ``WorkerMonitor``, which tears everything
-down if one of them dies.  Each engine step runs on the driver; the other
+down if one of them dies (``RankMonitor`` first records and logs which rank
+died, so the engine's error and ``check_health`` can name it).  Each engine step runs on the driver; the other
 ranks follow it in ``start_worker_execution_loop``, receiving the step's
 inputs through the tensor-parallel group's broadcast.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from multiprocessing.connection import wait
 from typing import Any, Callable, Iterator, Optional, Union
 
 from vllm.executor.executor_base import DistributedExecutorBase
@@ -98,7 +100,10 @@ class MultiprocessingExecutor(DistributedExecutorBase):
                     ProcessWorkerWrapper(self.result_handler,
                                          WorkerWrapperBase, self.vllm_config,
                                          rank))
-        self.worker_monitor = WorkerMonitor(workers, self.result_handler)
+            logger.info("%s: rank %d runs in process %d", type(self).__name__,
+                        rank, workers[-1].process.pid)
+        self.worker_monitor = RankMonitor(workers, self.result_handler,
+                                          type(self).__name__)
         self.result_handler.start()
         self.worker_monitor.start()
         return workers
@@ -116,7 +121,11 @@ class MultiprocessingExecutor(DistributedExecutorBase):
             raise
 
     def _dead_ranks(self) -> list[int]:
-        """Ranks whose worker process has exited."""
+        """Ranks whose worker process died first (the monitor then stops
+        the others), or else every rank whose process has exited."""
+        monitor = getattr(self, "worker_monitor", None)
+        if monitor is not None and monitor.dead_ranks:
+            return monitor.dead_ranks
         return [
             rank for rank, w in enumerate(self.workers, start=1)
             if hasattr(w, "process") and not w.process.is_alive()
@@ -163,12 +172,39 @@ class MultiprocessingExecutor(DistributedExecutorBase):
     def check_health(self) -> None:
         if not self.worker_monitor.is_alive():
             raise RuntimeError(
-                f"{type(self).__name__}: a worker process has died")
+                f"{type(self).__name__}: rank(s) {self._dead_ranks()} died")
 
     def shutdown(self) -> None:
         monitor = getattr(self, "worker_monitor", None)
         if monitor is not None:
             monitor.close()
+
+
+class RankMonitor(WorkerMonitor):
+    """vLLM's worker monitor, which first records which ranks (1..N-1)
+    died and logs them with their exit codes, before it stops the others
+    and closes the result queue."""
+
+    def __init__(self, workers: list, result_handler: ResultHandler,
+                 owner: str) -> None:
+        super().__init__(workers, result_handler)
+        self.owner = owner
+        #: Ranks whose process exited on its own (empty until one does).
+        self.dead_ranks: list[int] = []
+
+    def run(self) -> None:
+        processes = [w.process for w in self.workers]
+        ended = wait([p.sentinel for p in processes])
+        if not self._close:
+            self.dead_ranks = [rank for rank, p in enumerate(processes, 1)
+                               if p.sentinel in ended]
+            for rank in self.dead_ranks:
+                proc = processes[rank - 1]
+                proc.join(1)
+                logger.error("%s: rank %d (process %d) died with exit code "
+                             "%s; stopping the other ranks", self.owner,
+                             rank, proc.pid, proc.exitcode)
+        super().run()
 
 
 @contextlib.contextmanager
