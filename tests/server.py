@@ -1,5 +1,7 @@
 """A real ``vllm serve`` process on loopback, for the online tests, and
-client helpers: a Prometheus metric's value, a streamed completion."""
+client helpers: a Prometheus metric's value, a streamed completion, an
+abort storm, and small runs of the burst and soak of
+``benchmarks/serving_soak.py``."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +18,11 @@ from typing import Optional
 
 import httpx
 import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from serving_soak import metric as url_metric  # noqa: E402
+from serving_soak import (burst, random_requests, soak,  # noqa: E402
+                          soak_plan, tree_rss)
 
 
 def free_port() -> int:
@@ -89,9 +96,8 @@ class Server:
 
 
 def metric(server, name: str) -> float:
-    text = requests.get(server.url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+    """The sum of a Prometheus metric's samples on ``server``."""
+    return url_metric(server.url, name)
 
 
 async def stream(client, url, model, prompt, max_tokens, cancel_after):
@@ -153,3 +159,29 @@ def wait_until_zero(server, names: tuple[str, ...], timeout: float = 30):
     while sum(metric(server, name) for name in names) > 0:
         assert time.monotonic() < deadline, f"{names} not back to 0"
         time.sleep(0.2)
+
+
+def check_burst(server, n: int, max_prompt: int, max_tokens: int) -> None:
+    """n requests at once: each completes once, under the id it was sent
+    with, and the server counts each as finished."""
+    reqs = random_requests(n, seed=5, max_prompt=max_prompt,
+                           tokens=(2, max_tokens))
+    result = asyncio.run(burst(server.url, server.model, reqs))
+    assert result.ok, result
+    assert result.completed == n and result.server_finished == n
+
+
+def check_soak(server, n: int, max_prompt: int, max_tokens: int) -> None:
+    """n streams from a pool of 30 requests at concurrency 16, a third
+    dropped: memory after the run within 5 % of that after the first
+    fifth, every slot or block free, completed streams equal to alone."""
+    pool = random_requests(30, seed=6, max_prompt=max_prompt,
+                           tokens=(2, max_tokens))
+    plan = soak_plan(n, pool, seed=6)
+    result = asyncio.run(soak(server.url, server.model, pool, plan,
+                              concurrency=16, baseline_after=n // 5,
+                              rss=lambda: tree_rss(server.proc.pid)))
+    assert result.ok, result
+    assert result.completed + result.dropped == n
+    assert result.dropped > n // 5
+    assert result.end_metrics["vllm:gpu_cache_usage_perc"] == 0

@@ -12,7 +12,8 @@ import httpx
 import pytest
 import requests
 
-from server import Server, abort_storm, metric, wait_until_zero
+from server import (Server, abort_storm, check_burst, check_soak, metric,
+                    wait_until_zero)
 
 pytestmark = pytest.mark.e2e
 
@@ -131,3 +132,11 @@ def test_n_above_max_num_seqs_is_400(server, extra):
                                  ignore_eos=True), timeout=120)
     assert ok.status_code == 200, ok.text
     assert len(ok.json()["choices"]) == 4
+
+
+def test_burst_is_counted_by_id(server):
+    check_burst(server, 100, max_prompt=120, max_tokens=32)
+
+
+def test_soak_keeps_memory_flat_and_frees_every_block(server):
+    check_soak(server, 300, max_prompt=120, max_tokens=32)

@@ -1,5 +1,7 @@
 """The Spyre OpenAI server under stress: clients that cancel mid-stream, a
-sustained load, a dead engine, and a warm-up shape the model cannot hold.
+sustained load, a burst counted by request id, a soak (memory flat, every
+slot free, outputs equal to those run alone), a dead engine or
+tensor-parallel rank, and a warm-up shape the model cannot hold.
 Every loop is bounded in count and time; all traffic stays on loopback."""
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import pytest
 import requests
 
 from conftest import REPO, spyre_env
-from server import Server, abort_storm, wait_until_zero
+from server import (Server, abort_storm, check_burst, check_soak,
+                    wait_until_zero)
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from serving_load import run_load  # noqa: E402
@@ -54,6 +57,14 @@ def test_sustained_load_has_no_errors(server):
                  max_tokens=8))
     assert result.errors == 0, result.error_samples
     assert result.tokens == 200 * 8
+
+
+def test_burst_is_counted_by_id(server):
+    check_burst(server, 100, max_prompt=60, max_tokens=16)
+
+
+def test_soak_keeps_memory_flat_and_frees_every_slot(server):
+    check_soak(server, 300, max_prompt=60, max_tokens=16)
 
 
 def engine_pid(server) -> int:
