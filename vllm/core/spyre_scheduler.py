@@ -24,8 +24,8 @@ from vllm.core.scheduler import (Scheduler, SchedulerPrefillOutputs,
 from vllm.logger import init_logger
 from vllm.platforms.spyre import is_spyre
 from vllm.platforms.spyre_config import SpyreConfig, WarmupShape
-from vllm.sequence import SequenceGroup
 from vllm.sampling_params import SamplingParams
+from vllm.sequence import SequenceGroup
 from vllm.worker.spyre_inputs import (RequestSize, parallel_samples_reason,
                                       rejection_reason, select_batch)
 

@@ -5,9 +5,10 @@ A device-agnostic base for tensor-parallel executors.  The driver worker
 processes started with vLLM's ``ProcessWorkerWrapper`` (task queue in, result
 queue out) and watched by vLLM's ``WorkerMonitor``, which tears everything
 down if one of them dies (``RankMonitor`` first records and logs which rank
-died, so the engine's error and ``check_health`` can name it).  Each engine step runs on the driver; the other
-ranks follow it in ``start_worker_execution_loop``, receiving the step's
-inputs through the tensor-parallel group's broadcast.
+died, so the engine's error and ``check_health`` can name it).  Each engine
+step runs on the driver; the other ranks follow it in
+``start_worker_execution_loop``, receiving the step's inputs through the
+tensor-parallel group's broadcast.
 
 How ranks are started is one more hook, ``_start_workers``; the Ray
 variant (``vllm.executor.ray_spyre_executor``) starts Ray actors instead.
