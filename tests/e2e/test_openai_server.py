@@ -212,6 +212,23 @@ def test_n_above_largest_batch_is_400(server, extra):
     assert [c["index"] for c in ok.json()["choices"]] == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("path,extra", [
+    ("/v1/completions", dict(prompt="hello", guided_choice=["yes", "no"])),
+    ("/v1/completions", dict(prompt="hello", guided_regex="[0-9]+")),
+    ("/v1/chat/completions", dict(
+        messages=[{"role": "user", "content": "hello"}],
+        response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object"}}})),
+])
+def test_guided_decoding_is_400_not_ignored(server, path, extra):
+    resp = post(server, dict(model=server.model, max_tokens=4, **extra),
+                path=path)
+    assert resp.status_code == 400, resp.text
+    assert "Guided decoding" in resp.text
+    assert "not supported on Spyre" in resp.text
+    assert metric(server, "vllm:num_requests_waiting") == 0
+
+
 @pytest.mark.parametrize("path,api", [
     ("/v1/embeddings", "Embeddings"), ("/pooling", "Pooling"),
     ("/classify", "Classification"), ("/v1/score", "Score"),

@@ -96,6 +96,22 @@ def test_static_refusal_after_a_parallel_request_withdraws_its_samples(
     assert [o.prompt_token_ids for o in out] == [[1, 2]]
 
 
+def check_guided_decoding_is_refused(llm) -> None:
+    from vllm.sampling_params import GuidedDecodingParams
+    guided = GuidedDecodingParams(choice=["yes", "no"])
+    with pytest.raises(ValueError, match="Guided decoding .* not supported"):
+        generate(llm, [tokens([5, 6, 7])], params(guided_decoding=guided))
+    assert_idle(llm)
+
+
+def test_static_guided_decoding_is_refused_not_ignored(static_llm):
+    check_guided_decoding_is_refused(static_llm)
+
+
+def test_cb_guided_decoding_is_refused_not_ignored(cb_llm):
+    check_guided_decoding_is_refused(cb_llm)
+
+
 def test_cb_n_above_max_num_seqs_is_refused(cb_llm):
     with pytest.raises(ValueError, match=r"n=3 parallel samples .* "
                        r"--max-num-seqs=2"):

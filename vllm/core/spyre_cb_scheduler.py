@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from vllm.core.scheduler import (Scheduler, SchedulerPrefillOutputs,
                                  SchedulingBudget)
-from vllm.core.spyre_scheduler import refuse_prompt_logprobs, waiting_only
+from vllm.core.spyre_scheduler import refuse_unsupported, waiting_only
 from vllm.platforms.spyre import is_spyre
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import SequenceGroup
@@ -33,7 +33,7 @@ class SpyreCBScheduler(Scheduler):
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
         """Refuses requests that could never be scheduled, up front."""
         if is_spyre():
-            refuse_prompt_logprobs(seq_group)
+            refuse_unsupported(seq_group)
             params = seq_group.sampling_params
             prompt_len = seq_group.first_seq.get_prompt_len()
             if params is not None and params.max_tokens is None:

@@ -50,7 +50,7 @@ class SpyreScheduler(Scheduler):
         """Rejects requests that fit no compiled shape, up front, instead of
         leaving them to wait forever."""
         if self.static_batching:
-            refuse_prompt_logprobs(seq_group)
+            refuse_unsupported(seq_group)
             self._resolve_max_tokens(seq_group)
             reason = rejection_reason(self._size(seq_group),
                                       self.warmup_shapes)
@@ -122,13 +122,23 @@ class SpyreScheduler(Scheduler):
                            seq_group.sampling_params.max_tokens or 0)
 
 
-def refuse_prompt_logprobs(seq_group: SequenceGroup) -> None:
-    """Both Spyre schedulers refuse ``prompt_logprobs`` up front."""
+def refuse_unsupported(seq_group: SequenceGroup) -> None:
+    """Both Spyre schedulers refuse, up front, sampling features that would
+    otherwise be ignored without a word."""
     params = seq_group.sampling_params
-    if params is not None and params.prompt_logprobs is not None:
+    if params is None:
+        return
+    if params.prompt_logprobs is not None:
         raise ValueError(
             "prompt_logprobs is not supported on Spyre: the compiled graphs "
             "return the logits of the last position only.")
+    if params.guided_decoding is not None:
+        # vLLM 0.10's V0 engine builds no logits processor for it.
+        raise ValueError(
+            "Guided decoding (guided_json, guided_regex, guided_choice, "
+            "guided_grammar, structured response_format) is not supported "
+            "on Spyre: vLLM's V0 engine does not apply it, and the output "
+            "would not follow the constraint.")
 
 
 @contextlib.contextmanager
