@@ -78,11 +78,14 @@ def test_n_returns_n_completions(llm, greedy):
     assert len(outs) == 1 and len(outs[0].outputs) == 3
     for completion in outs[0].outputs:
         assert completion.token_ids == greedy.token_ids
-    # n=6 > batch size 4: the completions span two batches.
-    sampled = run(llm, sp(n=6, temperature=1.5, seed=5))[0].outputs
-    assert len(sampled) == 6
+    # n up to the largest batch size (4) samples side by side; above it
+    # the request is refused up front.
+    sampled = run(llm, sp(n=4, temperature=1.5, seed=5))[0].outputs
+    assert len(sampled) == 4
     assert all(len(c.token_ids) == MAX_NEW for c in sampled)
     assert len({tuple(c.token_ids) for c in sampled}) > 1
+    with pytest.raises(ValueError, match="n=6 parallel samples"):
+        run(llm, sp(n=6, temperature=1.5, seed=5))
 
 
 def test_stop_token_ids(llm, greedy):
