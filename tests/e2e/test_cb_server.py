@@ -116,7 +116,7 @@ def test_requests_that_cannot_fit_get_http_400(server):
     assert metric(server, "vllm:num_requests_waiting") == 0
 
 
-@pytest.mark.parametrize("extra", [dict(n=5), dict(n=5, stream=True)])
+@pytest.mark.parametrize("extra", [dict(n=5)])
 def test_n_above_max_num_seqs_is_400(server, extra):
     resp = requests.post(server.url + "/v1/completions",
                          json=dict(model=server.model, prompt=[5] * 9,

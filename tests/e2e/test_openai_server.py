@@ -193,11 +193,11 @@ def test_omitted_max_tokens_gets_largest_fitting_shape(server):
 
 
 @pytest.mark.parametrize("extra", [
-    dict(n=5), dict(n=5, stream=True), dict(n=1, best_of=5), dict(n=1000),
+    dict(n=5), dict(n=1, best_of=5), dict(n=1000),
 ])
 def test_n_above_largest_batch_is_400(server, extra):
     """The n samples of a request share one batch: more than the largest
-    batch size (4) is refused at once, streamed or not."""
+    batch size (4) is refused at once."""
     n = extra.get("best_of", extra["n"])
     resp = post(server, dict(model=server.model, prompt=[7] * 5,
                              max_tokens=4, temperature=1.0, **extra))

@@ -5,11 +5,11 @@ embeddings request to a generator, a chat request to an embedding model,
 score, rerank, pooling, classify, ...) returns its ``ErrorResponse`` object
 as the body of an HTTP 200, so a client that checks the status code sees
 success.  ``ErrorStatusMiddleware`` gives such an answer the status code its
-own body names (``{"error": {"code": 400, ...}}``).  The same holds for a
-streamed answer whose first event is such an error (a request the engine
-refused before producing anything, e.g. one that fits no warm-up shape):
-it gets that status instead of a 200 stream.  Every other answer passes
-through untouched.
+own body names (``{"error": {"code": 400, ...}}``).  Every other answer
+passes through untouched; a streamed request the engine refuses keeps
+upstream's answer, an HTTP 200 stream whose one event is the error
+(holding back the start of every stream until its first event upset the
+timing of streaming clients).
 
 vLLM's ``vllm.general_plugins`` entry point ``spyre_error_status`` calls
 ``install`` in every process; in the API server it wraps ``build_app`` so
@@ -24,8 +24,6 @@ from typing import Optional
 
 _API_SERVER = "vllm.entrypoints.openai.api_server"
 _ERROR_PREFIX = b'{"error"'
-_EVENT_PREFIX = b"data: "
-_CHECKED_TYPES = (b"application/json", b"text/event-stream")
 
 
 def install() -> None:
@@ -57,10 +55,7 @@ def _api_server_module():
 
 
 def error_status(body: bytes) -> Optional[int]:
-    """The 4xx/5xx code an error body names, or None for any other body.
-    ``body`` is a whole JSON answer or the first event of a stream."""
-    if body.startswith(_EVENT_PREFIX):
-        body = body[len(_EVENT_PREFIX):].split(b"\n", 1)[0]
+    """The 4xx/5xx code an error body names, or None for any other body."""
     if not body.startswith(_ERROR_PREFIX):
         return None
     try:
@@ -73,9 +68,8 @@ def error_status(body: bytes) -> Optional[int]:
 
 
 class ErrorStatusMiddleware:
-    """Pure ASGI middleware: holds back the start of a 200 answer (JSON or
-    an event stream) until its first body part is known, and gives an
-    answer that is, or a stream that opens with, an error its own code."""
+    """Pure ASGI middleware: holds back the start of a 200 JSON answer
+    until its body is known, and gives an error body its own code."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -89,7 +83,7 @@ class ErrorStatusMiddleware:
         async def send_checked(message) -> None:
             nonlocal held
             if message["type"] == "http.response.start":
-                if message["status"] == 200 and _checked_type(message):
+                if message["status"] == 200 and _is_json(message):
                     held = message
                     return
             elif message["type"] == "http.response.body" and held:
@@ -103,7 +97,7 @@ class ErrorStatusMiddleware:
         await self.app(scope, receive, send_checked)
 
 
-def _checked_type(start: dict) -> bool:
+def _is_json(start: dict) -> bool:
     return any(name.lower() == b"content-type"
-               and value.startswith(_CHECKED_TYPES)
+               and value.startswith(b"application/json")
                for name, value in start.get("headers", ()))
