@@ -92,7 +92,10 @@ def token_ids(logprobs: Optional[dict]) -> list[int]:
 # ---- server-side figures ---------------------------------------------------
 
 def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
+    """The sum of a Prometheus metric's samples (through ``requests``: a
+    new httpx client per call is too slow for polling loops)."""
+    import requests
+    text = requests.get(url + "/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith((name + "{", name + " ")))
 

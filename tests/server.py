@@ -20,6 +20,7 @@ import httpx
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from serving_soak import metric as url_metric  # noqa: E402
 from serving_soak import (burst, random_requests, soak,  # noqa: E402
                           soak_plan, tree_rss)
 
@@ -95,11 +96,8 @@ class Server:
 
 
 def metric(server, name: str) -> float:
-    """The sum of a Prometheus metric's samples on ``server`` (through
-    ``requests``: polling loops need the cheaper call)."""
-    text = requests.get(server.url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith((name + "{", name + " ")))
+    """The sum of a Prometheus metric's samples on ``server``."""
+    return url_metric(server.url, name)
 
 
 async def stream(client, url, model, prompt, max_tokens, cancel_after):

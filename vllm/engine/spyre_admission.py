@@ -29,24 +29,27 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-_INSTALLED_MARK = "_spyre_admission"
+_INSTALLED_MARK = "_spyre_wrapper"
 
 
 def install() -> None:
     """Entry point of the ``vllm.general_plugins`` group (idempotent)."""
     from vllm.engine.llm_engine import LLMEngine
     from vllm.entrypoints.llm import LLM
-    _wrap(LLMEngine, "_add_processed_request", _refuse_before_fan_out)
-    _wrap(LLM, "_validate_and_add_requests", _add_all_or_none)
+    wrap_once(LLMEngine, "_add_processed_request", _refuse_before_fan_out)
+    wrap_once(LLM, "_validate_and_add_requests", _add_all_or_none)
 
 
-def _wrap(cls: type, name: str, make_wrapper) -> None:
-    original = getattr(cls, name)
+def wrap_once(owner, name: str, make_wrapper) -> None:
+    """Replaces ``owner.name`` (a class's method or a module's function)
+    with ``make_wrapper(original)``, unless it is already such a wrapper:
+    a plugin may be loaded more than once in a process."""
+    original = getattr(owner, name)
     if getattr(original, _INSTALLED_MARK, False):
         return
     wrapper = functools.wraps(original)(make_wrapper(original))
     setattr(wrapper, _INSTALLED_MARK, True)
-    setattr(cls, name, wrapper)
+    setattr(owner, name, wrapper)
 
 
 def _refuse_before_fan_out(original):

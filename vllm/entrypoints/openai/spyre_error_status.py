@@ -7,9 +7,7 @@ as the body of an HTTP 200, so a client that checks the status code sees
 success.  ``ErrorStatusMiddleware`` gives such an answer the status code its
 own body names (``{"error": {"code": 400, ...}}``).  Every other answer
 passes through untouched; a streamed request the engine refuses keeps
-upstream's answer, an HTTP 200 stream whose one event is the error
-(holding back the start of every stream until its first event upset the
-timing of streaming clients).
+upstream's answer, an HTTP 200 stream whose one event is the error.
 
 vLLM's ``vllm.general_plugins`` entry point ``spyre_error_status`` calls
 ``install`` in every process; in the API server it wraps ``build_app`` so
@@ -17,10 +15,11 @@ that the app it builds on the Spyre platform has the middleware.
 """
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from typing import Optional
+
+from vllm.engine.spyre_admission import wrap_once
 
 _API_SERVER = "vllm.entrypoints.openai.api_server"
 _ERROR_PREFIX = b'{"error"'
@@ -29,11 +28,12 @@ _ERROR_PREFIX = b'{"error"'
 def install() -> None:
     """Entry point of the ``vllm.general_plugins`` group (idempotent)."""
     api_server = _api_server_module()
-    if api_server is None or getattr(api_server.build_app, "_spyre", False):
-        return  # not the API server process, or installed already
-    original = api_server.build_app
+    if api_server is not None:  # else: not the API server process
+        wrap_once(api_server, "build_app", _with_middleware)
 
-    @functools.wraps(original)
+
+def _with_middleware(original):
+
     def build_app(args):
         app = original(args)
         from vllm.platforms.spyre import is_spyre
@@ -41,8 +41,7 @@ def install() -> None:
             app.add_middleware(ErrorStatusMiddleware)
         return app
 
-    build_app._spyre = True  # type: ignore[attr-defined]
-    api_server.build_app = build_app
+    return build_app
 
 
 def _api_server_module():
