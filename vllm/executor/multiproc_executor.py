@@ -111,8 +111,16 @@ class MultiprocessingExecutor(DistributedExecutorBase):
 
     # ---- execution ------------------------------------------------------
     def _driver_execute_model(self, execute_model_req):
-        try:
+        with self._naming_dead_ranks():
             return self.driver_worker.execute_model(execute_model_req)
+
+    @contextlib.contextmanager
+    def _naming_dead_ranks(self) -> Iterator[None]:
+        """Re-raises a failure caused by a dead rank (a broken collective
+        on the driver, or vLLM's ``ChildProcessError("worker died")`` on a
+        pending future) as one error that names the ranks."""
+        try:
+            yield
         except Exception as exc:
             dead = self._dead_ranks()
             if dead:
@@ -154,8 +162,9 @@ class MultiprocessingExecutor(DistributedExecutorBase):
                    for w in self.workers]
         if async_run_tensor_parallel_workers_only:
             return futures
-        driver_result = run_method(self.driver_worker, sent, args, kwargs)
-        return [driver_result] + [f.get() for f in futures]
+        with self._naming_dead_ranks():
+            driver_result = run_method(self.driver_worker, sent, args, kwargs)
+            return [driver_result] + [f.get() for f in futures]
 
     async def _driver_execute_model_async(self, execute_model_req=None):
         return await make_async(self.driver_worker.execute_model)(
@@ -167,8 +176,9 @@ class MultiprocessingExecutor(DistributedExecutorBase):
             for w in self.workers))
 
     def _wait_for_tasks_completion(self, parallel_worker_tasks: Any) -> None:
-        for future in parallel_worker_tasks:
-            future.get()
+        with self._naming_dead_ranks():
+            for future in parallel_worker_tasks:
+                future.get()
 
     def check_health(self) -> None:
         if not self.worker_monitor.is_alive():
