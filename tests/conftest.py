@@ -12,6 +12,7 @@ from typing import Iterator, Optional
 from unittest import mock
 
 import pytest
+from tiny_models import build_tiny_family, build_tiny_llama  # noqa: F401
 
 os.environ.setdefault("VLLM_USE_V1", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -38,59 +39,7 @@ def pytest_configure(config):
             "re-installs the project first.", returncode=3)
 
 
-# ---- tiny random Llama ---------------------------------------------------
-
-def build_tiny_llama(out_dir: Path, seed: int = 0, heads: int = 4,
-                     kv_heads: int = 2) -> Path:
-    """A 2-layer Llama (head size 16, GQA 4/2 heads unless told otherwise,
-    1024 positions) with random weights large enough that greedy choices are
-    far from ties, and a BPE tokenizer trained offline on a small generated
-    corpus."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from tokenizers import decoders
-    from transformers import (LlamaConfig, LlamaForCausalLM,
-                              PreTrainedTokenizerFast)
-
-    words = ("spyre card batch token shape prompt model cache graph compile "
-             "serve request decode prefill tensor kernel the a of to in and "
-             "is on with for fast slow red green blue one two three").split()
-    rng = torch.Generator().manual_seed(seed)
-    corpus = [
-        " ".join(words[int(i)] for i in torch.randint(
-            0, len(words), (12, ), generator=rng)) for _ in range(400)
-    ]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=384, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
-                                   eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>")
-    fast.model_max_length = 512
-    fast.chat_template = (
-        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>"
-        "{% endfor %}{% if add_generation_prompt %}<s>assistant:{% endif %}")
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=16 * heads,
-                         intermediate_size=32 * heads, num_hidden_layers=2,
-                         num_attention_heads=heads,
-                         num_key_value_heads=kv_heads,
-                         max_position_embeddings=1024, initializer_range=0.3,
-                         rms_norm_eps=1e-5, tie_word_embeddings=False,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                         torch_dtype="float32")
-    model = LlamaForCausalLM(config).eval()
-    model.generation_config.eos_token_id = None
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    fast.save_pretrained(out_dir)
-    return out_dir
-
+# ---- tiny random checkpoints ---------------------------------------------
 
 def build_tiny_fms(max_len: int):
     """A random 2-layer FMS LLaMA (hidden 64, GQA 4/2 heads, vocabulary

@@ -116,10 +116,16 @@ class SpyrePlatform(Platform):
             # replaced by the placeholder ids vLLM stores for them.
             raise NotImplementedError(
                 "--enable-prompt-embeds is not supported on Spyre")
+        # Imported here: vllm.model_executor imports vllm.config, which
+        # resolves the platform.
+        from vllm.model_executor.model_loader.spyre_families import family_of
+        family = family_of(model_config.hf_config)
         if spyre.use_cb:
             _configure_continuous_batching(vllm_config, spyre)
         else:
             _configure_static_batching(vllm_config, spyre)
+        _check_sliding_window(family.sliding_window(model_config.hf_config),
+                              model_config.max_model_len, spyre)
         model_config.enforce_eager = True
         # Tensors stay on the "cpu" torch device, but the KV blocks are the
         # card's: vLLM's engine swaps its device and host cache statistics
@@ -194,6 +200,25 @@ def _configure_continuous_batching(vllm_config: "VllmConfig",
         "Spyre continuous batching: max_model_len=%d, max_num_seqs=%d, "
         "block_size=%d", max_model_len, scheduler_config.max_num_seqs,
         cache_config.block_size)
+
+
+def _check_sliding_window(window: Optional[int], max_model_len: int,
+                          spyre: SpyreConfig) -> None:
+    """The Spyre attention ops attend over a sequence's whole context, so a
+    model whose attention slides over the last ``window`` tokens would give
+    other tokens past that point: refuse sequences longer than the
+    window."""
+    if window is None or max_model_len <= window:
+        return
+    if spyre.use_cb:
+        fix = f"set --max-model-len {window} or less"
+    else:
+        fix = ("lower VLLM_SPYRE_WARMUP_PROMPT_LENS + "
+               f"VLLM_SPYRE_WARMUP_NEW_TOKENS to {window} or less")
+    raise ValueError(
+        f"The model attends over a sliding window of {window} tokens, which "
+        "Spyre does not implement, and sequences may reach "
+        f"max_model_len={max_model_len} tokens: {fix}.")
 
 
 def _disable_chunked_prefill(scheduler_config) -> None:

@@ -24,7 +24,8 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.sampler import SamplerOutput
 from vllm.model_executor.layers.spyre_sampler import SpyreSampler
-from vllm.model_executor.model_loader import spyre_cpu_linear, spyre_kv_cache
+from vllm.model_executor.model_loader import (spyre_cpu_linear,
+                                              spyre_families, spyre_kv_cache)
 from vllm.model_executor.sampling_metadata import SamplingMetadata
 from vllm.platforms.spyre_config import SpyreConfig
 
@@ -57,7 +58,8 @@ class SpyreCausalLM(nn.Module):
                                                 logits_as_input=True)
         self.sampler = SpyreSampler()
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self.fms_model = self._load(model_config.model)
+        self.fms_model = self._load(model_config.model,
+                                    model_config.hf_config)
         #: FMS attention op of every forward.
         self.attn_name = self.ATTN_NAMES[0]
         if spyre_config.dynamo_backend == "inductor":
@@ -70,7 +72,7 @@ class SpyreCausalLM(nn.Module):
         #: The cache of the running batch.
         self.kv_cache: Optional[list] = None
 
-    def _load(self, path: str) -> nn.Module:
+    def _load(self, path: str, hf_config) -> nn.Module:
         from fms.models import get_model
         start = time.perf_counter()
         parallel = {}
@@ -79,7 +81,7 @@ class SpyreCausalLM(nn.Module):
             if self.spyre_config.dynamo_backend != "sendnn":
                 _keep_embedding_whole()
             parallel = dict(distributed_strategy="tp", group=dist.group.WORLD)
-        model = get_model("hf_pretrained", model_path=path,
+        model = get_model(**spyre_families.fms_model_args(path, hf_config),
                           data_type=self.dtype, device_type="cpu", **parallel)
         model.eval()
         model.requires_grad_(False)

@@ -1,0 +1,125 @@
+"""Every FMS decoder family beside Llama, end to end: a tiny random
+checkpoint of each (``tiny_models.FAMILIES``) generates the same greedy
+tokens as Hugging Face transformers under static batching (two shapes,
+``eager``; one shape, ``inductor``), continuous batching and tensor
+parallelism over 3 ranks.  A sliding window shorter than the longest
+sequence, and an architecture Spyre does not run, are refused at start-up.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import (HFReference, build_tiny_family, compile_count,
+                      spyre_env, spyre_llm)
+from tiny_models import FAMILIES, MISTRAL_WINDOW
+
+pytestmark = pytest.mark.e2e
+
+# Short prompts four at a time, longer answers two at a time; the
+# longest sequence, 64 + 16 tokens, fits the tiny Mistral's window.
+STATIC = dict(prompt_lens=[64, 64], new_tokens=[8, 16], batch_sizes=[4, 2])
+ONE_SHAPE = dict(prompt_lens=[64], new_tokens=[16], batch_sizes=[3])
+CB_ENV = {"VLLM_SPYRE_USE_CB": "1", "VLLM_SPYRE_DYNAMO_BACKEND": "eager"}
+CB_ARGS = dict(max_model_len=MISTRAL_WINDOW, max_num_seqs=3)
+
+
+def make_requests() -> list[tuple[list[int], int]]:
+    """(prompt ids, max_tokens): 6 requests of 2 to 60 tokens and 1 to 16
+    new tokens, so rows finish at different steps."""
+    gen = torch.Generator().manual_seed(7)
+    plan = [(9, 16), (60, 8), (2, 5), (33, 16), (17, 1), (48, 12)]
+    return [(torch.randint(4, 380, (n, ), generator=gen).tolist(), m)
+            for n, m in plan]
+
+
+REQUESTS = make_requests()
+
+
+def generate(llm) -> list[list[int]]:
+    from vllm import SamplingParams, TokensPrompt
+    prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in REQUESTS]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for _, m in REQUESTS]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, checkpoint folder, Hugging Face greedy ids of REQUESTS)."""
+    name = request.param
+    path = build_tiny_family(name, tmp_path_factory.mktemp(name))
+    hf = HFReference(path)
+    expected = [hf.greedy(p, m)[0] for p, m in REQUESTS]
+    del hf
+    return name, path, expected
+
+
+def test_static_eager_matches_transformers(family):
+    name, path, expected = family
+    with spyre_llm(path, spyre_env("eager", **STATIC)) as llm:
+        assert generate(llm) == expected, name
+
+
+def test_static_inductor_matches_transformers_without_recompiling(family):
+    name, path, expected = family
+    with spyre_llm(path, spyre_env("inductor", **ONE_SHAPE)) as llm:
+        before = compile_count()
+        got = generate(llm)
+        compiled = compile_count() - before
+    assert got == expected, name
+    assert compiled == 0, f"{name}: {compiled} compilations after warm-up"
+
+
+def test_continuous_batching_matches_transformers(family):
+    name, path, expected = family
+    with spyre_llm(path, CB_ENV, **CB_ARGS) as llm:
+        assert generate(llm) == expected, name
+
+
+def test_tp3_matches_transformers(family):
+    name, path, expected = family
+    with spyre_llm(path, spyre_env("eager", **ONE_SHAPE),
+                   tensor_parallel_size=3) as llm:
+        assert generate(llm) == expected, name
+
+
+@pytest.fixture(scope="module")
+def tiny_mistral(tmp_path_factory):
+    return build_tiny_family("mistral", tmp_path_factory.mktemp("mistral"))
+
+
+@pytest.mark.parametrize("env, args, fix", [
+    (spyre_env("eager", [64], [64], [1]), {},
+     "VLLM_SPYRE_WARMUP_PROMPT_LENS + VLLM_SPYRE_WARMUP_NEW_TOKENS to 80"),
+    (CB_ENV, dict(max_model_len=128), "--max-model-len 80"),
+])
+def test_sequences_past_the_sliding_window_are_refused(tiny_mistral, env,
+                                                       args, fix):
+    with pytest.raises(ValueError) as err:
+        with spyre_llm(tiny_mistral, env, **args):
+            pass
+    message = str(err.value)
+    assert f"sliding window of {MISTRAL_WINDOW} tokens" in message
+    assert "max_model_len=128" in message
+    assert fix in message
+
+
+def test_other_architectures_are_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tiny_models import build_tokenizer
+    tokenizer = build_tokenizer()
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32,
+                               n_layer=1, n_head=2)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as err:
+        with spyre_llm(tmp_path, spyre_env("eager", [64], [8], [1])):
+            pass
+    message = str(err.value)
+    assert "Architecture GPT2LMHeadModel is not supported on Spyre" in message
+    for arch in ("LlamaForCausalLM", "GraniteForCausalLM",
+                 "GPTBigCodeForCausalLM", "MistralForCausalLM",
+                 "MixtralForCausalLM", "Qwen3ForCausalLM"):
+        assert arch in message

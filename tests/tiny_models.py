@@ -1,0 +1,145 @@
+"""Tiny random Hugging Face checkpoints, built at test-session start.
+
+One offline-trained BPE tokenizer (vocabulary 384) is shared by every
+checkpoint.  ``build_tiny_llama`` is the suite's workhorse;
+``build_tiny_family`` makes a checkpoint of each other FMS decoder family
+with the feature that family adds (``FAMILIES``), 6 query heads so that
+tensor parallelism over 3 ranks splits them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+#: Token ids of the shared tokenizer's special tokens.
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+#: The sliding window of the tiny Mistral: longer than the 64 + 16 tokens
+#: of the tests' shapes, shorter than a 64 + 64 shape.
+MISTRAL_WINDOW = 80
+
+
+def build_tokenizer(seed: int = 0):
+    """A byte-level BPE tokenizer trained on a small generated corpus."""
+    import torch
+    from tokenizers import (Tokenizer, decoders, models, pre_tokenizers,
+                            trainers)
+    from transformers import PreTrainedTokenizerFast
+
+    words = ("spyre card batch token shape prompt model cache graph compile "
+             "serve request decode prefill tensor kernel the a of to in and "
+             "is on with for fast slow red green blue one two three").split()
+    rng = torch.Generator().manual_seed(seed)
+    corpus = [
+        " ".join(words[int(i)] for i in torch.randint(
+            0, len(words), (12, ), generator=rng)) for _ in range(400)
+    ]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                   eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    fast.model_max_length = 512
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>"
+        "{% endfor %}{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    return fast
+
+
+def _save(model, tokenizer, out_dir: Path) -> Path:
+    model.generation_config.eos_token_id = None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def _common(vocab: int, heads: int) -> dict:
+    """Settings every tiny checkpoint shares: head size 16, 2 layers,
+    1024 positions, and random weights large enough that greedy choices
+    are far from ties."""
+    return dict(vocab_size=vocab, hidden_size=16 * heads,
+                intermediate_size=32 * heads, num_hidden_layers=2,
+                num_attention_heads=heads, max_position_embeddings=1024,
+                initializer_range=0.3, bos_token_id=BOS_ID,
+                eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+                tie_word_embeddings=False, torch_dtype="float32")
+
+
+def build_tiny_llama(out_dir: Path, seed: int = 0, heads: int = 4,
+                     kv_heads: int = 2) -> Path:
+    """A 2-layer Llama (head size 16, GQA 4/2 heads unless told
+    otherwise, 1024 positions)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    tokenizer = build_tokenizer(seed)
+    torch.manual_seed(seed)
+    config = LlamaConfig(**_common(len(tokenizer), heads),
+                         num_key_value_heads=kv_heads, rms_norm_eps=1e-5)
+    return _save(LlamaForCausalLM(config).eval(), tokenizer, out_dir)
+
+
+def _granite(vocab: int):
+    from transformers import GraniteConfig, GraniteForCausalLM
+    # Every multiplier away from 1, so that a family that ignored one of
+    # them would not match.
+    return GraniteForCausalLM(GraniteConfig(
+        **_common(vocab, 6), num_key_value_heads=3, rms_norm_eps=1e-5,
+        embedding_multiplier=2.0, attention_multiplier=0.15,
+        residual_multiplier=0.7, logits_scaling=0.5))
+
+
+def _gpt_bigcode(vocab: int):
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+    # Multi-query attention (one key/value head), learned positions.
+    return GPTBigCodeForCausalLM(GPTBigCodeConfig(
+        vocab_size=vocab, n_embd=96, n_inner=192, n_layer=2, n_head=6,
+        n_positions=1024, multi_query=True, initializer_range=0.3,
+        activation_function="gelu_pytorch_tanh", bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype="float32"))
+
+
+def _mistral(vocab: int):
+    from transformers import MistralConfig, MistralForCausalLM
+    return MistralForCausalLM(MistralConfig(
+        **_common(vocab, 6), num_key_value_heads=3, head_dim=16,
+        rms_norm_eps=1e-5, sliding_window=MISTRAL_WINDOW))
+
+
+def _mixtral(vocab: int):
+    from transformers import MixtralConfig, MixtralForCausalLM
+    # Top-2 of 4 experts.
+    return MixtralForCausalLM(MixtralConfig(
+        **_common(vocab, 6), num_key_value_heads=3, rms_norm_eps=1e-5,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=None))
+
+
+def _qwen3(vocab: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    # q/k normalisation is always on in Qwen3.
+    return Qwen3ForCausalLM(Qwen3Config(
+        **_common(vocab, 6), num_key_value_heads=3, head_dim=16,
+        rms_norm_eps=1e-6, use_sliding_window=False))
+
+
+#: Family name -> model factory taking the vocabulary size.
+FAMILIES = {
+    "granite": _granite,
+    "gpt_bigcode": _gpt_bigcode,
+    "mistral": _mistral,
+    "mixtral": _mixtral,
+    "qwen3": _qwen3,
+}
+
+
+def build_tiny_family(family: str, out_dir: Path, seed: int = 0) -> Path:
+    """A tiny random checkpoint of ``family`` (a key of ``FAMILIES``)."""
+    import torch
+    tokenizer = build_tokenizer(seed)
+    torch.manual_seed(seed)
+    model = FAMILIES[family](len(tokenizer)).eval()
+    return _save(model, tokenizer, out_dir)

@@ -1,0 +1,199 @@
+"""The FMS decoder families Spyre runs, and how each is loaded.
+
+``SpyreCausalLM`` builds its model with FMS's ``get_model`` from a Hugging
+Face folder.  FMS 1.13.1 maps a Hugging Face ``config.json`` to its own
+model config (``fms.models.hf.config_utils``), but for some families that
+mapping drops a field, so a checkpoint whose value differs from FMS's
+default would load wrong or not at all:
+
+* Mistral and Qwen3 round the MLP width up to a multiple of 256;
+* Qwen3 ignores ``rope_theta`` (FMS's own default is Qwen3's usual 1e6);
+* GPT-BigCode zeroes the position embedding of every token equal to its
+  ``pad_id`` (0 by default), a real token of most vocabularies; Spyre's
+  inputs mark padding with masks and position ids instead;
+* Mixtral ignores ``num_key_value_heads`` (FMS's default is 8), and its
+  ``hf`` adapter reads Mistral's original checkpoint layout only, not the
+  layout ``transformers`` saves.
+
+Each ``DecoderFamily`` states those corrections as config overrides and,
+for Mixtral, one checkpoint adapter step (``spyre_mixtral_weights``), so the
+loader itself has no per-family branches.  The platform calls
+``family_of`` at start-up, so a folder of any other architecture is refused
+before anything is loaded.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+
+def _no_fixes(hf_config) -> dict:
+    return {}
+
+
+def _mlp_width(hf_config) -> dict:
+    """The MLP width is ``intermediate_size`` exactly."""
+    return {"multiple_of": 1}
+
+
+def _qwen3_fixes(hf_config) -> dict:
+    return {**_mlp_width(hf_config), "rope_theta": hf_config.rope_theta}
+
+
+def _no_pad_id(hf_config) -> dict:
+    return {"pad_id": None}
+
+
+def _mixtral_fixes(hf_config) -> dict:
+    return {"kvheads": hf_config.num_key_value_heads}
+
+
+def _window_of(hf_config) -> Optional[int]:
+    """The sliding-window length of a Mistral-style config, if it sets one
+    (Qwen3 sets one only with ``use_sliding_window``)."""
+    if getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    window = getattr(hf_config, "sliding_window", None)
+    return window if isinstance(window, int) and window > 0 else None
+
+
+@dataclass(frozen=True)
+class DecoderFamily:
+    """One Hugging Face architecture and the FMS model that runs it."""
+
+    hf_architecture: str
+    fms_architecture: str
+    #: Overrides of FMS's config mapping: ``hf_config -> {field: value}``.
+    fixes: Callable[[Any], dict] = field(default=_no_fixes)
+    #: FMS checkpoint adapter (``serialization`` source) of its weights.
+    source: str = "hf"
+    #: Whether the config's ``sliding_window`` applies to this family.
+    has_window: bool = False
+
+    def sliding_window(self, hf_config) -> Optional[int]:
+        return _window_of(hf_config) if self.has_window else None
+
+
+#: Every supported architecture, by its Hugging Face name.
+FAMILIES: dict[str, DecoderFamily] = {
+    f.hf_architecture: f
+    for f in (
+        DecoderFamily("LlamaForCausalLM", "llama"),
+        DecoderFamily("GraniteForCausalLM", "granite"),
+        DecoderFamily("GPTBigCodeForCausalLM", "gpt_bigcode", _no_pad_id),
+        DecoderFamily("MistralForCausalLM", "mistral", _mlp_width,
+                      has_window=True),
+        DecoderFamily("MixtralForCausalLM", "mixtral", _mixtral_fixes,
+                      source="spyre_hf", has_window=True),
+        DecoderFamily("Qwen3ForCausalLM", "qwen3", _qwen3_fixes,
+                      has_window=True),
+    )
+}
+
+
+def family_of(hf_config) -> DecoderFamily:
+    """The family of a Hugging Face config; a ``ValueError`` naming the
+    architecture and the supported ones for any other."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in FAMILIES:
+            return FAMILIES[arch]
+    named = ", ".join(archs) or f"model_type {hf_config.model_type!r}"
+    raise ValueError(
+        f"Architecture {named} is not supported on Spyre. Supported "
+        f"architectures: {', '.join(FAMILIES)}.")
+
+
+def fms_model_args(model_path: str, hf_config) -> dict:
+    """``get_model`` arguments that load ``model_path``: FMS's own mapping
+    of its ``config.json``, with the family's corrections applied."""
+    from fms.models.hf.utils import infer_model_configuration
+    family = family_of(hf_config)
+    _register_adapters()
+    params = infer_model_configuration(model_path, download_weights=False)
+    params.pop("model_path", None)
+    params.update(family.fixes(hf_config))
+    params.update(architecture=family.fms_architecture,
+                  variant=params.pop("variant"),
+                  source=family.source,
+                  model_path=model_path)
+    return params
+
+
+# ---- Mixtral checkpoints as transformers saves them ------------------------
+
+_MIXTRAL_RENAMES = (
+    (r"^model\.embed_tokens\.", "tok_embeddings."),
+    (r"^model\.norm\.", "norm."),
+    (r"^lm_head\.", "output."),
+    (r"^model\.layers\.", "layers."),
+    (r"\.self_attn\.([qkvo])_proj\.", r".attention.w\1."),
+    (r"\.input_layernorm\.", ".attention_norm."),
+    (r"\.post_attention_layernorm\.", ".ffn_norm."),
+)
+_EXPERT = re.compile(
+    r"^(layers\.\d+\.block_sparse_moe)\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+def _unpermute_rope(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """transformers stores q/k projections with each head's rotary pairs
+    split into halves; Mistral's original layout interleaves them."""
+    rows, cols = weight.shape
+    return weight.view(heads, 2, rows // heads // 2,
+                       cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _mixtral_transformers_to_original(input_sd: Mapping[str, Any],
+                                      model_config=None,
+                                      **kwargs) -> Mapping[str, Any]:
+    """Adapter step: a Mixtral state dict in ``transformers`` naming
+    becomes the original layout that FMS's own steps read (experts of a
+    layer stacked, ``w2`` stored transposed, rotary halves interleaved).
+    A state dict in the original layout passes through unchanged."""
+    if not any(k.startswith("model.") for k in input_sd):
+        return input_sd
+    out: dict[str, Any] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in input_sd.items():
+        for pattern, repl in _MIXTRAL_RENAMES:
+            name = re.sub(pattern, repl, name)
+        match = _EXPERT.match(name)
+        if match:
+            prefix, index, which = match.groups()
+            experts.setdefault((prefix, which), {})[int(index)] = tensor
+            continue
+        if name.endswith(".attention.wq.weight"):
+            tensor = _unpermute_rope(tensor, model_config.nheads)
+        elif name.endswith(".attention.wk.weight"):
+            tensor = _unpermute_rope(tensor, model_config.kvheads)
+        out[name] = tensor
+    for (prefix, which), by_index in experts.items():
+        stacked = [by_index[i] for i in sorted(by_index)]
+        if which == "w2":
+            stacked = [w.t() for w in stacked]  # [dim, inner] -> [inner, dim]
+        out[f"{prefix}.{which}"] = torch.cat(stacked, dim=0)
+    return out
+
+
+_registered = False
+
+
+def _register_adapters() -> None:
+    """Registers the ``spyre_hf`` Mixtral adapter with FMS, once: the step
+    above, then FMS's own steps for Mistral's original layout."""
+    global _registered
+    if _registered:
+        return
+    from fms.utils import serialization
+    if "spyre_hf" not in serialization.list_sources("mixtral"):
+        serialization.register_adapter_step(
+            "mixtral", "spyre_transformers_to_original",
+            _mixtral_transformers_to_original)
+        serialization.register_adapter(
+            "mixtral", "spyre_hf",
+            ["spyre_transformers_to_original", "hf_to_fms_names",
+             "weight_fusion"])
+    _registered = True
