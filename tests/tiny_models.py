@@ -13,9 +13,9 @@ from pathlib import Path
 #: Token ids of the shared tokenizer's special tokens.
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
-#: The sliding window of the tiny Mistral: longer than the 64 + 16 tokens
-#: of the tests' shapes, shorter than a 64 + 64 shape.
-MISTRAL_WINDOW = 80
+#: A sliding window longer than the 64 + 16 tokens of the tests' shapes,
+#: shorter than a 64 + 64 shape.
+WINDOW = 80
 
 
 def build_tokenizer(seed: int = 0):
@@ -103,13 +103,6 @@ def _gpt_bigcode(vocab: int):
         eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype="float32"))
 
 
-def _mistral(vocab: int):
-    from transformers import MistralConfig, MistralForCausalLM
-    return MistralForCausalLM(MistralConfig(
-        **_common(vocab, 6), num_key_value_heads=3, head_dim=16,
-        rms_norm_eps=1e-5, sliding_window=MISTRAL_WINDOW))
-
-
 def _mixtral(vocab: int):
     from transformers import MixtralConfig, MixtralForCausalLM
     # Top-2 of 4 experts.
@@ -118,28 +111,30 @@ def _mixtral(vocab: int):
         num_local_experts=4, num_experts_per_tok=2, sliding_window=None))
 
 
-def _qwen3(vocab: int):
+def _qwen3(vocab: int, window: bool = False):
     from transformers import Qwen3Config, Qwen3ForCausalLM
     # q/k normalisation is always on in Qwen3.
     return Qwen3ForCausalLM(Qwen3Config(
         **_common(vocab, 6), num_key_value_heads=3, head_dim=16,
-        rms_norm_eps=1e-6, use_sliding_window=False))
+        rms_norm_eps=1e-6, use_sliding_window=window, sliding_window=WINDOW,
+        max_window_layers=0))
 
 
 #: Family name -> model factory taking the vocabulary size.
 FAMILIES = {
     "granite": _granite,
     "gpt_bigcode": _gpt_bigcode,
-    "mistral": _mistral,
     "mixtral": _mixtral,
     "qwen3": _qwen3,
 }
 
 
-def build_tiny_family(family: str, out_dir: Path, seed: int = 0) -> Path:
-    """A tiny random checkpoint of ``family`` (a key of ``FAMILIES``)."""
+def build_tiny_family(family: str, out_dir: Path, seed: int = 0,
+                      **options) -> Path:
+    """A tiny random checkpoint of ``family`` (a key of ``FAMILIES``);
+    ``options`` go to its factory (``window=True`` for Qwen3)."""
     import torch
     tokenizer = build_tokenizer(seed)
     torch.manual_seed(seed)
-    model = FAMILIES[family](len(tokenizer)).eval()
+    model = FAMILIES[family](len(tokenizer), **options).eval()
     return _save(model, tokenizer, out_dir)

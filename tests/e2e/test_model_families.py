@@ -2,8 +2,9 @@
 checkpoint of each (``tiny_models.FAMILIES``) generates the same greedy
 tokens as Hugging Face transformers under static batching (two shapes,
 ``eager``; one shape, ``inductor``), continuous batching and tensor
-parallelism over 3 ranks.  A sliding window shorter than the longest
-sequence, and an architecture Spyre does not run, are refused at start-up.
+parallelism over 3 ranks, or is refused in a mode it does not run in yet.
+A sliding window shorter than the longest sequence, and an architecture
+Spyre does not run (Mistral among them, for now), are refused at start-up.
 """
 from __future__ import annotations
 
@@ -12,16 +13,15 @@ import torch
 
 from conftest import (HFReference, build_tiny_family, compile_count,
                       spyre_env, spyre_llm)
-from tiny_models import FAMILIES, MISTRAL_WINDOW
+from tiny_models import FAMILIES, WINDOW
 
 pytestmark = pytest.mark.e2e
 
-# Short prompts four at a time, longer answers two at a time; the
-# longest sequence, 64 + 16 tokens, fits the tiny Mistral's window.
+# Short prompts four at a time, longer answers two at a time.
 STATIC = dict(prompt_lens=[64, 64], new_tokens=[8, 16], batch_sizes=[4, 2])
 ONE_SHAPE = dict(prompt_lens=[64], new_tokens=[16], batch_sizes=[3])
 CB_ENV = {"VLLM_SPYRE_USE_CB": "1", "VLLM_SPYRE_DYNAMO_BACKEND": "eager"}
-CB_ARGS = dict(max_model_len=MISTRAL_WINDOW, max_num_seqs=3)
+CB_ARGS = dict(max_model_len=80, max_num_seqs=3)
 
 
 def make_requests() -> list[tuple[list[int], int]]:
@@ -72,22 +72,45 @@ def test_static_inductor_matches_transformers_without_recompiling(family):
     assert compiled == 0, f"{name}: {compiled} compilations after warm-up"
 
 
+#: Modes a family is refused in at start-up (the reasons are in
+#: ``spyre_families``); every other pair must match transformers.
+NOT_YET = {("mixtral", "Tensor parallelism"),
+           ("mixtral", "Continuous batching")}
+
+
+def check_mode(name: str, path, mode: str, env: dict, **kwargs) -> list:
+    """Greedy ids of REQUESTS in ``mode``, or [] after checking that the
+    family is refused in it."""
+    if (name, mode) in NOT_YET:
+        with pytest.raises(NotImplementedError,
+                           match=f"{mode} is not supported on Spyre for"):
+            with spyre_llm(path, env, **kwargs):
+                pass
+        return []
+    with spyre_llm(path, env, **kwargs) as llm:
+        return generate(llm)
+
+
 def test_continuous_batching_matches_transformers(family):
     name, path, expected = family
-    with spyre_llm(path, CB_ENV, **CB_ARGS) as llm:
-        assert generate(llm) == expected, name
+    got = check_mode(name, path, "Continuous batching", CB_ENV, **CB_ARGS)
+    assert got in ([], expected), name
+    assert got or (name, "Continuous batching") in NOT_YET
 
 
 def test_tp3_matches_transformers(family):
     name, path, expected = family
-    with spyre_llm(path, spyre_env("eager", **ONE_SHAPE),
-                   tensor_parallel_size=3) as llm:
-        assert generate(llm) == expected, name
+    got = check_mode(name, path, "Tensor parallelism",
+                     spyre_env("eager", **ONE_SHAPE), tensor_parallel_size=3)
+    assert got in ([], expected), name
+    assert got or (name, "Tensor parallelism") in NOT_YET
 
 
 @pytest.fixture(scope="module")
-def tiny_mistral(tmp_path_factory):
-    return build_tiny_family("mistral", tmp_path_factory.mktemp("mistral"))
+def windowed_qwen3(tmp_path_factory):
+    """Qwen3 with its sliding window on, every layer."""
+    return build_tiny_family("qwen3", tmp_path_factory.mktemp("qwen3-sw"),
+                             window=True)
 
 
 @pytest.mark.parametrize("env, args, fix", [
@@ -95,13 +118,13 @@ def tiny_mistral(tmp_path_factory):
      "VLLM_SPYRE_WARMUP_PROMPT_LENS + VLLM_SPYRE_WARMUP_NEW_TOKENS to 80"),
     (CB_ENV, dict(max_model_len=128), "--max-model-len 80"),
 ])
-def test_sequences_past_the_sliding_window_are_refused(tiny_mistral, env,
+def test_sequences_past_the_sliding_window_are_refused(windowed_qwen3, env,
                                                        args, fix):
     with pytest.raises(ValueError) as err:
-        with spyre_llm(tiny_mistral, env, **args):
+        with spyre_llm(windowed_qwen3, env, **args):
             pass
     message = str(err.value)
-    assert f"sliding window of {MISTRAL_WINDOW} tokens" in message
+    assert f"sliding window of {WINDOW} tokens" in message
     assert "max_model_len=128" in message
     assert fix in message
 
@@ -120,6 +143,6 @@ def test_other_architectures_are_refused(tmp_path):
     message = str(err.value)
     assert "Architecture GPT2LMHeadModel is not supported on Spyre" in message
     for arch in ("LlamaForCausalLM", "GraniteForCausalLM",
-                 "GPTBigCodeForCausalLM", "MistralForCausalLM",
-                 "MixtralForCausalLM", "Qwen3ForCausalLM"):
+                 "GPTBigCodeForCausalLM", "MixtralForCausalLM",
+                 "Qwen3ForCausalLM"):
         assert arch in message

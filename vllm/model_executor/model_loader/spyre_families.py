@@ -6,7 +6,7 @@ model config (``fms.models.hf.config_utils``), but for some families that
 mapping drops a field, so a checkpoint whose value differs from FMS's
 default would load wrong or not at all:
 
-* Mistral and Qwen3 round the MLP width up to a multiple of 256;
+* Qwen3 rounds the MLP width up to a multiple of 256;
 * Qwen3 ignores ``rope_theta`` (FMS's own default is Qwen3's usual 1e6);
 * GPT-BigCode zeroes the position embedding of every token equal to its
   ``pad_id`` (0 by default), a real token of most vocabularies; Spyre's
@@ -17,7 +17,13 @@ default would load wrong or not at all:
 
 Each ``DecoderFamily`` states those corrections as config overrides and,
 for Mixtral, one checkpoint adapter step (``spyre_mixtral_weights``), so the
-loader itself has no per-family branches.  The platform calls
+loader itself has no per-family branches.
+
+``MistralForCausalLM`` is not listed yet: FMS 1.13.1's Mistral loads and
+matches transformers on a whole sequence, but decoding it over the Spyre
+key/value cache gives other tokens than transformers (seen on a tiny random
+checkpoint, with or without a sliding window), so it is refused until that
+is understood.  The platform calls
 ``family_of`` at start-up, so a folder of any other architecture is refused
 before anything is loaded.
 """
@@ -34,13 +40,10 @@ def _no_fixes(hf_config) -> dict:
     return {}
 
 
-def _mlp_width(hf_config) -> dict:
-    """The MLP width is ``intermediate_size`` exactly."""
-    return {"multiple_of": 1}
-
-
 def _qwen3_fixes(hf_config) -> dict:
-    return {**_mlp_width(hf_config), "rope_theta": hf_config.rope_theta}
+    """The MLP width is ``intermediate_size`` exactly; the rotary base is
+    the checkpoint's."""
+    return {"multiple_of": 1, "rope_theta": hf_config.rope_theta}
 
 
 def _no_pad_id(hf_config) -> dict:
@@ -52,8 +55,8 @@ def _mixtral_fixes(hf_config) -> dict:
 
 
 def _window_of(hf_config) -> Optional[int]:
-    """The sliding-window length of a Mistral-style config, if it sets one
-    (Qwen3 sets one only with ``use_sliding_window``)."""
+    """The sliding-window length of a config, if it sets one (Qwen3 sets
+    one only with ``use_sliding_window``)."""
     if getattr(hf_config, "use_sliding_window", True) is False:
         return None
     window = getattr(hf_config, "sliding_window", None)
@@ -72,9 +75,23 @@ class DecoderFamily:
     source: str = "hf"
     #: Whether the config's ``sliding_window`` applies to this family.
     has_window: bool = False
+    #: Modes this family does not run in yet ("tensor parallelism",
+    #: "continuous batching"), each with the reason.
+    unsupported: tuple[tuple[str, str], ...] = ()
 
     def sliding_window(self, hf_config) -> Optional[int]:
         return _window_of(hf_config) if self.has_window else None
+
+    def check_mode(self, tensor_parallel: bool,
+                   continuous_batching: bool) -> None:
+        """``NotImplementedError`` for a mode this family cannot run in."""
+        used = {"tensor parallelism": tensor_parallel,
+                "continuous batching": continuous_batching}
+        for mode, reason in self.unsupported:
+            if used[mode]:
+                raise NotImplementedError(
+                    f"{mode.capitalize()} is not supported on Spyre for "
+                    f"{self.hf_architecture} yet: {reason}.")
 
 
 #: Every supported architecture, by its Hugging Face name.
@@ -84,10 +101,17 @@ FAMILIES: dict[str, DecoderFamily] = {
         DecoderFamily("LlamaForCausalLM", "llama"),
         DecoderFamily("GraniteForCausalLM", "granite"),
         DecoderFamily("GPTBigCodeForCausalLM", "gpt_bigcode", _no_pad_id),
-        DecoderFamily("MistralForCausalLM", "mistral", _mlp_width,
-                      has_window=True),
-        DecoderFamily("MixtralForCausalLM", "mixtral", _mixtral_fixes,
-                      source="spyre_hf", has_window=True),
+        DecoderFamily(
+            "MixtralForCausalLM", "mixtral", _mixtral_fixes,
+            source="spyre_hf", has_window=True,
+            unsupported=(
+                ("tensor parallelism",
+                 "FMS's sharded mixture-of-experts layer fails on its "
+                 "inputs"),
+                ("continuous batching",
+                 "FMS's mixture-of-experts layer fixes the batch size of "
+                 "the compiled decode graph"),
+            )),
         DecoderFamily("Qwen3ForCausalLM", "qwen3", _qwen3_fixes,
                       has_window=True),
     )
