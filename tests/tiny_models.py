@@ -103,6 +103,14 @@ def _gpt_bigcode(vocab: int):
         eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype="float32"))
 
 
+def _mistral(vocab: int):
+    from transformers import MistralConfig, MistralForCausalLM
+    # A sliding window the test sequences stay inside.
+    return MistralForCausalLM(MistralConfig(
+        **_common(vocab, 6), num_key_value_heads=3, head_dim=16,
+        rms_norm_eps=1e-5, sliding_window=WINDOW))
+
+
 def _mixtral(vocab: int):
     from transformers import MixtralConfig, MixtralForCausalLM
     # Top-2 of 4 experts.
@@ -124,6 +132,7 @@ def _qwen3(vocab: int, window: bool = False):
 FAMILIES = {
     "granite": _granite,
     "gpt_bigcode": _gpt_bigcode,
+    "mistral": _mistral,
     "mixtral": _mixtral,
     "qwen3": _qwen3,
 }

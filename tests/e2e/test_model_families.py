@@ -3,8 +3,9 @@ checkpoint of each (``tiny_models.FAMILIES``) generates the same greedy
 tokens as Hugging Face transformers under static batching (two shapes,
 ``eager``; one shape, ``inductor``), continuous batching and tensor
 parallelism over 3 ranks, or is refused in a mode it does not run in yet.
-A sliding window shorter than the longest sequence, and an architecture
-Spyre does not run (Mistral among them, for now), are refused at start-up.
+The tiny Mistral's sliding window is longer than its sequences; a window
+shorter than the longest sequence, and an architecture Spyre does not run,
+are refused at start-up.
 """
 from __future__ import annotations
 
@@ -143,6 +144,6 @@ def test_other_architectures_are_refused(tmp_path):
     message = str(err.value)
     assert "Architecture GPT2LMHeadModel is not supported on Spyre" in message
     for arch in ("LlamaForCausalLM", "GraniteForCausalLM",
-                 "GPTBigCodeForCausalLM", "MixtralForCausalLM",
-                 "Qwen3ForCausalLM"):
+                 "GPTBigCodeForCausalLM", "MistralForCausalLM",
+                 "MixtralForCausalLM", "Qwen3ForCausalLM"):
         assert arch in message

@@ -128,6 +128,11 @@ class SpyrePlatform(Platform):
                           spyre.use_cb)
         _check_sliding_window(family.sliding_window(model_config.hf_config),
                               model_config.max_model_len, spyre)
+        # No sequence outgrows the window (checked above), and the Spyre
+        # caches are laid out by this backend: vLLM's block manager must
+        # not manage blocks for a window (left set, it made a Mistral
+        # decode other tokens than transformers).
+        vllm_config.cache_config.sliding_window = None
         model_config.enforce_eager = True
         # Tensors stay on the "cpu" torch device, but the KV blocks are the
         # card's: vLLM's engine swaps its device and host cache statistics

@@ -6,7 +6,7 @@ model config (``fms.models.hf.config_utils``), but for some families that
 mapping drops a field, so a checkpoint whose value differs from FMS's
 default would load wrong or not at all:
 
-* Qwen3 rounds the MLP width up to a multiple of 256;
+* Mistral and Qwen3 round the MLP width up to a multiple of 256;
 * Qwen3 ignores ``rope_theta`` (FMS's own default is Qwen3's usual 1e6);
 * GPT-BigCode zeroes the position embedding of every token equal to its
   ``pad_id`` (0 by default), a real token of most vocabularies; Spyre's
@@ -17,13 +17,7 @@ default would load wrong or not at all:
 
 Each ``DecoderFamily`` states those corrections as config overrides and,
 for Mixtral, one checkpoint adapter step (``spyre_mixtral_weights``), so the
-loader itself has no per-family branches.
-
-``MistralForCausalLM`` is not listed yet: FMS 1.13.1's Mistral loads and
-matches transformers on a whole sequence, but decoding it over the Spyre
-key/value cache gives other tokens than transformers (seen on a tiny random
-checkpoint, with or without a sliding window), so it is refused until that
-is understood.  The platform calls
+loader itself has no per-family branches.  The platform calls
 ``family_of`` at start-up, so a folder of any other architecture is refused
 before anything is loaded.
 """
@@ -40,10 +34,13 @@ def _no_fixes(hf_config) -> dict:
     return {}
 
 
+def _mlp_width(hf_config) -> dict:
+    """The MLP width is ``intermediate_size`` exactly."""
+    return {"multiple_of": 1}
+
+
 def _qwen3_fixes(hf_config) -> dict:
-    """The MLP width is ``intermediate_size`` exactly; the rotary base is
-    the checkpoint's."""
-    return {"multiple_of": 1, "rope_theta": hf_config.rope_theta}
+    return {**_mlp_width(hf_config), "rope_theta": hf_config.rope_theta}
 
 
 def _no_pad_id(hf_config) -> dict:
@@ -101,6 +98,8 @@ FAMILIES: dict[str, DecoderFamily] = {
         DecoderFamily("LlamaForCausalLM", "llama"),
         DecoderFamily("GraniteForCausalLM", "granite"),
         DecoderFamily("GPTBigCodeForCausalLM", "gpt_bigcode", _no_pad_id),
+        DecoderFamily("MistralForCausalLM", "mistral", _mlp_width,
+                      has_window=True),
         DecoderFamily(
             "MixtralForCausalLM", "mixtral", _mixtral_fixes,
             source="spyre_hf", has_window=True,
