@@ -16,7 +16,7 @@ default would load wrong or not at all:
   layout ``transformers`` saves.
 
 Each ``DecoderFamily`` states those corrections as config overrides and,
-for Mixtral, one checkpoint adapter step (``spyre_mixtral_weights``), so the
+for Mixtral, a checkpoint adapter (source ``spyre_hf``), so the
 loader itself has no per-family branches.  The platform calls
 ``family_of`` at start-up, so a folder of any other architecture is refused
 before anything is loaded.
