@@ -41,6 +41,9 @@ from vllm.worker.worker_base import WorkerWrapperBase
 
 logger = init_logger(__name__)
 
+#: How long a failed collective waits for a rank's death to show.
+_DEATH_GRACE_S = 2.0
+
 
 class MultiprocessingExecutor(DistributedExecutorBase):
     """Tensor parallelism over local worker processes, any device."""
@@ -122,23 +125,34 @@ class MultiprocessingExecutor(DistributedExecutorBase):
         try:
             yield
         except Exception as exc:
-            dead = self._dead_ranks()
+            # A killed rank's sockets close before its process has fully
+            # ended, so the driver's collective may fail first: give the
+            # death a moment to show.
+            grace = _DEATH_GRACE_S if isinstance(
+                exc, (RuntimeError, OSError)) else 0.0
+            dead = self._dead_ranks(grace)
             if dead:
                 raise RuntimeError(
                     f"{type(self).__name__}: rank(s) {dead} died during an "
                     "engine step; the engine cannot continue") from exc
             raise
 
-    def _dead_ranks(self) -> list[int]:
+    def _dead_ranks(self, grace: float = 0.0) -> list[int]:
         """Ranks whose worker process died first (the monitor then stops
-        the others), or else every rank whose process has exited."""
+        the others), or else every rank whose process has ended, waiting up
+        to ``grace`` seconds for one to end.  Ended means the process's
+        sentinel is ready: ``is_alive()`` can answer True while the
+        monitor thread is reaping the same process."""
         monitor = getattr(self, "worker_monitor", None)
         if monitor is not None and monitor.dead_ranks:
             return monitor.dead_ranks
-        return [
-            rank for rank, w in enumerate(self.workers, start=1)
-            if hasattr(w, "process") and not w.process.is_alive()
-        ]
+        procs = [(rank, w.process)
+                 for rank, w in enumerate(self.workers, start=1)
+                 if hasattr(w, "process")]
+        if not procs:
+            return []
+        ended = wait([p.sentinel for _, p in procs], timeout=grace)
+        return [rank for rank, p in procs if p.sentinel in ended]
 
     def _run_workers(
         self,
