@@ -201,22 +201,17 @@ def _mixtral_transformers_to_original(input_sd: Mapping[str, Any],
     return out
 
 
-_registered = False
-
-
 def _register_adapters() -> None:
-    """Registers the ``spyre_hf`` Mixtral adapter with FMS, once: the step
-    above, then FMS's own steps for Mistral's original layout."""
-    global _registered
-    if _registered:
-        return
+    """Registers the ``spyre_hf`` Mixtral adapter with FMS, once per
+    process: the step above, then FMS's own steps for Mistral's original
+    layout."""
     from fms.utils import serialization
-    if "spyre_hf" not in serialization.list_sources("mixtral"):
-        serialization.register_adapter_step(
-            "mixtral", "spyre_transformers_to_original",
-            _mixtral_transformers_to_original)
-        serialization.register_adapter(
-            "mixtral", "spyre_hf",
-            ["spyre_transformers_to_original", "hf_to_fms_names",
-             "weight_fusion"])
-    _registered = True
+    if "spyre_hf" in serialization.list_sources("mixtral"):
+        return
+    serialization.register_adapter_step(
+        "mixtral", "spyre_transformers_to_original",
+        _mixtral_transformers_to_original)
+    serialization.register_adapter(
+        "mixtral", "spyre_hf",
+        ["spyre_transformers_to_original", "hf_to_fms_names",
+         "weight_fusion"])
