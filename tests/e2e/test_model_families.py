@@ -2,7 +2,7 @@
 checkpoint of each (``tiny_models.FAMILIES``) generates the same greedy
 tokens as Hugging Face transformers under static batching (two shapes,
 ``eager``; one shape, ``inductor``), continuous batching and tensor
-parallelism over 3 ranks, or is refused in a mode it does not run in yet.
+parallelism over 3 ranks.
 The tiny Mistral's sliding window is longer than its sequences; a window
 shorter than the longest sequence, and an architecture Spyre does not run,
 are refused at start-up.
@@ -73,38 +73,28 @@ def test_static_inductor_matches_transformers_without_recompiling(family):
     assert compiled == 0, f"{name}: {compiled} compilations after warm-up"
 
 
-#: Modes a family is refused in at start-up (the reasons are in
-#: ``spyre_families``); every other pair must match transformers.
-NOT_YET = {("mixtral", "Tensor parallelism"),
-           ("mixtral", "Continuous batching")}
-
-
-def check_mode(name: str, path, mode: str, env: dict, **kwargs) -> list:
-    """Greedy ids of REQUESTS in ``mode``, or [] after checking that the
-    family is refused in it."""
-    if (name, mode) in NOT_YET:
-        with pytest.raises(NotImplementedError,
-                           match=f"{mode} is not supported on Spyre for"):
-            with spyre_llm(path, env, **kwargs):
-                pass
-        return []
-    with spyre_llm(path, env, **kwargs) as llm:
-        return generate(llm)
-
-
 def test_continuous_batching_matches_transformers(family):
     name, path, expected = family
-    got = check_mode(name, path, "Continuous batching", CB_ENV, **CB_ARGS)
-    assert got in ([], expected), name
-    assert got or (name, "Continuous batching") in NOT_YET
+    with spyre_llm(path, CB_ENV, **CB_ARGS) as llm:
+        assert generate(llm) == expected, name
+
+
+def test_continuous_batching_inductor_without_recompiling(family):
+    name, path, expected = family
+    env = {**CB_ENV, "VLLM_SPYRE_DYNAMO_BACKEND": "inductor"}
+    with spyre_llm(path, env, **CB_ARGS) as llm:
+        before = compile_count()
+        got = generate(llm)
+        compiled = compile_count() - before
+    assert got == expected, name
+    assert compiled == 0, f"{name}: {compiled} compilations after warm-up"
 
 
 def test_tp3_matches_transformers(family):
     name, path, expected = family
-    got = check_mode(name, path, "Tensor parallelism",
-                     spyre_env("eager", **ONE_SHAPE), tensor_parallel_size=3)
-    assert got in ([], expected), name
-    assert got or (name, "Tensor parallelism") in NOT_YET
+    with spyre_llm(path, spyre_env("eager", **ONE_SHAPE),
+                   tensor_parallel_size=3) as llm:
+        assert generate(llm) == expected, name
 
 
 @pytest.fixture(scope="module")

@@ -46,18 +46,6 @@ def test_sliding_window(arch, kw, window):
     assert family.sliding_window(config(architectures=[arch], **kw)) == window
 
 
-def test_check_mode():
-    mixtral = sf.FAMILIES["MixtralForCausalLM"]
-    mixtral.check_mode(tensor_parallel=False, continuous_batching=False)
-    with pytest.raises(NotImplementedError,
-                       match="Tensor parallelism is not supported on Spyre "
-                       "for MixtralForCausalLM"):
-        mixtral.check_mode(tensor_parallel=True, continuous_batching=False)
-    with pytest.raises(NotImplementedError, match="Continuous batching"):
-        mixtral.check_mode(tensor_parallel=False, continuous_batching=True)
-    sf.FAMILIES["LlamaForCausalLM"].check_mode(True, True)
-
-
 def test_mixtral_step_stacks_experts_and_interleaves_rotary():
     heads, kv_heads, head_dim, dim, inner, experts = 2, 1, 4, 8, 6, 3
     g = torch.Generator().manual_seed(0)

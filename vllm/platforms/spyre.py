@@ -126,8 +126,6 @@ class SpyrePlatform(Platform):
             _configure_continuous_batching(vllm_config, spyre)
         else:
             _configure_static_batching(vllm_config, spyre)
-        family.check_mode(parallel_config.tensor_parallel_size > 1,
-                          spyre.use_cb)
         _check_sliding_window(family.sliding_window(model_config.hf_config),
                               model_config.max_model_len, spyre)
         # No sequence outgrows the window (checked above), and the Spyre

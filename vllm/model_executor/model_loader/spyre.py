@@ -83,6 +83,7 @@ class SpyreCausalLM(nn.Module):
             parallel = dict(distributed_strategy="tp", group=dist.group.WORLD)
         model = get_model(**spyre_families.fms_model_args(path, hf_config),
                           data_type=self.dtype, device_type="cpu", **parallel)
+        spyre_families.family_of(hf_config).prepare(model)
         model.eval()
         model.requires_grad_(False)
         logger.info("Loaded FMS model %s from %s in %.1f s",

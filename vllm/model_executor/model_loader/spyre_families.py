@@ -16,8 +16,9 @@ default would load wrong or not at all:
   layout ``transformers`` saves.
 
 Each ``DecoderFamily`` states those corrections as config overrides and,
-for Mixtral, a checkpoint adapter (source ``spyre_hf``), so the
-loader itself has no per-family branches.  The platform calls
+for Mixtral, a checkpoint adapter (source ``spyre_hf``) and a step run on
+the loaded model (its mixture-of-experts layers made dense,
+``spyre_moe``), so the loader itself has no per-family branches.  The platform calls
 ``family_of`` at start-up, so a folder of any other architecture is refused
 before anything is loaded.
 """
@@ -51,6 +52,15 @@ def _mixtral_fixes(hf_config) -> dict:
     return {"kvheads": hf_config.num_key_value_heads}
 
 
+def _as_loaded(model) -> None:
+    return None
+
+
+def _dense_experts(model) -> None:
+    from vllm.model_executor.model_loader.spyre_moe import use_dense_experts
+    use_dense_experts(model)
+
+
 def _window_of(hf_config) -> Optional[int]:
     """The sliding-window length of a config, if it sets one (Qwen3 sets
     one only with ``use_sliding_window``)."""
@@ -70,25 +80,13 @@ class DecoderFamily:
     fixes: Callable[[Any], dict] = field(default=_no_fixes)
     #: FMS checkpoint adapter (``serialization`` source) of its weights.
     source: str = "hf"
+    #: A step run on the loaded (and sharded) FMS model, before compiling.
+    prepare: Callable[[Any], None] = field(default=_as_loaded)
     #: Whether the config's ``sliding_window`` applies to this family.
     has_window: bool = False
-    #: Modes this family does not run in yet ("tensor parallelism",
-    #: "continuous batching"), each with the reason.
-    unsupported: tuple[tuple[str, str], ...] = ()
 
     def sliding_window(self, hf_config) -> Optional[int]:
         return _window_of(hf_config) if self.has_window else None
-
-    def check_mode(self, tensor_parallel: bool,
-                   continuous_batching: bool) -> None:
-        """``NotImplementedError`` for a mode this family cannot run in."""
-        used = {"tensor parallelism": tensor_parallel,
-                "continuous batching": continuous_batching}
-        for mode, reason in self.unsupported:
-            if used[mode]:
-                raise NotImplementedError(
-                    f"{mode.capitalize()} is not supported on Spyre for "
-                    f"{self.hf_architecture} yet: {reason}.")
 
 
 #: Every supported architecture, by its Hugging Face name.
@@ -100,17 +98,9 @@ FAMILIES: dict[str, DecoderFamily] = {
         DecoderFamily("GPTBigCodeForCausalLM", "gpt_bigcode", _no_pad_id),
         DecoderFamily("MistralForCausalLM", "mistral", _mlp_width,
                       has_window=True),
-        DecoderFamily(
-            "MixtralForCausalLM", "mixtral", _mixtral_fixes,
-            source="spyre_hf", has_window=True,
-            unsupported=(
-                ("tensor parallelism",
-                 "FMS's sharded mixture-of-experts layer fails on its "
-                 "inputs"),
-                ("continuous batching",
-                 "FMS's mixture-of-experts layer fixes the batch size of "
-                 "the compiled decode graph"),
-            )),
+        DecoderFamily("MixtralForCausalLM", "mixtral", _mixtral_fixes,
+                      source="spyre_hf", prepare=_dense_experts,
+                      has_window=True),
         DecoderFamily("Qwen3ForCausalLM", "qwen3", _qwen3_fixes,
                       has_window=True),
     )
