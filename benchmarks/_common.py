@@ -330,19 +330,32 @@ class HFDriver:
         return unique_parameter_bytes(self.model)
 
 
+def load_fms_model(model_dir: str):
+    """FMS's float32 model of a Hugging Face folder, with the config
+    corrections the Spyre loader applies for its family
+    (``spyre_families.fms_model_args``: FMS's own mapping loads some
+    families wrong), and FMS's own layers otherwise."""
+    import torch
+    from fms.models import get_model
+    from transformers import AutoConfig
+
+    from vllm.model_executor.model_loader.spyre_families import (
+        fms_model_args)
+    args = fms_model_args(model_dir, AutoConfig.from_pretrained(model_dir))
+    return get_model(**args, data_type=torch.float32, device_type="cpu")
+
+
 class FMSDriver:
     """IBM FMS ``generate`` on the FMS model compiled with ``backend``."""
 
     def __init__(self, work: Workload, backend: str) -> None:
         import torch
-        from fms.models import get_model
         self.work = work
         # One prefill and one (dynamic-length) decode graph per batch size:
         # more than dynamo's default of 8 graphs per frame.
         torch._dynamo.config.cache_size_limit = max(
             torch._dynamo.config.cache_size_limit, 64)
-        model = get_model("hf_pretrained", model_path=work.model,
-                          data_type=torch.float32, device_type="cpu")
+        model = load_fms_model(work.model)
         model.eval()
         model.requires_grad_(False)
         self.fms_model = model

@@ -28,16 +28,15 @@ import time
 from pathlib import Path
 
 from _common import (DEFAULT_MODEL, RESULTS, compile_count, cores,
-                     machine_info, parse_ints, table, write_json)
+                     load_fms_model, machine_info, parse_ints, table,
+                     write_json)
 from roofline import read_bandwidth
 
 
 def load_linears(model_dir: str) -> list:
     """Float32 weights of every linear layer, each storage once."""
     import torch
-    from fms.models import get_model
-    model = get_model("hf_pretrained", model_path=model_dir,
-                      data_type=torch.float32, device_type="cpu")
+    model = load_fms_model(model_dir)
     seen, weights = set(), []
     for m in model.modules():
         if isinstance(m, torch.nn.Linear):
