@@ -1,19 +1,23 @@
 """Every FMS decoder family beside Llama, end to end: a tiny random
 checkpoint of each (``tiny_models.FAMILIES``) generates the same greedy
 tokens as Hugging Face transformers under static batching (two shapes,
-``eager``; one shape, ``inductor``), continuous batching and tensor
-parallelism over 3 ranks.
+``eager``; one shape, ``inductor``), continuous batching, tensor
+parallelism over 3 ranks, and through ``vllm serve``.
 The tiny Mistral's sliding window is longer than its sequences; a window
 shorter than the longest sequence, and an architecture Spyre does not run,
 are refused at start-up.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
+import requests
 import torch
 
 from conftest import (HFReference, build_tiny_family, compile_count,
                       spyre_env, spyre_llm)
+from server import Server
 from tiny_models import FAMILIES, WINDOW
 
 pytestmark = pytest.mark.e2e
@@ -95,6 +99,27 @@ def test_tp3_matches_transformers(family):
     with spyre_llm(path, spyre_env("eager", **ONE_SHAPE),
                    tensor_parallel_size=3) as llm:
         assert generate(llm) == expected, name
+
+
+def served_ids(server: Server, prompt: list[int], max_tokens: int) -> list:
+    """Greedy ids of one completion, read exactly from its logprobs."""
+    reply = requests.post(server.url + "/v1/completions", json=dict(
+        model=server.model, prompt=prompt, max_tokens=max_tokens,
+        temperature=0.0, ignore_eos=True, logprobs=0,
+        return_tokens_as_token_ids=True), timeout=300)
+    assert reply.status_code == 200, reply.text
+    tokens = reply.json()["choices"][0]["logprobs"]["tokens"]
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def test_vllm_serve_matches_transformers(family, tmp_path):
+    """The OpenAI server on loopback, all requests at once."""
+    name, path, expected = family
+    with Server(path, spyre_env("eager", **ONE_SHAPE),
+                log_path=tmp_path / "serve.log") as server:
+        with ThreadPoolExecutor(len(REQUESTS)) as pool:
+            got = list(pool.map(lambda r: served_ids(server, *r), REQUESTS))
+    assert got == expected, name
 
 
 @pytest.fixture(scope="module")
