@@ -2,7 +2,7 @@
 # Both set everything up on first use (scripts/setup.sh).
 PYTEST_ARGS ?=
 
-.PHONY: run test serve setup freeze clean
+.PHONY: run test serve image setup freeze clean
 
 run: setup
 	.venv/bin/python examples/offline_demo.py
@@ -11,14 +11,15 @@ test:
 	bash scripts/run_tests.sh $(PYTEST_ARGS)
 
 # OpenAI-compatible server on the default model, loopback only.  Spyre
-# settings come from the environment; these defaults keep warm-up short.
+# settings come from the environment; scripts/serve.sh's defaults keep
+# warm-up short.
 serve: setup
-	VLLM_SPYRE_DYNAMO_BACKEND=$${VLLM_SPYRE_DYNAMO_BACKEND:-eager} \
-	VLLM_SPYRE_WARMUP_PROMPT_LENS=$${VLLM_SPYRE_WARMUP_PROMPT_LENS:-128} \
-	VLLM_SPYRE_WARMUP_NEW_TOKENS=$${VLLM_SPYRE_WARMUP_NEW_TOKENS:-64} \
-	VLLM_SPYRE_WARMUP_BATCH_SIZES=$${VLLM_SPYRE_WARMUP_BATCH_SIZES:-4} \
-	VLLM_RPC_TIMEOUT=$${VLLM_RPC_TIMEOUT:-3000} \
-	.venv/bin/vllm serve models/SmolLM2-135M-Instruct --host 127.0.0.1 --port $${PORT:-8000}
+	bash scripts/serve.sh
+
+# Dockerfile.spyre built here with buildah, and checked: the demo and the
+# server inside the image (scripts/image.sh; docs/container.md).
+image:
+	bash scripts/image.sh
 
 setup:
 	bash scripts/setup.sh

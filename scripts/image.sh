@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# Builds the Dockerfile.spyre image on this machine with buildah, then checks
+# it: the demo runs inside it, and its default command serves a completion
+# over loopback with /health answering inside.  `make image`; `.ci/run`
+# runs it after the suite.
+#
+#   scripts/image.sh [base|build|check|all]      (default: all)
+#
+# No image registry is needed: `base` makes a Debian 12 root file system
+# with Python 3.11 (debootstrap, from this machine's Debian mirror) and
+# imports it as $BASE_IMAGE.  pip inside the build gets this machine's own
+# pip configuration (`pip config list`: index, wheel directories, CA
+# bundle), with every local path it names mounted read-only, and pip's
+# cache, so the build reuses what the set-up has downloaded.  buildah and
+# debootstrap are installed with apt-get when missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+IMAGE=${IMAGE:-localhost/vllm-spyre:latest}
+BASE_IMAGE=${BASE_IMAGE:-localhost/spyre-base:bookworm}
+WORK=${IMAGE_WORK:-/var/tmp/vllm-spyre-image}
+BUILDAH=(buildah)
+RUN=(buildah run --isolation chroot)
+
+say() { echo "== image: $*"; }
+
+need_tools() {
+  local missing=()
+  command -v buildah >/dev/null || missing+=(buildah)
+  command -v debootstrap >/dev/null || missing+=(debootstrap)
+  [ ${#missing[@]} -eq 0 ] && return
+  say "installing ${missing[*]}"
+  local apt=(apt-get)
+  [ "$(id -u)" = 0 ] || apt=(sudo apt-get)
+  export DEBIAN_FRONTEND=noninteractive
+  "${apt[@]}" install -y -q "${missing[@]}" >/dev/null \
+    || { "${apt[@]}" update -q >/dev/null \
+         && "${apt[@]}" install -y -q "${missing[@]}" >/dev/null; }
+}
+
+# This machine's Debian mirror (deb822 or one-line sources); empty means
+# debootstrap's own default.
+debian_mirror() {
+  local f
+  for f in /etc/apt/sources.list.d/*.sources; do
+    [ -f "$f" ] && awk '/^URIs:/ {print $2; exit}' "$f" && return
+  done
+  awk '$1 == "deb" {print $2; exit}' /etc/apt/sources.list 2>/dev/null || true
+}
+
+make_base() {
+  if "${BUILDAH[@]}" inspect --type image "$BASE_IMAGE" >/dev/null 2>&1; then
+    say "base $BASE_IMAGE already here"
+    return
+  fi
+  local start=$SECONDS root="$WORK/rootfs" ctr
+  rm -rf "$root" && mkdir -p "$root"
+  say "making base $BASE_IMAGE (debootstrap bookworm)"
+  # shellcheck disable=SC2046  # no mirror: debootstrap's default
+  debootstrap --variant=minbase \
+    --include=python3,python3-venv,python3-dev,build-essential,git,make,ca-certificates,curl \
+    bookworm "$root" $(debian_mirror) >"$WORK/debootstrap.log" 2>&1 \
+    || { tail -20 "$WORK/debootstrap.log"; exit 1; }
+  # The official Python images name it python3 and python.
+  ln -sf python3 "$root/usr/bin/python"
+  tar -C "$root" -cf "$WORK/rootfs.tar" .
+  ctr=$("${BUILDAH[@]}" from scratch)
+  "${BUILDAH[@]}" add "$ctr" "$WORK/rootfs.tar" / >/dev/null
+  "${BUILDAH[@]}" config \
+    --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    --env LANG=C.UTF-8 --cmd /bin/bash "$ctr"
+  "${BUILDAH[@]}" commit -q "$ctr" "$BASE_IMAGE" >/dev/null
+  "${BUILDAH[@]}" rm "$ctr" >/dev/null
+  rm -rf "$root" "$WORK/rootfs.tar"
+  say "base made in $((SECONDS - start)) s"
+}
+
+# pip's configuration on this machine as a pip.conf, and a `-v` for every
+# local path it names (file:// indexes, wheel directories, the CA bundle),
+# and for pip's cache.
+PIP_MOUNTS=()
+pip_config() {
+  local path
+  while IFS= read -r path; do
+    PIP_MOUNTS+=(-v "$path")
+  done < <(pip config list 2>/dev/null | python3 scripts/pip_conf.py "$WORK/pip.conf")
+  PIP_MOUNTS+=(-v "$WORK/pip.conf:/etc/pip.conf:ro")
+}
+
+build_image() {
+  local start=$SECONDS
+  pip_config
+  say "building $IMAGE on $BASE_IMAGE"
+  "${BUILDAH[@]}" bud --isolation chroot --format docker --layers \
+    --build-arg "BASE_IMAGE=$BASE_IMAGE" "${PIP_MOUNTS[@]}" \
+    -f Dockerfile.spyre -t "$IMAGE" . >"$WORK/build.log" 2>&1 \
+    || { tail -40 "$WORK/build.log"; exit 1; }
+  say "built $IMAGE in $((SECONDS - start)) s;" \
+    "size $("${BUILDAH[@]}" images --format '{{.Size}}' "$IMAGE")"
+}
+
+SERVER_PID=""
+CTR=""
+cleanup() {
+  [ -n "$SERVER_PID" ] && kill -- -"$SERVER_PID" 2>/dev/null || true
+  [ -n "$CTR" ] && "${BUILDAH[@]}" rm "$CTR" >/dev/null 2>&1 || true
+}
+
+check_image() {
+  local start=$SECONDS port reply
+  trap cleanup EXIT
+  CTR=$("${BUILDAH[@]}" from "$IMAGE")
+  say "check 1/2: the demo inside the image"
+  "${RUN[@]}" "$CTR" -- python examples/offline_demo.py | tee "$WORK/demo.log"
+  grep -q "^Completion: '..*'$" "$WORK/demo.log"
+
+  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  say "check 2/2: the default command serves on 127.0.0.1:$port"
+  local cmd health
+  cmd=$("${BUILDAH[@]}" inspect --type image \
+    --format '{{range .Docker.Config.Cmd}}{{.}} {{end}}' "$IMAGE")
+  # The image's own HEALTHCHECK (CMD-SHELL form), run inside it.
+  health=$("${BUILDAH[@]}" inspect --type image \
+    --format '{{index .Docker.Config.Healthcheck.Test 1}}' "$IMAGE")
+  # shellcheck disable=SC2086  # the image's command, split into words
+  setsid "${RUN[@]}" --env HOST=127.0.0.1 --env "PORT=$port" "$CTR" -- \
+    $cmd >"$WORK/serve.log" 2>&1 &
+  SERVER_PID=$!
+  until "${RUN[@]}" --env "PORT=$port" "$CTR" -- sh -c "$health" \
+      >/dev/null 2>&1; do
+    kill -0 "$SERVER_PID" 2>/dev/null \
+      || { tail -40 "$WORK/serve.log"; exit 1; }
+    [ $((SECONDS - start)) -lt 900 ] \
+      || { say "not healthy in 900 s"; tail -40 "$WORK/serve.log"; exit 1; }
+    sleep 2
+  done
+  say "healthy (the image's HEALTHCHECK: $health)"
+  reply=$(curl -fsS "http://127.0.0.1:$port/v1/completions" \
+    -H 'Content-Type: application/json' \
+    -d '{"model": "models/SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}')
+  echo "$reply"
+  python3 -c 'import json, sys; r = json.loads(sys.argv[1]); assert r["choices"][0]["text"].strip(), r; print("completion:", repr(r["choices"][0]["text"]))' "$reply"
+  say "check passed in $((SECONDS - start)) s"
+}
+
+mkdir -p "$WORK"
+case "${1:-all}" in
+  base) need_tools; make_base ;;
+  build) need_tools; make_base; build_image ;;
+  check) need_tools; check_image ;;
+  all) need_tools; make_base; build_image; check_image ;;
+  *) echo "usage: $0 [base|build|check|all]" >&2; exit 2 ;;
+esac
