@@ -38,14 +38,22 @@ need_tools() {
          && "${apt[@]}" install -y -q "${missing[@]}" >/dev/null; }
 }
 
-# This machine's Debian mirror (deb822 or one-line sources); empty means
-# debootstrap's own default.
+# The Debian mirror for debootstrap: $DEBIAN_MIRROR, else the first http(s)
+# URI of this machine's sources for bookworm (deb822 or one-line form);
+# empty means debootstrap's own default.
 debian_mirror() {
-  local f
-  for f in /etc/apt/sources.list.d/*.sources; do
-    [ -f "$f" ] && awk '/^URIs:/ {print $2; exit}' "$f" && return
-  done
-  awk '$1 == "deb" {print $2; exit}' /etc/apt/sources.list 2>/dev/null || true
+  if [ -n "${DEBIAN_MIRROR:-}" ]; then
+    echo "$DEBIAN_MIRROR"
+    return
+  fi
+  {
+    cat /etc/apt/sources.list.d/*.sources 2>/dev/null \
+      | awk 'BEGIN {RS = ""} /Suites:[^\n]*bookworm( |\n|$)/ {
+               if (match($0, /URIs:[^\n]*/)) print substr($0, RSTART + 5, RLENGTH - 5)
+             }' | tr ' ' '\n'
+    sed -n 's/^deb \(\[[^]]*\] \)\{0,1\}\([^ ]*\) bookworm .*/\2/p' \
+      /etc/apt/sources.list 2>/dev/null
+  } | grep -m1 -E '^https?://' || true
 }
 
 make_base() {
@@ -80,10 +88,14 @@ make_base() {
 # and for pip's cache.
 PIP_MOUNTS=()
 pip_config() {
-  local path
+  local python=python3 path
+  [ -x .venv/bin/python ] && python=.venv/bin/python
+  "$python" -m pip config list >"$WORK/pip-config.txt"
+  "$python" scripts/pip_conf.py "$WORK/pip.conf" <"$WORK/pip-config.txt" \
+    >"$WORK/pip-mounts.txt"
   while IFS= read -r path; do
     PIP_MOUNTS+=(-v "$path")
-  done < <(pip config list 2>/dev/null | python3 scripts/pip_conf.py "$WORK/pip.conf")
+  done <"$WORK/pip-mounts.txt"
   PIP_MOUNTS+=(-v "$WORK/pip.conf:/etc/pip.conf:ro")
 }
 
@@ -102,8 +114,11 @@ build_image() {
 SERVER_PID=""
 CTR=""
 cleanup() {
-  [ -n "$SERVER_PID" ] && kill -- -"$SERVER_PID" 2>/dev/null || true
-  [ -n "$CTR" ] && "${BUILDAH[@]}" rm "$CTR" >/dev/null 2>&1 || true
+  if [ -n "$SERVER_PID" ]; then
+    kill -- -"$SERVER_PID" 2>/dev/null || true
+    wait "$SERVER_PID" 2>/dev/null || true
+  fi
+  [ -z "$CTR" ] || "${BUILDAH[@]}" rm "$CTR" >/dev/null || true
 }
 
 check_image() {
@@ -135,11 +150,21 @@ check_image() {
     sleep 2
   done
   say "healthy (the image's HEALTHCHECK: $health)"
-  reply=$(curl -fsS "http://127.0.0.1:$port/v1/completions" \
-    -H 'Content-Type: application/json' \
-    -d '{"model": "models/SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}')
-  echo "$reply"
-  python3 -c 'import json, sys; r = json.loads(sys.argv[1]); assert r["choices"][0]["text"].strip(), r; print("completion:", repr(r["choices"][0]["text"]))' "$reply"
+  # From the host, over loopback.
+  python3 - "$port" <<'PY'
+import json, sys, urllib.request
+body = json.dumps({"model": "models/SmolLM2-135M-Instruct",
+                   "prompt": "The capital of France is", "max_tokens": 8,
+                   "temperature": 0}).encode()
+request = urllib.request.Request(
+    f"http://127.0.0.1:{sys.argv[1]}/v1/completions", body,
+    {"Content-Type": "application/json"})
+reply = json.load(urllib.request.urlopen(request, timeout=120))
+print(json.dumps(reply))
+text = reply["choices"][0]["text"]
+assert text.strip(), reply
+print("completion:", repr(text))
+PY
   say "check passed in $((SECONDS - start)) s"
 }
 

@@ -13,14 +13,18 @@ SKIP = {"disable-pip-version-check", "cache-dir"}
 
 
 def main() -> None:
-    settings: dict[str, str] = {}
+    files: dict[str, str] = {}
+    env: dict[str, str] = {}
     for line in sys.stdin:
         key, sep, value = line.strip().partition("=")
         if not sep:
             continue
-        name = key.rpartition(".")[2]
+        scope, _, name = key.rpartition(".")
         if name not in SKIP:
-            settings[name] = " ".join(shlex.split(value))
+            # pip's own precedence: the environment over its files.
+            into = env if scope == ":env:" else files
+            into[name] = " ".join(shlex.split(value))
+    settings = {**files, **env}
     conf = Path(sys.argv[1])
     conf.write_text("[global]\n" + "".join(
         f"{name} = {value}\n" for name, value in sorted(settings.items())))
@@ -36,7 +40,8 @@ def main() -> None:
     for path in mounts:
         print(f"{path}:{path}:ro")
     cache = subprocess.run([sys.executable, "-m", "pip", "cache", "dir"],
-                           capture_output=True, text=True).stdout.strip()
+                           capture_output=True, text=True,
+                           check=True).stdout.strip()
     if cache:
         Path(cache).mkdir(parents=True, exist_ok=True)
         print(f"{cache}:/root/.cache/pip")

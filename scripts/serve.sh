@@ -7,8 +7,9 @@
 #   VLLM_SERVE_ARGS  more `vllm serve` arguments, split on spaces
 #
 # Arguments are passed on to `vllm serve`.  Without Spyre settings in the
-# environment, warm-up is kept short: eager, one shape of 128 prompt tokens,
-# 64 new tokens, batch 4 (docs/configuration.md has them all).
+# environment, warm-up is kept short: one shape of 128 prompt tokens, 64 new
+# tokens, batch 4, and the eager backend unless torch_sendnn is installed
+# (docs/configuration.md has them all).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,7 +20,11 @@ if [ "${VLLM_SPYRE_USE_CB:-0}" != 1 ]; then
   export VLLM_SPYRE_WARMUP_NEW_TOKENS=${VLLM_SPYRE_WARMUP_NEW_TOKENS:-64}
   export VLLM_SPYRE_WARMUP_BATCH_SIZES=${VLLM_SPYRE_WARMUP_BATCH_SIZES:-4}
 fi
-export VLLM_SPYRE_DYNAMO_BACKEND=${VLLM_SPYRE_DYNAMO_BACKEND:-eager}
+# On the CPU, eager starts fastest; with torch_sendnn (real cards) the
+# platform's own default, sendnn, applies.
+if ! .venv/bin/python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch_sendnn") is None)'; then
+  export VLLM_SPYRE_DYNAMO_BACKEND=${VLLM_SPYRE_DYNAMO_BACKEND:-eager}
+fi
 
 # shellcheck disable=SC2086  # VLLM_SERVE_ARGS is a list of arguments
 exec .venv/bin/vllm serve "${MODEL:-models/SmolLM2-135M-Instruct}" \

@@ -25,6 +25,7 @@ def test_pip_conf_and_mounts(tmp_path):
     listing = "\n".join([
         f":env:.cert='{cert}'",
         ":env:.disable-pip-version-check='1'",
+        ":env:.timeout='90'",
         f":env:.find-links='{wheels}'",
         f"global.cert='{cert}'",
         f"global.extra-index-url='file://{index} file:///nowhere/simple'",
@@ -32,14 +33,15 @@ def test_pip_conf_and_mounts(tmp_path):
     ]) + "\n"
     conf = tmp_path / "pip.conf"
     mounts = run(listing, conf)
-    # One line per setting (the environment's and the file's cert are one),
-    # and nothing that only this machine's pip wants.
+    # One line per setting (the environment's and the file's cert are one;
+    # the environment wins, as in pip), and nothing that only this
+    # machine's pip wants.
     assert conf.read_text() == (
         "[global]\n"
         f"cert = {cert}\n"
         f"extra-index-url = file://{index} file:///nowhere/simple\n"
         f"find-links = {wheels}\n"
-        "timeout = 60\n")
+        "timeout = 90\n")
     # Paths that exist, read-only, each once; a local index whole (its
     # pages link to ../../files); then pip's cache, writable.
     assert sorted(mounts[:3]) == sorted([

@@ -34,6 +34,15 @@ logger = init_logger(__name__)
 _DTYPES_ON_CPU = (torch.float32, torch.bfloat16)
 
 
+def serving_dtype(dtype: torch.dtype, backend: str) -> torch.dtype:
+    """The dtype a model is served in: the configured one, except on the
+    CPU backends, which serve other dtypes than float32 and bfloat16 in
+    float32."""
+    if backend != "sendnn" and dtype not in _DTYPES_ON_CPU:
+        return torch.float32
+    return dtype
+
+
 class SpyreCausalLM(nn.Module):
     """FMS causal LM, compiled for the configured backend."""
 
@@ -46,13 +55,12 @@ class SpyreCausalLM(nn.Module):
         super().__init__()
         self.spyre_config = spyre_config
         model_config = vllm_config.model_config
-        self.dtype = model_config.dtype
-        if spyre_config.dynamo_backend != "sendnn" and \
-                self.dtype not in _DTYPES_ON_CPU:
+        self.dtype = serving_dtype(model_config.dtype,
+                                   spyre_config.dynamo_backend)
+        if self.dtype != model_config.dtype:
             logger.warning(
                 "dtype %s is slow or unsupported on the CPU; using float32",
-                self.dtype)
-            self.dtype = torch.float32
+                model_config.dtype)
         vocab_size = model_config.hf_text_config.vocab_size
         self.logits_processor = LogitsProcessor(vocab_size,
                                                 logits_as_input=True)

@@ -18,9 +18,9 @@ default would load wrong or not at all:
 Each ``DecoderFamily`` states those corrections as config overrides and,
 for Mixtral, a checkpoint adapter (source ``spyre_hf``) and a step run on
 the loaded model (its mixture-of-experts layers made dense,
-``spyre_moe``), so the loader itself has no per-family branches.  The platform calls
-``family_of`` at start-up, so a folder of any other architecture is refused
-before anything is loaded.
+``spyre_moe``), so the loader itself has no per-family branches.  The
+platform calls ``family_of`` at start-up, so a folder of any other
+architecture is refused before anything is loaded.
 """
 from __future__ import annotations
 

@@ -13,8 +13,9 @@ weights (softmax, top-k, renormalised, as in FMS and Hugging Face) are
 zero for the experts a token did not choose.  That costs
 ``num_experts / top_k`` times the expert FLOPs of a sparse kernel, but a
 decode step reads every expert's weights anyway once the batch is a few
-tokens wide.  Under tensor parallelism each rank holds a slice of every
-expert's inner dimension (FMS's ``TPConditionalFeedForward`` sharding),
+tokens wide; a prefill pays the full ``num_experts / top_k`` times.
+Under tensor parallelism each rank holds a slice of every expert's inner
+dimension (FMS's ``TPConditionalFeedForward`` sharding),
 computes its partial sum and all-reduces it, as a sharded MLP does.
 """
 from __future__ import annotations
@@ -49,11 +50,16 @@ def dense_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """Router-weighted sum over all experts of ``w2 (silu(w1 x) * w3 x)``.
 
     ``x`` is ``[T, D]``; ``w13`` is ``[E, 2I, D]`` (``w1`` then ``w3``),
-    ``w2`` is ``[E, D, I]``, ``weights`` is ``[T, E]``.
+    ``w2`` is ``[E, D, I]``, ``weights`` is ``[T, E]``.  One expert at a
+    time (``E`` is fixed, so the loop unrolls into the graph), so no
+    ``[T, E, 2I]`` intermediate is ever held.
     """
-    gate, up = torch.einsum("td,end->ten", x, w13).chunk(2, dim=-1)
-    hidden = F.silu(gate) * up * weights.unsqueeze(-1)
-    return torch.einsum("tei,edi->td", hidden, w2)
+    out = torch.zeros_like(x)
+    for e in range(w13.shape[0]):
+        gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)
+        hidden = F.silu(gate) * up * weights[:, e:e + 1]
+        out = out + F.linear(hidden, w2[e])
+    return out
 
 
 class DenseMOEFeedForward(nn.Module):
