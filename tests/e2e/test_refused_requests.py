@@ -156,3 +156,23 @@ def test_unsupported_features_are_refused_at_start_up(tiny_llama, env, kwargs,
     with mock.patch.dict(os.environ, env):
         with pytest.raises(NotImplementedError, match=feature):
             EngineArgs(model=str(tiny_llama), **kwargs).create_engine_config()
+
+
+@pytest.mark.parametrize("env", [STATIC_ENV, CB_ENV])
+def test_configuration_too_large_is_refused_before_loading(tiny_llama, env):
+    """--gpu-memory-utilization 0.01 leaves less than the process itself
+    uses: refused with the numbers, before the model is loaded."""
+    from unittest import mock
+
+    from vllm.worker.spyre_model_runner import SpyreRunnerBase
+    with mock.patch.object(SpyreRunnerBase, "load_model") as load:
+        with pytest.raises(ValueError) as err:
+            with spyre_llm(tiny_llama, env, gpu_memory_utilization=0.01):
+                pass
+    message = str(err.value)
+    assert "Not enough memory for this Spyre configuration" in message
+    assert "(--gpu-memory-utilization 0.01 of " in message
+    sized_for = ("the largest shape (prompt_len="
+                 if env is STATIC_ENV else "a pool of the ")
+    assert sized_for in message
+    load.assert_not_called()

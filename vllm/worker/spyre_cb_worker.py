@@ -4,10 +4,11 @@ The platform installs this worker when ``VLLM_SPYRE_USE_CB=1``.  It differs
 from ``SpyreWorker`` in how the key/value cache is sized and when the model
 is warmed up:
 
-* ``load_model`` loads and compiles the model, nothing more;
+* ``load_model`` checks that the model and the smallest useful pool fit
+  in memory, then loads and compiles the model, nothing more;
 * ``determine_num_available_blocks`` sizes the block pool from the memory
   left (vLLM's ``--gpu-memory-utilization`` applied to this machine's
-  memory), capped at what ``--max-num-seqs`` sequences of
+  memory, or its cgroup's limit), capped at what ``--max-num-seqs`` sequences of
   ``--max-model-len`` tokens can ever use (one spare block each, which
   vLLM's block manager wants free before a sequence may decode); ``--num-gpu-blocks-override``
   replaces the result, as on every vLLM platform;
@@ -20,6 +21,7 @@ import psutil
 
 from vllm.logger import init_logger
 from vllm.platforms.spyre_config import CB_BLOCK_SIZE
+from vllm.worker import spyre_memory
 from vllm.worker.spyre_cb_inputs import blocks_needed
 from vllm.worker.spyre_cb_model_runner import SpyreCBModelRunner
 from vllm.worker.spyre_worker import SpyreWorker
@@ -34,8 +36,23 @@ class SpyreCBWorker(SpyreWorker):
     runner_cls = SpyreCBModelRunner
 
     def load_model(self) -> None:
-        """Loads and compiles the model; warm-up waits for the pool."""
+        """Checks that the model and the smallest useful pool fit, loads
+        and compiles the model; warm-up waits for the pool."""
+        self.check_memory()
         self.model_runner.load_model()
+
+    def memory_estimate(self) -> spyre_memory.Estimate:
+        """Continuous batching: the blocks of one ``max_model_len``
+        sequence (the pool then takes what memory is left), or the pool
+        ``--num-gpu-blocks-override`` asks for."""
+        item, weights, geometry = self._memory_parts()
+        override = self.cache_config.num_gpu_blocks_override
+        max_model_len = self.scheduler_config.max_model_len
+        blocks = override or blocks_needed(max_model_len, CB_BLOCK_SIZE)
+        return spyre_memory.cb_estimate(
+            spyre_memory.process_rss(), weights, geometry, blocks,
+            CB_BLOCK_SIZE, max_model_len, self.scheduler_config.max_num_seqs,
+            self.spyre_config.dynamo_backend, override is not None)
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """Blocks that fit this rank's share of the memory vLLM may use,
@@ -44,8 +61,10 @@ class SpyreCBWorker(SpyreWorker):
         block_bytes = self.model_runner.block_bytes()
         memory = psutil.virtual_memory()
         util = self.cache_config.gpu_memory_utilization
-        # Like vLLM on a GPU: a fraction of all memory, less what is in use.
-        budget = memory.total * util - (memory.total - memory.available)
+        # Like vLLM on a GPU: a fraction of all memory (the cgroup's limit
+        # where lower), less what is in use.
+        budget = spyre_memory.memory_limit() * util - (memory.total -
+                                                      memory.available)
         budget /= self.parallel_config.world_size  # ranks share the machine
         per_seq = blocks_needed(self.scheduler_config.max_model_len,
                                 CB_BLOCK_SIZE)

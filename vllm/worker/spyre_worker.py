@@ -1,8 +1,9 @@
 """SpyreWorker: one Spyre card, driven by the executor.
 
 Start-up runs in named phases: ``init_device`` (threads, gloo process
-group), ``load_model`` (load the FMS model, compile it, then warm up every
-configured shape so that serving compiles nothing), ``initialize_cache``.
+group), ``load_model`` (check that the configuration fits in memory, load
+the FMS model, compile it, then warm up every configured shape so that
+serving compiles nothing), ``initialize_cache``.
 Each engine step arrives at ``execute_model`` (upstream's
 ``LocalOrDistributedWorkerBase``), which hands the batch to
 ``SpyreModelRunner``.
@@ -24,9 +25,11 @@ from vllm.distributed import (ensure_model_parallel_initialized,
                               init_distributed_environment)
 from vllm.logger import init_logger
 from vllm.model_executor import set_random_seed
+from vllm.model_executor.model_loader.spyre import serving_dtype
 from vllm.platforms import current_platform
 from vllm.platforms.spyre_config import SpyreConfig
 from vllm.sequence import ExecuteModelRequest
+from vllm.worker import spyre_memory
 from vllm.worker.spyre_model_runner import SpyreModelRunner
 from vllm.worker.worker_base import (LocalOrDistributedWorkerBase, WorkerBase,
                                      WorkerInput)
@@ -78,9 +81,46 @@ class SpyreWorker(LocalOrDistributedWorkerBase):
         set_random_seed(self.model_config.seed)
 
     def load_model(self) -> None:
-        """Loads and compiles the model, then warms up every shape."""
+        """Checks that the configuration fits in memory, loads and compiles
+        the model, then warms up every shape."""
+        self.check_memory()
         self.model_runner.load_model()
         self.model_runner.warmup()
+
+    def check_memory(self) -> None:
+        """``ValueError`` before anything is loaded when this rank's
+        estimated memory does not fit its share (``spyre_memory``)."""
+        estimate = self.memory_estimate()
+        #: Kept for ``benchmarks/memory.py`` (``collective_rpc``).
+        self.startup_memory_estimate = estimate
+        limit = spyre_memory.memory_limit()
+        ranks = spyre_memory.ranks_on_this_machine(
+            self.parallel_config.world_size)
+        util = self.cache_config.gpu_memory_utilization
+        logger.info(
+            "Spyre memory check: rank %d needs about %s, sized for %s; "
+            "%.2f GiB available to each of %d rank(s) on this machine",
+            self.rank, estimate.describe(), estimate.sized_for,
+            limit * util / ranks / spyre_memory.GiB, ranks)
+        spyre_memory.check(estimate, limit, util, ranks)
+
+    def get_memory_estimate(self) -> spyre_memory.Estimate:
+        """The estimate ``check_memory`` made at start-up."""
+        return self.startup_memory_estimate
+
+    def memory_estimate(self) -> spyre_memory.Estimate:
+        """Static batching: a cache per warm-up shape."""
+        item, weights, geometry = self._memory_parts()
+        return spyre_memory.static_estimate(
+            spyre_memory.process_rss(), weights, geometry,
+            self.spyre_config.warmup_shapes, self.spyre_config.dynamo_backend)
+
+    def _memory_parts(self) -> tuple[int, int, spyre_memory.Geometry]:
+        dtype = serving_dtype(self.model_config.dtype,
+                              self.spyre_config.dynamo_backend)
+        item = torch.empty((), dtype=dtype).element_size()
+        return (item, spyre_memory.weights_of(self.vllm_config, item),
+                spyre_memory.geometry_of(self.vllm_config, item))
 
     def get_startup_timings(self) -> dict[str, float]:
         """Seconds per start-up phase (model load, warm-up of each shape)."""

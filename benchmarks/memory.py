@@ -1,0 +1,99 @@
+"""The up-front memory check's estimate against the measured peak resident
+memory, for a few configurations of the default model.
+
+Each configuration starts ``vllm.LLM`` in a fresh process, serves one
+batch that fills its largest shape (static batching) or ``--max-num-seqs``
+long requests (continuous batching), then reports the estimate the worker
+made before loading anything (``spyre_memory``) and the process's peak
+resident set (``ru_maxrss``).  Under continuous batching the check sizes
+the smallest useful pool; the pool then takes the memory it may, so the
+estimate compared here adds the blocks the worker actually allocated.
+
+    python benchmarks/memory.py [--model DIR] [--configs small,large,cb]
+        [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+from pathlib import Path
+
+from _common import (DEFAULT_MODEL, RESULTS, Child, machine_info,
+                     spyre_cb_env, spyre_env, table, write_json)
+
+GiB = 2**30
+
+#: name -> (environment, engine arguments, (requests, prompt, new tokens))
+CONFIGS = {
+    "small": (spyre_env("eager", [(64, 24, 4)]), {}, (4, 60, 24)),
+    "large": (spyre_env("eager", [(1024, 64, 8), (64, 24, 4)]), {},
+              (8, 1000, 64)),
+    "cb": (spyre_cb_env("eager"),
+           dict(max_model_len=2048, max_num_seqs=16), (16, 1800, 32)),
+    "small-inductor": (spyre_env("inductor", [(64, 24, 4)]), {},
+                       (4, 60, 24)),
+}
+
+
+class MemoryProbe:
+    """Lives in the child: starts the engine, serves one full batch."""
+
+    def __init__(self, model: str, engine_args: dict, load: tuple) -> None:
+        from vllm import LLM, SamplingParams, TokensPrompt
+        llm = LLM(model=model, **engine_args)
+        requests, prompt, new = load
+        prompts = [TokensPrompt(prompt_token_ids=[(i * 7 + j) % 1000 + 10
+                                                  for j in range(prompt)])
+                   for i in range(requests)]
+        llm.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True,
+                                             temperature=0.0),
+                     use_tqdm=False)
+        estimate = llm.collective_rpc("get_memory_estimate")[0]
+        cache = llm.llm_engine.cache_config
+        extra = 0
+        if engine_args.get("max_num_seqs"):  # continuous batching
+            from vllm.worker.spyre_cb_inputs import blocks_needed
+            block = llm.collective_rpc("get_cache_block_size_bytes")[0]
+            minimum = blocks_needed(engine_args["max_model_len"], 64)
+            extra = (cache.num_gpu_blocks - minimum) * block
+        self.result = dict(
+            estimate=estimate.total + extra, parts=estimate.describe(),
+            pool_blocks=cache.num_gpu_blocks if extra else None,
+            peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+    def info(self) -> dict:
+        return self.result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
+    parser.add_argument("--configs", default="small,large,cb")
+    parser.add_argument("--json", type=Path,
+                        default=RESULTS / "memory.json")
+    args = parser.parse_args()
+    rows, results = [], {}
+    for name in args.configs.split(","):
+        env, engine_args, load = CONFIGS[name]
+        print(f"[{name}] starting ...", flush=True)
+        child = Child(name, MemoryProbe, args.model, engine_args, load,
+                      env={**env, "VLLM_USE_V1": "0"})
+        try:
+            got = child.call("info")
+        finally:
+            child.close()
+        ratio = got["estimate"] / got["peak"]
+        results[name] = dict(got, env=env, engine_args=engine_args,
+                             ratio=ratio)
+        rows.append([name, f"{got['estimate'] / GiB:.2f}",
+                     f"{got['peak'] / GiB:.2f}", f"{ratio:.2f}",
+                     got["parts"]])
+    print()
+    print(table(["config", "estimate GiB", "peak RSS GiB", "est/peak",
+                 "estimate at start-up, by part"], rows))
+    write_json(args.json, dict(machine=machine_info(), results=results))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

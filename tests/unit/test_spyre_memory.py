@@ -1,0 +1,94 @@
+"""The up-front memory estimate (``spyre_memory``) without an engine: the
+checkpoint count, the cache and activation sizes against the caches the
+model really allocates, the cgroup limit, and the refusal message."""
+import pytest
+import torch
+
+from vllm.model_executor.model_loader.spyre_kv_cache import CacheLayout
+from vllm.platforms.spyre_config import WarmupShape
+from vllm.worker import spyre_memory as sm
+
+GEOMETRY = sm.Geometry(layers=3, kv_heads=2, heads=4, head_size=16,
+                       hidden=64, intermediate=96, vocab=500, item=4)
+
+
+def test_read_checkpoint_counts_headers(tmp_path):
+    from safetensors.torch import save_file
+    save_file({"model.embed_tokens.weight": torch.zeros(50, 8),
+               "model.layers.0.mlp.up_proj.weight": torch.zeros(16, 8,
+                                                                dtype=torch.
+                                                                bfloat16)},
+              str(tmp_path / "model-1.safetensors"))
+    save_file({"lm_head.weight": torch.zeros(50, 8)},
+              str(tmp_path / "model-2.safetensors"))
+    counts = sm.read_checkpoint(str(tmp_path))
+    assert counts == sm.Checkpoint(numel=50 * 8 + 16 * 8 + 50 * 8,
+                                   whole_numel=50 * 8)
+    # The embedding stays whole on every rank; the rest is split.
+    assert counts.rank_bytes(2, 1) == counts.numel * 2
+    assert counts.rank_bytes(4, 2) == (400 + (128 + 400) // 2) * 4
+    assert sm.read_checkpoint(str(tmp_path / "none")) is None
+
+
+def test_kv_bytes_equal_the_allocated_caches():
+    layout = CacheLayout(layers=3, kv_heads=2, k_head_dim=16, v_head_dim=16)
+    for batch, length in [(1, 64), (4, 88), (8, 1088)]:
+        caches = layout.allocate(batch, length, torch.float32)
+        allocated = sum(k.nbytes + v.nbytes for k, v in caches)
+        assert GEOMETRY.kv_bytes(batch, length) == allocated
+
+
+def test_static_estimate_sums_caches_and_takes_the_largest_step():
+    shapes = [WarmupShape(64, 24, 4), WarmupShape(256, 64, 2),
+              WarmupShape(128, 8, 2)]
+    est = sm.static_estimate(100, 1000, GEOMETRY, shapes, "eager")
+    assert est.kv_cache == (GEOMETRY.kv_bytes(4, 88) +
+                            GEOMETRY.kv_bytes(2, 320) +
+                            GEOMETRY.kv_bytes(2, 136))
+    # 2 x 256 prompt tokens over 320 positions is the largest prefill.
+    assert est.activations == GEOMETRY.activation_bytes(2, 256, 320)
+    assert "prompt_len=256, new_tokens=64, batch_size=2" in est.sized_for
+    assert est.overhead == 1000 * sm.RUNTIME_OVERHEAD["eager"]
+    assert est.total == 100 + 1000 + est.kv_cache + est.activations + \
+        est.overhead
+
+
+def test_cb_estimate_sizes_the_pool_asked_for():
+    est = sm.cb_estimate(0, 0, GEOMETRY, blocks=5, block_size=64,
+                         max_model_len=300, max_num_seqs=16,
+                         backend="inductor", override=False)
+    assert est.kv_cache == GEOMETRY.kv_bytes(5, 64)
+    assert est.activations == max(GEOMETRY.activation_bytes(1, 64, 300),
+                                  GEOMETRY.activation_bytes(16, 1, 300))
+    assert "5 blocks of one sequence of max_model_len=300" in est.sized_for
+    est = sm.cb_estimate(0, 0, GEOMETRY, 40, 64, 300, 16, "eager", True)
+    assert "--num-gpu-blocks-override 40" in est.sized_for
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"memory.max": "max\n"}, None),
+    ({"memory.max": f"{2**30}\n"}, 2**30),
+    ({"memory/memory.limit_in_bytes": f"{3 * 2**30}\n"}, 3 * 2**30),
+    ({}, None),
+])
+def test_memory_limit_reads_the_cgroup(tmp_path, files, expected):
+    import psutil
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    total = psutil.virtual_memory().total
+    assert sm.memory_limit(str(tmp_path)) == min(total, expected or total)
+
+
+def test_check_names_the_parts_and_what_is_available():
+    est = sm.Estimate(process=2**30, weights=2**30, kv_cache=2**29,
+                      activations=0, overhead=0, sized_for="the shape X")
+    sm.check(est, limit=8 * 2**30, utilization=0.5, ranks_here=1)
+    with pytest.raises(ValueError) as err:
+        sm.check(est, limit=8 * 2**30, utilization=0.5, ranks_here=3)
+    message = str(err.value)
+    assert "sized for the shape X" in message
+    assert "a rank needs about 2.50 GiB (process 1.00, weights 1.00, " \
+        "key/value caches 0.50" in message
+    assert "but 1.33 GiB are available to each of 3 ranks " \
+        "(--gpu-memory-utilization 0.5 of 8.00 GiB)" in message

@@ -1,0 +1,255 @@
+"""The up-front memory check: refuse a configuration that cannot fit before
+any weight is loaded or any graph compiled.
+
+Each worker estimates what its rank will hold once warmed up, and compares
+it with its share of the memory this machine lets the process use:
+
+* the process itself, as it stands when the check runs (Python, torch,
+  vLLM and FMS imported, the engine built): measured, not guessed;
+* the weights, this rank's share under tensor parallelism (the embedding
+  stays whole on every rank), counted from the checkpoint's safetensors
+  headers at the dtype being served;
+* the key/value caches: static batching keeps one per warm-up shape, each
+  ``batch × (prompt + new tokens) × layers × 2 × KV heads × head size``;
+  continuous batching needs at least the blocks of one ``max_model_len``
+  sequence (the pool takes what is left after that) or exactly the blocks
+  of ``--num-gpu-blocks-override``;
+* the activations of the largest step (a prefill of a whole shape, or a
+  64-token chunk), and what running the model costs beyond its tensors
+  (``RUNTIME_OVERHEAD``: the compiled graphs and the allocator's slack,
+  measured by ``benchmarks/memory.py``).
+
+The memory available is the machine's, or the cgroup's limit where that is
+lower, times ``--gpu-memory-utilization``, shared by the ranks on this
+machine.  The pure functions here take plain values and are unit tested.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+GiB = 2**30
+
+#: Bytes per element of the safetensors dtypes.
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4,
+                "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1,
+                "F8_E5M2": 1}
+
+#: Names of the tensors kept whole on every rank under tensor parallelism.
+_WHOLE = ("embed", "wte", "wpe", "tok_embeddings")
+
+#: What running the model costs beyond its weights, caches and activations,
+#: as a fraction of the weights: graphs, inductor's packed copies of weights
+#: and its compile-time peak, allocator slack.  Measured with SmolLM2 by
+#: ``benchmarks/memory.py`` (docs/performance.md).
+RUNTIME_OVERHEAD = {"eager": 0.25, "inductor": 1.3, "sendnn": 0.25}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Parameter counts of a checkpoint: all, and those kept whole."""
+
+    numel: int
+    whole_numel: int
+
+    def rank_bytes(self, item: int, tp: int) -> int:
+        """Bytes of this rank's weights at ``item`` bytes per element."""
+        split = self.numel - self.whole_numel
+        return (self.whole_numel + split // tp) * item
+
+
+def read_checkpoint(model_dir: str) -> Optional[Checkpoint]:
+    """Counts from the safetensors headers of ``model_dir`` (nothing but
+    the headers is read); ``None`` when it holds no safetensors file."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    numel = whole = 0
+    for path in files:
+        with open(path, "rb") as f:
+            (size, ) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            n = 1
+            for d in info["shape"]:
+                n *= d
+            numel += n
+            if any(w in name for w in _WHOLE):
+                whole += n
+    return Checkpoint(numel, whole)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the cache and activation sizes depend on, for one rank."""
+
+    layers: int
+    kv_heads: int  # this rank's
+    heads: int  # this rank's
+    head_size: int
+    hidden: int
+    intermediate: int  # this rank's
+    vocab: int
+    item: int  # bytes per element
+
+    def kv_bytes(self, sequences: int, length: int) -> int:
+        return (sequences * length * self.layers * 2 * self.kv_heads *
+                self.head_size * self.item)
+
+    def activation_bytes(self, rows: int, tokens: int, context: int) -> int:
+        """Peak live tensors of one step over ``rows × tokens`` new tokens
+        attending over ``context`` positions: the residual stream and its
+        norm, q/k/v, the attention scores, the MLP's three intermediates,
+        and the float32 logits of every row."""
+        t = rows * tokens
+        per_token = (3 * self.hidden + (self.heads + 2 * self.kv_heads) *
+                     self.head_size + 3 * self.intermediate)
+        scores = rows * self.heads * tokens * context
+        return (t * per_token + scores) * self.item + rows * self.vocab * 4
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One rank's estimated resident memory, by part."""
+
+    process: int
+    weights: int
+    kv_cache: int
+    activations: int
+    overhead: int
+    #: The configuration the caches and activations are sized for.
+    sized_for: str
+
+    @property
+    def total(self) -> int:
+        return (self.process + self.weights + self.kv_cache +
+                self.activations + self.overhead)
+
+    def describe(self) -> str:
+        parts = (("process", self.process), ("weights", self.weights),
+                 ("key/value caches", self.kv_cache),
+                 ("activations", self.activations),
+                 ("runtime", self.overhead))
+        return f"{self.total / GiB:.2f} GiB (" + ", ".join(
+            f"{name} {size / GiB:.2f}" for name, size in parts) + ")"
+
+
+def static_estimate(process: int, weights: int, geometry: Geometry,
+                    shapes, backend: str) -> Estimate:
+    """Static batching: a cache per shape, the largest shape's prefill."""
+    kv = sum(geometry.kv_bytes(s.batch_size, s.max_len) for s in shapes)
+    largest = max(shapes, key=lambda s: geometry.activation_bytes(
+        s.batch_size, s.prompt_len, s.max_len))
+    act = geometry.activation_bytes(largest.batch_size, largest.prompt_len,
+                                    largest.max_len)
+    return Estimate(process, weights, kv, act,
+                    int(weights * RUNTIME_OVERHEAD[backend]),
+                    f"the largest shape {largest} and the caches of "
+                    f"{len(shapes)} shape(s)")
+
+
+def cb_estimate(process: int, weights: int, geometry: Geometry,
+                blocks: int, block_size: int, max_model_len: int,
+                max_num_seqs: int, backend: str, override: bool) -> Estimate:
+    """Continuous batching: ``blocks`` blocks of the pool, a prefill chunk
+    and a decode step of ``max_num_seqs`` sequences."""
+    kv = geometry.kv_bytes(blocks, block_size)
+    act = max(geometry.activation_bytes(1, block_size, max_model_len),
+              geometry.activation_bytes(max_num_seqs, 1, max_model_len))
+    pool = (f"--num-gpu-blocks-override {blocks}" if override else
+            f"the {blocks} blocks of one sequence of max_model_len="
+            f"{max_model_len}")
+    return Estimate(process, weights, kv, act,
+                    int(weights * RUNTIME_OVERHEAD[backend]),
+                    f"a pool of {pool} ({block_size} tokens each)")
+
+
+def memory_limit(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """Bytes this process may use: the machine's memory, or its cgroup's
+    limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) where lower."""
+    import psutil
+    limit = psutil.virtual_memory().total
+    for name in ("memory.max", "memory/memory.limit_in_bytes"):
+        try:
+            text = Path(cgroup_root, name).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limit = min(limit, int(text))
+    return limit
+
+
+def check(estimate: Estimate, limit: int, utilization: float,
+          ranks_here: int) -> None:
+    """``ValueError`` naming the estimate, its parts, what it was sized
+    for and what is available, when one rank's estimate does not fit its
+    share of ``limit × utilization``."""
+    share = limit * utilization / ranks_here
+    if estimate.total <= share:
+        return
+    ranks = f" to each of {ranks_here} ranks" if ranks_here > 1 else ""
+    raise ValueError(
+        f"Not enough memory for this Spyre configuration: sized for "
+        f"{estimate.sized_for}, a rank needs about {estimate.describe()}, "
+        f"but {share / GiB:.2f} GiB are available{ranks} "
+        f"(--gpu-memory-utilization {utilization} of {limit / GiB:.2f} GiB"
+        f"). Use smaller or fewer warm-up shapes (or a lower "
+        f"--max-model-len), more tensor-parallel ranks, or raise "
+        f"--gpu-memory-utilization.")
+
+
+def process_rss() -> int:
+    import psutil
+    return psutil.Process(os.getpid()).memory_info().rss
+
+
+def geometry_of(vllm_config, item: int) -> Geometry:
+    """One rank's ``Geometry`` from vLLM's model config, which knows each
+    family's field names (MQA, explicit head sizes, ...)."""
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    text = model.hf_text_config
+    inner = (getattr(text, "intermediate_size", None)
+             or getattr(text, "n_inner", None) or 4 * model.get_hidden_size())
+    return Geometry(layers=model.get_num_layers(parallel),
+                    kv_heads=model.get_num_kv_heads(parallel),
+                    heads=model.get_num_attention_heads(parallel),
+                    head_size=model.get_head_size(),
+                    hidden=model.get_hidden_size(),
+                    intermediate=-(-inner // parallel.tensor_parallel_size),
+                    vocab=model.get_vocab_size(),
+                    item=item)
+
+
+def weights_of(vllm_config, item: int) -> int:
+    """This rank's weight bytes; the checkpoint files' size when they are
+    not safetensors."""
+    path = vllm_config.model_config.model
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    counts = read_checkpoint(path)
+    if counts is not None:
+        return counts.rank_bytes(item, tp)
+    stored = sum(f.stat().st_size for f in Path(path).glob("*.bin"))
+    return stored // tp
+
+
+def ranks_on_this_machine(world_size: int) -> int:
+    """Ranks of the world group running on this machine (a collective on
+    the CPU group: every rank calls it)."""
+    if world_size == 1:
+        return 1
+    import socket
+
+    import torch.distributed as dist
+
+    from vllm.distributed import get_world_group
+    names: list = [None] * world_size
+    dist.all_gather_object(names, socket.gethostname(),
+                           group=get_world_group().cpu_group)
+    return names.count(socket.gethostname())
