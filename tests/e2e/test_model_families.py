@@ -67,14 +67,20 @@ def test_static_eager_matches_transformers(family):
         assert generate(llm) == expected, name
 
 
-def test_static_inductor_matches_transformers_without_recompiling(family):
+def check_without_recompiling(family, env: dict, **kwargs) -> None:
+    """Greedy ids equal transformers', and nothing compiles after
+    warm-up."""
     name, path, expected = family
-    with spyre_llm(path, spyre_env("inductor", **ONE_SHAPE)) as llm:
+    with spyre_llm(path, env, **kwargs) as llm:
         before = compile_count()
         got = generate(llm)
         compiled = compile_count() - before
     assert got == expected, name
     assert compiled == 0, f"{name}: {compiled} compilations after warm-up"
+
+
+def test_static_inductor_matches_transformers_without_recompiling(family):
+    check_without_recompiling(family, spyre_env("inductor", **ONE_SHAPE))
 
 
 def test_continuous_batching_matches_transformers(family):
@@ -84,14 +90,9 @@ def test_continuous_batching_matches_transformers(family):
 
 
 def test_continuous_batching_inductor_without_recompiling(family):
-    name, path, expected = family
-    env = {**CB_ENV, "VLLM_SPYRE_DYNAMO_BACKEND": "inductor"}
-    with spyre_llm(path, env, **CB_ARGS) as llm:
-        before = compile_count()
-        got = generate(llm)
-        compiled = compile_count() - before
-    assert got == expected, name
-    assert compiled == 0, f"{name}: {compiled} compilations after warm-up"
+    check_without_recompiling(
+        family, {**CB_ENV, "VLLM_SPYRE_DYNAMO_BACKEND": "inductor"},
+        **CB_ARGS)
 
 
 def test_tp3_matches_transformers(family):
