@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 from _common import (DEFAULT_MODEL, RESULTS, compile_count, cores,
-                     load_fms_model, machine_info, parse_ints, table,
-                     write_json)
+                     machine_info, parse_ints, table, write_json)
+from _engines import load_fms_model
 from roofline import read_bandwidth
 
 

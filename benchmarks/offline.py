@@ -38,10 +38,11 @@ import itertools
 import sys
 from pathlib import Path
 
-from _common import (DEFAULT_MODEL, ENGINES, REPO, RESULTS, STRIDE, TEXT,
-                     SpyreCBDriver, Workload, cores, is_ours,
-                     leading_matches, machine_info, measure, parse_ints,
-                     start_engines, stop_engines, table, write_json)
+from _common import (DEFAULT_MODEL, REPO, RESULTS, STRIDE, TEXT, Workload,
+                     cores, leading_matches, machine_info, parse_ints, table,
+                     write_json)
+from _engines import (ENGINES, SpyreCBDriver, is_ours, measure, start_engines,
+                      stop_engines)
 
 
 def compare(engines: list[str], work: Workload, ids: dict) -> list[dict]:

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 from _common import (DEFAULT_MODEL, RESULTS, Workload, cores, machine_info,
-                     measure, start_engines, stop_engines, table, write_json)
+                     table, write_json)
+from _engines import measure, start_engines, stop_engines
 
 
 def read_bandwidth(gib: float, repeats: int = 10) -> float:
