@@ -8,10 +8,11 @@ is warmed up:
   in memory, then loads and compiles the model, nothing more;
 * ``determine_num_available_blocks`` sizes the block pool from the memory
   left (vLLM's ``--gpu-memory-utilization`` applied to this machine's
-  memory, or its cgroup's limit), capped at what ``--max-num-seqs`` sequences of
-  ``--max-model-len`` tokens can ever use (one spare block each, which
-  vLLM's block manager wants free before a sequence may decode); ``--num-gpu-blocks-override``
-  replaces the result, as on every vLLM platform;
+  memory, or its cgroup's limit), capped at what ``--max-num-seqs``
+  sequences of ``--max-model-len`` tokens can ever use (one spare block
+  each, which vLLM's block manager wants free before a sequence may
+  decode); ``--num-gpu-blocks-override`` replaces the result, as on every
+  vLLM platform;
 * ``initialize_cache`` allocates the pool and then warms up, so the
   compiled graphs see the pool they will serve with.
 """

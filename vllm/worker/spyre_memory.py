@@ -34,11 +34,6 @@ from typing import Optional
 
 GiB = 2**30
 
-#: Bytes per element of the safetensors dtypes.
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4,
-                "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1,
-                "F8_E5M2": 1}
-
 #: Names of the tensors kept whole on every rank under tensor parallelism.
 _WHOLE = ("embed", "wte", "wpe", "tok_embeddings")
 

@@ -15,8 +15,8 @@ zero for the experts a token did not choose.  That costs
 decode step reads every expert's weights anyway once the batch is a few
 tokens wide; a prefill pays the full ``num_experts / top_k`` times.
 Under tensor parallelism each rank holds a slice of every expert's inner
-dimension (FMS's ``TPConditionalFeedForward`` sharding),
-computes its partial sum and all-reduces it, as a sharded MLP does.
+dimension (FMS's ``TPConditionalFeedForward`` sharding), computes its
+partial sum and all-reduces it, as a sharded MLP does.
 """
 from __future__ import annotations
 
