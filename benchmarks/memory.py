@@ -53,9 +53,11 @@ class MemoryProbe:
         cache = llm.llm_engine.cache_config
         extra = 0
         if engine_args.get("max_num_seqs"):  # continuous batching
+            from vllm.platforms.spyre_config import CB_BLOCK_SIZE
             from vllm.worker.spyre_cb_inputs import blocks_needed
             block = llm.collective_rpc("get_cache_block_size_bytes")[0]
-            minimum = blocks_needed(engine_args["max_model_len"], 64)
+            minimum = blocks_needed(engine_args["max_model_len"],
+                                    CB_BLOCK_SIZE)
             extra = (cache.num_gpu_blocks - minimum) * block
         self.result = dict(
             estimate=estimate.total + extra, parts=estimate.describe(),

@@ -19,7 +19,6 @@ cd "$(dirname "$0")/.."
 IMAGE=${IMAGE:-localhost/vllm-spyre:latest}
 BASE_IMAGE=${BASE_IMAGE:-localhost/spyre-base:bookworm}
 WORK=${IMAGE_WORK:-/var/tmp/vllm-spyre-image}
-BUILDAH=(buildah)
 RUN=(buildah run --isolation chroot)
 
 say() { echo "== image: $*"; }
@@ -57,7 +56,7 @@ debian_mirror() {
 }
 
 make_base() {
-  if "${BUILDAH[@]}" inspect --type image "$BASE_IMAGE" >/dev/null 2>&1; then
+  if buildah inspect --type image "$BASE_IMAGE" >/dev/null 2>&1; then
     say "base $BASE_IMAGE already here"
     return
   fi
@@ -72,13 +71,13 @@ make_base() {
   # The official Python images name it python3 and python.
   ln -sf python3 "$root/usr/bin/python"
   tar -C "$root" -cf "$WORK/rootfs.tar" .
-  ctr=$("${BUILDAH[@]}" from scratch)
-  "${BUILDAH[@]}" add "$ctr" "$WORK/rootfs.tar" / >/dev/null
-  "${BUILDAH[@]}" config \
+  ctr=$(buildah from scratch)
+  buildah add "$ctr" "$WORK/rootfs.tar" / >/dev/null
+  buildah config \
     --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     --env LANG=C.UTF-8 --cmd /bin/bash "$ctr"
-  "${BUILDAH[@]}" commit -q "$ctr" "$BASE_IMAGE" >/dev/null
-  "${BUILDAH[@]}" rm "$ctr" >/dev/null
+  buildah commit -q "$ctr" "$BASE_IMAGE" >/dev/null
+  buildah rm "$ctr" >/dev/null
   rm -rf "$root" "$WORK/rootfs.tar"
   say "base made in $((SECONDS - start)) s"
 }
@@ -103,12 +102,12 @@ build_image() {
   local start=$SECONDS
   pip_config
   say "building $IMAGE on $BASE_IMAGE"
-  "${BUILDAH[@]}" bud --isolation chroot --format docker --layers \
+  buildah bud --isolation chroot --format docker --layers \
     --build-arg "BASE_IMAGE=$BASE_IMAGE" "${PIP_MOUNTS[@]}" \
     -f Dockerfile.spyre -t "$IMAGE" . >"$WORK/build.log" 2>&1 \
     || { tail -40 "$WORK/build.log"; exit 1; }
   say "built $IMAGE in $((SECONDS - start)) s;" \
-    "size $("${BUILDAH[@]}" images --format '{{.Size}}' "$IMAGE")"
+    "size $(buildah images --format '{{.Size}}' "$IMAGE")"
 }
 
 SERVER_PID=""
@@ -118,13 +117,13 @@ cleanup() {
     kill -- -"$SERVER_PID" 2>/dev/null || true
     wait "$SERVER_PID" 2>/dev/null || true
   fi
-  [ -z "$CTR" ] || "${BUILDAH[@]}" rm "$CTR" >/dev/null || true
+  [ -z "$CTR" ] || buildah rm "$CTR" >/dev/null || true
 }
 
 check_image() {
-  local start=$SECONDS port reply
+  local start=$SECONDS port
   trap cleanup EXIT
-  CTR=$("${BUILDAH[@]}" from "$IMAGE")
+  CTR=$(buildah from "$IMAGE")
   say "check 1/2: the demo inside the image"
   "${RUN[@]}" "$CTR" -- python examples/offline_demo.py | tee "$WORK/demo.log"
   grep -q "^Completion: '..*'$" "$WORK/demo.log"
@@ -132,10 +131,10 @@ check_image() {
   port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   say "check 2/2: the default command serves on 127.0.0.1:$port"
   local cmd health
-  cmd=$("${BUILDAH[@]}" inspect --type image \
+  cmd=$(buildah inspect --type image \
     --format '{{range .Docker.Config.Cmd}}{{.}} {{end}}' "$IMAGE")
   # The image's own HEALTHCHECK (CMD-SHELL form), run inside it.
-  health=$("${BUILDAH[@]}" inspect --type image \
+  health=$(buildah inspect --type image \
     --format '{{index .Docker.Config.Healthcheck.Test 1}}' "$IMAGE")
   # shellcheck disable=SC2086  # the image's command, split into words
   setsid "${RUN[@]}" --env HOST=127.0.0.1 --env "PORT=$port" "$CTR" -- \

@@ -46,7 +46,7 @@ class SpyreCBWorker(SpyreWorker):
         """Continuous batching: the blocks of one ``max_model_len``
         sequence (the pool then takes what memory is left), or the pool
         ``--num-gpu-blocks-override`` asks for."""
-        item, weights, geometry = self._memory_parts()
+        weights, geometry = self._memory_parts()
         override = self.cache_config.num_gpu_blocks_override
         max_model_len = self.scheduler_config.max_model_len
         blocks = override or blocks_needed(max_model_len, CB_BLOCK_SIZE)

@@ -110,16 +110,18 @@ class SpyreWorker(LocalOrDistributedWorkerBase):
 
     def memory_estimate(self) -> spyre_memory.Estimate:
         """Static batching: a cache per warm-up shape."""
-        item, weights, geometry = self._memory_parts()
+        weights, geometry = self._memory_parts()
         return spyre_memory.static_estimate(
             spyre_memory.process_rss(), weights, geometry,
             self.spyre_config.warmup_shapes, self.spyre_config.dynamo_backend)
 
-    def _memory_parts(self) -> tuple[int, int, spyre_memory.Geometry]:
+    def _memory_parts(self) -> tuple[int, spyre_memory.Geometry]:
+        """This rank's weight bytes and cache geometry, at the dtype
+        served."""
         dtype = serving_dtype(self.model_config.dtype,
                               self.spyre_config.dynamo_backend)
         item = torch.empty((), dtype=dtype).element_size()
-        return (item, spyre_memory.weights_of(self.vllm_config, item),
+        return (spyre_memory.weights_of(self.vllm_config, item),
                 spyre_memory.geometry_of(self.vllm_config, item))
 
     def get_startup_timings(self) -> dict[str, float]:
