@@ -3,9 +3,9 @@ checkpoint of each (``tiny_models.FAMILIES``) generates the same greedy
 tokens as Hugging Face transformers under static batching (two shapes,
 ``eager``; one shape, ``inductor``), continuous batching, tensor
 parallelism over 3 ranks, and through ``vllm serve``.
-The tiny Mistral's sliding window is longer than its sequences; a window
-shorter than the longest sequence, and an architecture Spyre does not run,
-are refused at start-up.
+The tiny Mistral's sliding window is longer than the sequences it serves;
+a window shorter than the longest sequence (Mistral's, or Qwen3's turned
+on), and an architecture Spyre does not run, are refused at start-up.
 """
 from __future__ import annotations
 
@@ -123,11 +123,14 @@ def test_vllm_serve_matches_transformers(family, tmp_path):
     assert got == expected, name
 
 
-@pytest.fixture(scope="module")
-def windowed_qwen3(tmp_path_factory):
-    """Qwen3 with its sliding window on, every layer."""
-    return build_tiny_family("qwen3", tmp_path_factory.mktemp("qwen3-sw"),
-                             window=True)
+@pytest.fixture(scope="module", params=["qwen3", "mistral"])
+def windowed(request, tmp_path_factory):
+    """A checkpoint whose sliding window (WINDOW tokens) applies to every
+    layer: Qwen3 with it turned on, and Mistral."""
+    options = dict(window=True) if request.param == "qwen3" else {}
+    return build_tiny_family(request.param,
+                             tmp_path_factory.mktemp(request.param + "-sw"),
+                             **options)
 
 
 @pytest.mark.parametrize("env, args, fix", [
@@ -135,10 +138,10 @@ def windowed_qwen3(tmp_path_factory):
      "VLLM_SPYRE_WARMUP_PROMPT_LENS + VLLM_SPYRE_WARMUP_NEW_TOKENS to 80"),
     (CB_ENV, dict(max_model_len=128), "--max-model-len 80"),
 ])
-def test_sequences_past_the_sliding_window_are_refused(windowed_qwen3, env,
-                                                       args, fix):
+def test_sequences_past_the_sliding_window_are_refused(windowed, env, args,
+                                                       fix):
     with pytest.raises(ValueError) as err:
-        with spyre_llm(windowed_qwen3, env, **args):
+        with spyre_llm(windowed, env, **args):
             pass
     message = str(err.value)
     assert f"sliding window of {WINDOW} tokens" in message
