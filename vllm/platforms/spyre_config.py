@@ -41,6 +41,11 @@ def _default_backend() -> str:
     return "sendnn" if sendnn_available() else "inductor"
 
 
+def _default_cache_dir() -> str:
+    from vllm import envs
+    return os.path.join(envs.VLLM_CACHE_ROOT, "spyre_graphs")
+
+
 def sendnn_available() -> bool:
     """True where the Spyre compiler's PyTorch bridge can be imported."""
     return importlib.util.find_spec("torch_sendnn") is not None
@@ -83,6 +88,23 @@ SPYRE_ENV_VARS: tuple[EnvVar, ...] = (
         "Comma-separated ids of the cards this server may use, one per "
         "rank in order; without `AIU_WORLD_SIZE` its length sets the card "
         "count."),
+    EnvVar(
+        "TORCH_SENDNN_CACHE_ENABLE", lambda: "0", "`0`",
+        "`1` keeps every compiled graph in `TORCH_SENDNN_CACHE_DIR` and "
+        "loads it from there at the next start instead of compiling it "
+        "again. With `sendnn` the pair is `torch_sendnn`'s own; with "
+        "`eager` and `inductor` it turns on this project's graph cache "
+        "(see docs/performance.md). `0` compiles at every start."),
+    EnvVar(
+        "TORCH_SENDNN_CACHE_DIR", _default_cache_dir,
+        "`$VLLM_CACHE_ROOT/spyre_graphs` (`~/.cache/vllm/spyre_graphs`)",
+        "Directory of the compiled-graph cache; servers and ranks may "
+        "share it. Read only when `TORCH_SENDNN_CACHE_ENABLE=1`."),
+    EnvVar(
+        "VLLM_SPYRE_REQUIRE_PRECOMPILED", lambda: "0", "`0`",
+        "`1` refuses to start, listing the shapes missing from the graph "
+        "cache, instead of compiling them; needs "
+        "`TORCH_SENDNN_CACHE_ENABLE=1` (`eager` and `inductor`)."),
 )
 _ENV_BY_NAME = {v.name: v for v in SPYRE_ENV_VARS}
 
@@ -128,6 +150,10 @@ class SpyreConfig:
     devices: tuple[str, ...] = ()
     #: Variables set in the environment that the chosen mode ignores.
     ignored_vars: tuple[str, ...] = ()
+    #: Directory of the compiled-graph cache; None when it is off.
+    graph_cache_dir: Optional[str] = None
+    #: Refuse to start when a graph is missing from the cache.
+    require_precompiled: bool = False
 
     @classmethod
     def from_env(cls,
@@ -177,13 +203,18 @@ class SpyreConfig:
             ignored = ()
         world_size, devices = _parse_cards(get("AIU_WORLD_SIZE"),
                                            get("SPYRE_DEVICES"))
+        cache_dir, strict = _parse_graph_cache(
+            get("TORCH_SENDNN_CACHE_ENABLE"), get("TORCH_SENDNN_CACHE_DIR"),
+            get("VLLM_SPYRE_REQUIRE_PRECOMPILED"), backend)
         return cls(dynamo_backend=backend,
                    warmup_shapes=shapes,
                    use_cb=use_cb == "1",
                    backend_reason=reason,
                    world_size=world_size,
                    devices=devices,
-                   ignored_vars=ignored)
+                   ignored_vars=ignored,
+                   graph_cache_dir=cache_dir,
+                   require_precompiled=strict)
 
     @property
     def card_count(self) -> Optional[int]:
@@ -244,7 +275,10 @@ class SpyreConfig:
                    backend_reason=data["backend_reason"],
                    world_size=data.get("world_size"),
                    devices=tuple(data.get("devices", ())),
-                   ignored_vars=tuple(data.get("ignored_vars", ())))
+                   ignored_vars=tuple(data.get("ignored_vars", ())),
+                   graph_cache_dir=data.get("graph_cache_dir"),
+                   require_precompiled=data.get("require_precompiled",
+                                                False))
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> "SpyreConfig":
@@ -293,6 +327,30 @@ def _parse_cards(world: str,
             f"SPYRE_DEVICES={devices!r} lists {len(cards)} card(s), fewer "
             f"than AIU_WORLD_SIZE={world_size}.")
     return world_size, cards
+
+
+def _parse_graph_cache(enable: str, directory: str, strict: str,
+                       backend: str) -> tuple[Optional[str], bool]:
+    """(cache directory or None, strict) from the three variables."""
+    for name, value in (("TORCH_SENDNN_CACHE_ENABLE", enable),
+                        ("VLLM_SPYRE_REQUIRE_PRECOMPILED", strict)):
+        if value not in ("0", "1"):
+            raise ValueError(f"{name}={value!r} is invalid: use 0 or 1.")
+    if strict == "1" and enable != "1":
+        raise ValueError(
+            "VLLM_SPYRE_REQUIRE_PRECOMPILED=1 needs the graph cache: set "
+            "TORCH_SENDNN_CACHE_ENABLE=1 (and TORCH_SENDNN_CACHE_DIR).")
+    if strict == "1" and backend == "sendnn":
+        raise ValueError(
+            "VLLM_SPYRE_REQUIRE_PRECOMPILED=1 checks this project's graph "
+            "cache, which the eager and inductor backends use; with sendnn "
+            "the cache is torch_sendnn's own.")
+    if enable != "1":
+        return None, False
+    if not directory:
+        raise ValueError("TORCH_SENDNN_CACHE_ENABLE=1 needs a directory: "
+                         "TORCH_SENDNN_CACHE_DIR is empty.")
+    return os.path.abspath(os.path.expanduser(directory)), strict == "1"
 
 
 def parse_warmup_shapes(prompt_lens: str, new_tokens: str,

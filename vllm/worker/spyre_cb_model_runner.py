@@ -100,7 +100,9 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         smallest and the largest batch (one dynamic graph), all on the
         pool's first block, which nothing holds yet."""
         assert self.model is not None
+        self.model.require_precompiled()
         start = time.perf_counter()
+        before = self.model.graph_cache_stats()
         vocab = self.model_config.get_vocab_size()
         gen = torch.Generator().manual_seed(0)
         length = min(CB_BLOCK_SIZE + 1, self.scheduler_config.max_model_len)
@@ -113,7 +115,8 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                                        [[0]] * batch))
         seconds = time.perf_counter() - start
         self.startup_timings["warmup"] = seconds
-        logger.info("Spyre continuous-batching warm-up took %.1f s", seconds)
+        logger.info("Spyre continuous-batching warm-up took %.1f s (%s)",
+                    seconds, self.graph_source(before))
 
     # ---- per step -------------------------------------------------------
     def make_model_input_from_broadcasted_tensor_dict(

@@ -107,6 +107,19 @@ class SpyreRunnerBase(ModelRunnerBase[T]):
         assert self.model is not None
         return self.model
 
+    def graph_source(self, before: dict[str, int]) -> str:
+        """How the graphs run since ``before`` (the model's cache stats
+        then) came to be: loaded from the graph cache, or compiled."""
+        assert self.model is not None
+        after = self.model.graph_cache_stats()
+        if not after:
+            return "compiled"
+        compiled = after.get("compiled", 0) - before.get("compiled", 0)
+        loaded = after.get("loaded", 0) - before.get("loaded", 0)
+        if compiled and loaded:
+            return f"{loaded} graph(s) cached, {compiled} compiled"
+        return "compiled, now cached" if compiled else "cached"
+
 
 class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
 
@@ -122,6 +135,8 @@ class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
         forward calls a batch of that shape runs while serving: one prefill
         and ``new_tokens - 1`` decode steps."""
         from tqdm import tqdm
+        assert self.model is not None
+        self.model.require_precompiled()
         shapes = self.spyre_config.warmup_shapes
         backend = self.spyre_config.dynamo_backend
         logger.info("Spyre warm-up: compiling %d shape(s) with backend %s",
@@ -129,16 +144,22 @@ class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
         total = time.perf_counter()
         vocab = self.model_config.get_vocab_size()
         gen = torch.Generator().manual_seed(0)
-        for shape in tqdm(shapes, desc="Spyre warm-up", unit="shape"):
+        bar = tqdm(shapes, desc="Spyre warm-up", unit="shape")
+        for done, shape in enumerate(bar, 1):
             start = time.perf_counter()
+            before = self.model.graph_cache_stats()
             prompts = torch.randint(0, vocab,
                                     (shape.batch_size, shape.prompt_len),
                                     generator=gen).tolist()
             self._run_shape(shape, prompts)
             seconds = time.perf_counter() - start
+            how = self.graph_source(before)
+            bar.set_postfix_str(f"{shape}: {how}")
             self.startup_timings[f"warmup {shape}"] = seconds
-            logger.info("Spyre warm-up of shape %s took %.1f s", shape,
-                        seconds)
+            logger.info(
+                "Spyre warm-up of shape %s (%d/%d) took %.1f s (%s); "
+                "%.1f s elapsed", shape, done, len(shapes), seconds, how,
+                time.perf_counter() - total)
         logger.info("Spyre warm-up of %d shape(s) took %.1f s", len(shapes),
                     time.perf_counter() - total)
 

@@ -128,6 +128,13 @@ class SpyreWorker(LocalOrDistributedWorkerBase):
         """Seconds per start-up phase (model load, warm-up of each shape)."""
         return dict(self.model_runner.startup_timings)
 
+    def get_graph_cache_stats(self) -> dict[str, int]:
+        """Graphs this rank loaded from the graph cache, compiled, and
+        rejected (a corrupt, foreign or stale file); empty when the cache
+        is off."""
+        model = self.model_runner.model
+        return model.graph_cache_stats() if model is not None else {}
+
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """One block per sequence, ``max_num_seqs`` sequences, one spare."""
         return self.scheduler_config.max_num_seqs + 1, 0

@@ -25,7 +25,9 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.sampler import SamplerOutput
 from vllm.model_executor.layers.spyre_sampler import SpyreSampler
 from vllm.model_executor.model_loader import (spyre_cpu_linear,
-                                              spyre_families, spyre_kv_cache)
+                                              spyre_families,
+                                              spyre_graph_cache,
+                                              spyre_kv_cache)
 from vllm.model_executor.sampling_metadata import SamplingMetadata
 from vllm.platforms.spyre_config import SpyreConfig
 
@@ -66,6 +68,8 @@ class SpyreCausalLM(nn.Module):
                                                 logits_as_input=True)
         self.sampler = SpyreSampler()
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.model_path = model_config.model
+        self.hf_config = model_config.hf_config
         self.fms_model = self._load(model_config.model,
                                     model_config.hf_config)
         #: FMS attention op of every forward.
@@ -116,7 +120,10 @@ class SpyreCausalLM(nn.Module):
     def _register_attention() -> None:
         spyre_kv_cache.register()
 
-    def _compile(self, model: nn.Module) -> nn.Module:
+    def _compile(self, model: nn.Module):
+        """The compiled model: ``DynamoGraphs`` (dynamo compiles each graph
+        at its first call) or, with the graph cache on, ``PrecompiledGraphs``
+        (each graph loaded from the cache or precompiled and kept)."""
         backend = self.spyre_config.dynamo_backend
         if backend == "sendnn":
             import torch_sendnn  # noqa: F401  registers the backend
@@ -128,6 +135,7 @@ class SpyreCausalLM(nn.Module):
             torch._dynamo.config.cache_size_limit, limit)
         torch._dynamo.config.accumulated_cache_size_limit = max(
             torch._dynamo.config.accumulated_cache_size_limit, 4 * limit)
+        cache = self._graph_cache(backend)
         options: dict = {}
         if backend != "sendnn":
             # The model's modules and weights never change once loaded:
@@ -137,27 +145,96 @@ class SpyreCausalLM(nn.Module):
             options["guard_filter_fn"] = \
                 torch.compiler.skip_guard_on_all_nn_modules_unsafe
         if backend == "inductor":
-            # Weights become constants of the graph, which lets inductor
-            # pre-pack for MKL those linear layers the packed kernel does
-            # not take.  Dynamo must hand the parameters to inductor as
-            # parameters for that (prepare_freezing).
-            torch._dynamo.config.prepare_freezing = True
             options.update(
-                freezing=True,
                 # The step calls ~300 small kernels: a C++ wrapper instead
                 # of a Python one saves ~3.5 ms per SmolLM2 decode step
                 # for ~30-40 s more compile per shape.
                 cpp_wrapper=True,
                 size_asserts=False,
                 alignment_asserts=False)
+            if cache is None:
+                # Weights become constants of the graph, which lets
+                # inductor pre-pack for MKL those linear layers the packed
+                # kernel does not take.  Dynamo must hand the parameters to
+                # inductor as parameters for that (prepare_freezing).  A
+                # cached graph cannot hold frozen weights (docs/
+                # performance.md), so the cache keeps them graph inputs.
+                torch._dynamo.config.prepare_freezing = True
+                options["freezing"] = True
+        if cache is not None:
+            options.pop("guard_filter_fn", None)
+            return spyre_graph_cache.PrecompiledGraphs(model, backend,
+                                                       options or None, cache)
         # dynamic=False: every warm-up shape gets graphs of its own, as on
         # the card.  Otherwise dynamo generalises the batch dimension at the
         # second batch size it sees, and the shared graph cannot use the
         # MKL packing (per batch size) of the layers left on MKL.
-        return torch.compile(model,
-                             backend=backend,
-                             dynamic=False,
-                             options=options or None)
+        return spyre_graph_cache.DynamoGraphs(
+            torch.compile(model,
+                          backend=backend,
+                          dynamic=False,
+                          options=options or None))
+
+    def _graph_cache(self, backend: str):
+        """This rank's entry of the graph cache, or None when it is off
+        (or the backend is sendnn, whose cache is torch_sendnn's)."""
+        directory = self.spyre_config.graph_cache_dir
+        if directory is None or backend == "sendnn":
+            return None
+        from vllm.distributed import get_tensor_model_parallel_rank
+        parts = spyre_graph_cache.key_parts(
+            model=self.model_path,
+            hf_config=self.hf_config,
+            backend=backend,
+            options={"freezing": False, "cpp_wrapper": backend == "inductor",
+                     "attention": self.attn_name},
+            tp_size=self.tp_size,
+            dtype=self.dtype)
+        return spyre_graph_cache.GraphCache(
+            directory, parts, rank=get_tensor_model_parallel_rank())
+
+    # ---- graphs ---------------------------------------------------------
+    @staticmethod
+    def graph_name(is_prompt: bool, batch_size: int, length: int,
+                   cache_len: int) -> str:
+        if is_prompt:
+            return f"prefill-b{batch_size}-p{length}-c{cache_len}"
+        return f"decode-b{batch_size}-c{cache_len}"
+
+    def expected_graphs(self) -> dict[str, str]:
+        """Every graph warm-up will run: name -> what it serves."""
+        graphs = {}
+        for s in self.spyre_config.warmup_shapes:
+            graphs[self.graph_name(True, s.batch_size, s.prompt_len,
+                                   s.max_len)] = f"prefill of shape {s}"
+            if s.new_tokens > 1:
+                graphs[self.graph_name(False, s.batch_size, 1,
+                                       s.max_len)] = f"decode of shape {s}"
+        return graphs
+
+    def require_precompiled(self) -> None:
+        """Strict mode (``VLLM_SPYRE_REQUIRE_PRECOMPILED=1``): refuses to
+        start, listing every graph the cache lacks, before compiling any."""
+        if not self.spyre_config.require_precompiled:
+            return
+        cache = self.model.cache
+        missing = [
+            what for name, what in self.expected_graphs().items()
+            if not cache.has(name)
+        ]
+        if missing:
+            raise RuntimeError(
+                f"VLLM_SPYRE_REQUIRE_PRECOMPILED=1: {len(missing)} graph(s) "
+                f"are missing from the graph cache {cache.dir} "
+                f"(rank {cache.rank}): {'; '.join(missing)}. Start once "
+                "without VLLM_SPYRE_REQUIRE_PRECOMPILED (same model, "
+                "backend, shapes and tensor parallel size) to fill it.")
+
+    def graph_cache_stats(self) -> dict[str, int]:
+        """Graphs loaded, compiled and rejected by the cache since start
+        (empty when it is off)."""
+        cache = getattr(self.model, "cache", None)
+        return dict(cache.stats) if cache is not None else {}
 
     def _cache_for(self, batch_size: int, cache_len: int) -> list:
         key = (batch_size, cache_len)
@@ -187,6 +264,8 @@ class SpyreCausalLM(nn.Module):
         elif self.kv_cache is None:
             raise RuntimeError("decode step without a prefill")
         logits, _ = self.model(
+            self.graph_name(is_prompt, input_ids.shape[0],
+                            input_ids.shape[1], cache_len),
             input_ids,
             position_ids=positions,
             past_key_value_states=self.kv_cache,

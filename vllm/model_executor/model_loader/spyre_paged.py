@@ -39,9 +39,11 @@ class SpyrePagedCausalLM(SpyreCausalLM):
         self.pool_layout = spyre_paged_kv.PoolLayout(self.cache_layout)
         #: Per layer (keys, values), allocated by ``allocate_pool``.
         self.kv_pool: Optional[list] = None
+        self.num_blocks = 0
         #: Range of the dynamic decode batch (dynamo wants a bounded one).
         self.decode_batch_range = (MIN_DECODE_BATCH, max(
             vllm_config.scheduler_config.max_num_seqs, MIN_DECODE_BATCH + 1))
+        self.max_model_len = vllm_config.scheduler_config.max_model_len
 
     @staticmethod
     def _register_attention() -> None:
@@ -56,23 +58,46 @@ class SpyrePagedCausalLM(SpyreCausalLM):
         if self.kv_pool is not None:
             raise RuntimeError("the key/value pool is allocated already")
         self.kv_pool = self.pool_layout.allocate(num_blocks, self.dtype)
+        self.num_blocks = num_blocks
         logger.info(
             "Allocated the key/value pool: %d blocks of %d tokens (%.1f MiB)",
             num_blocks, CB_BLOCK_SIZE,
             num_blocks * self.block_bytes() / 2**20)
+
+    def paged_graph_name(self, is_prompt: bool, max_blocks: int) -> str:
+        """Names the two graphs by what fixes their shapes: the block
+        table's width, the pool's size and the decode batch range."""
+        if is_prompt:
+            return f"cb-prefill-w{max_blocks}-n{self.num_blocks}"
+        low, high = self.decode_batch_range
+        return f"cb-decode-b{low}to{high}-w{max_blocks}-n{self.num_blocks}"
+
+    def expected_graphs(self) -> dict[str, str]:
+        max_blocks = -(-self.max_model_len // CB_BLOCK_SIZE)
+        limits = (f"(max_model_len={self.max_model_len}, max_num_seqs="
+                  f"{self.decode_batch_range[1]}, "
+                  f"{self.num_blocks} blocks)")
+        return {
+            self.paged_graph_name(True, max_blocks):
+            f"continuous-batching prefill {limits}",
+            self.paged_graph_name(False, max_blocks):
+            f"continuous-batching decode {limits}",
+        }
 
     def forward(self, step: PagedInputs) -> torch.Tensor:  # type: ignore
         """One prefill chunk ([1, block_size]) or one decode step ([B, 1]).
         Returns the logits of each row's last position: [B, vocab]."""
         if self.kv_pool is None:
             raise RuntimeError("a step before the key/value pool exists")
-        if step.input_ids.shape[1] == 1:
+        is_decode = step.input_ids.shape[1] == 1
+        if is_decode:
             # Decode: one graph for every batch size.
             low, high = self.decode_batch_range
             for t in (step.input_ids, step.position_ids, step.cache_slots,
                       step.block_table, step.ctx_lens):
                 torch._dynamo.mark_dynamic(t, 0, min=low, max=high)
         logits, _ = self.model(
+            self.paged_graph_name(not is_decode, step.block_table.shape[1]),
             step.input_ids,
             position_ids=step.position_ids,
             past_key_value_states=self.kv_pool,
