@@ -213,6 +213,20 @@ def unique_parameter_bytes(model) -> int:
     return sum(seen.values())
 
 
+class SpyreGraphCacheDriver(SpyreDriver):
+    """Our engine with the graph cache on (``TORCH_SENDNN_CACHE_ENABLE=1``,
+    a fresh directory): graphs precompiled, weights not frozen into them;
+    to compare its steps with the default engine's."""
+
+    @staticmethod
+    def env(work: Workload, backend: str) -> dict[str, str]:
+        import tempfile
+        return dict(SpyreDriver.env(work, backend),
+                    TORCH_SENDNN_CACHE_ENABLE="1",
+                    TORCH_SENDNN_CACHE_DIR=tempfile.mkdtemp(
+                        prefix="bench-graph-cache-"))
+
+
 @dataclass(frozen=True)
 class Engine:
     """How to build one engine of the comparison."""
@@ -227,6 +241,8 @@ class Engine:
 ENGINES: dict[str, Engine] = {
     "spyre-inductor": Engine(SpyreDriver, "inductor", ours=True),
     "spyre-eager": Engine(SpyreDriver, "eager", ours=True),
+    "spyre-inductor-graph-cache": Engine(SpyreGraphCacheDriver, "inductor",
+                                         ours=True),
     "spyre-cb-inductor": Engine(SpyreCBDriver, "inductor", ours=True,
                                 static_peer="spyre-inductor"),
     "spyre-cb-eager": Engine(SpyreCBDriver, "eager", ours=True,

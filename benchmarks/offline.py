@@ -15,7 +15,8 @@ or any compilation during a timed run makes the script exit non-zero
 (``--allow-mismatch`` forgives mismatches, never compilations).
 
 Engines: spyre-inductor, spyre-eager (ours, by compile backend),
-spyre-cb-inductor, spyre-cb-eager (ours under continuous batching:
+spyre-inductor-graph-cache (ours on inductor with the graph cache on, so
+graphs precompiled and weights not frozen), spyre-cb-inductor, spyre-cb-eager (ours under continuous batching:
 VLLM_SPYRE_USE_CB=1, max_num_seqs the largest B, max_model_len P+G rounded
 up to 64; the B prefills run one by one, then every decode step runs the
 whole batch), hf (transformers generate, sdpa), fms (FMS generate on the

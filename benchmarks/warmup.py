@@ -24,6 +24,18 @@ with its own empty compile cache, and prints the ratio CB / static.
         [--json PATH] [--keep-cache]
     python benchmarks/warmup.py --cb [--max-model-len 2048]
         [--max-num-seqs 16] [--backend inductor] [--json PATH]
+
+``--graph-cache`` measures the project's compiled-graph cache
+(``TORCH_SENDNN_CACHE_ENABLE=1``): a static engine of the given shapes
+(default 64/64 x batch 1, 4, 8) and a CB engine, each started cold (empty
+graph cache) and then warm (the graph cache the cold start filled), every
+start in a fresh process with an empty ``TORCHINDUCTOR_CACHE_DIR``, so that
+only the graph cache counts.  The C++ kernels of the packed linear layers
+and of decode attention are built once beforehand (``TORCH_EXTENSIONS_DIR``
+is kept, as it is across restarts of a server).
+
+    python benchmarks/warmup.py --graph-cache [--batch-sizes 1,4,8]
+        [--max-model-len 2048] [--max-num-seqs 16] [--json PATH]
 """
 from __future__ import annotations
 
@@ -50,9 +62,11 @@ class StartupProbe:
         llm = LLM(model=model, **(engine_args or {}))
         self.engine_s = time.perf_counter() - start
         self.timings = llm.collective_rpc("get_startup_timings")[0]
+        self.graphs = llm.collective_rpc("get_graph_cache_stats")[0]
 
     def info(self) -> dict:
-        return dict(engine_s=self.engine_s, timings=self.timings)
+        return dict(engine_s=self.engine_s, timings=self.timings,
+                    graphs=self.graphs)
 
 
 def start_once(label: str, model: str, env: dict,
@@ -85,6 +99,9 @@ def main() -> int:
     ap.add_argument("--cb", action="store_true",
                     help="a continuous-batching start against one static "
                     "shape's")
+    ap.add_argument("--graph-cache", action="store_true",
+                    help="cold and warm starts with the graph cache, "
+                    "static and CB")
     ap.add_argument("--max-model-len", type=int, default=2048,
                     help="--max-model-len of the CB engine")
     ap.add_argument("--max-num-seqs", type=int, default=16,
@@ -95,8 +112,11 @@ def main() -> int:
                     help="keep the compile cache directory")
     args = ap.parse_args()
     if args.json is None:
-        args.json = str(RESULTS / ("warmup-cb.json" if args.cb
-                                   else "warmup.json"))
+        args.json = str(RESULTS / (
+            "warmup-graph-cache.json" if args.graph_cache else
+            "warmup-cb.json" if args.cb else "warmup.json"))
+    if args.graph_cache:
+        return graph_cache_cold_warm(args)
     return cb_against_static(args) if args.cb else shapes_cold_warm(args)
 
 
@@ -190,6 +210,80 @@ def cb_against_static(args) -> int:
     print(table(["engine start", "load s", "warm-up s", "start-up (wall) s"],
                 rows))
     print(f"CB warm-up / static-shape warm-up: {ratios['warmup_s']:.2f}x")
+    return 0
+
+
+def graph_cache_cold_warm(args) -> int:
+    """Static (every shape) and CB engines, each started cold then warm on
+    one graph cache, every start on an empty inductor cache."""
+    if args.batch_sizes == "1,4,8,16":
+        args.batch_sizes = "1,4,8"
+    shapes = list(itertools.product(
+        sorted({padded_prompt_len(p) for p in parse_ints(args.prompt_lens)}),
+        parse_ints(args.new_tokens), parse_ints(args.batch_sizes)))
+    cb_args = dict(max_model_len=args.max_model_len,
+                   max_num_seqs=args.max_num_seqs)
+    engines = {
+        "static": ("static, {} shape(s): prompt_len {}, new_tokens {}, "
+                   "batch sizes {}".format(len(shapes), args.prompt_lens,
+                                           args.new_tokens,
+                                           args.batch_sizes),
+                   dict(spyre_env(args.backend, shapes),
+                        VLLM_SPYRE_USE_CB="0"), None),
+        "cb": (f"continuous batching (max_model_len={args.max_model_len}, "
+               f"max_num_seqs={args.max_num_seqs})",
+               spyre_cb_env(args.backend), cb_args),
+    }
+    found: dict = {}
+    for label, (what, env, engine_args) in engines.items():
+        graphs = tempfile.mkdtemp(prefix=f"warmup-{label}-graph-cache-")
+        try:
+            for phase in ("cold", "warm"):
+                inductor = tempfile.mkdtemp(prefix="warmup-inductor-cache-")
+                run_env = dict(env, TORCH_SENDNN_CACHE_ENABLE="1",
+                               TORCH_SENDNN_CACHE_DIR=graphs,
+                               TORCHINDUCTOR_CACHE_DIR=inductor)
+                try:
+                    info = start_once(f"{label} {phase}", args.model, run_env,
+                                      engine_args)
+                finally:
+                    shutil.rmtree(inductor, ignore_errors=True)
+                info.update(what=what, warmup_s=warmup_total(info),
+                            load_s=info["timings"]["load"])
+                found[(label, phase)] = info
+        finally:
+            shutil.rmtree(graphs, ignore_errors=True)
+
+    rows, ratios = [], {}
+    for label, (what, _, _) in engines.items():
+        cold, warm = found[(label, "cold")], found[(label, "warm")]
+        for phase, info in (("cold", cold), ("warm", warm)):
+            g = info["graphs"]
+            rows.append([
+                f"{what}: {phase}", f"{info['load_s']:.1f}",
+                f"{info['warmup_s']:.1f}", f"{info['engine_s']:.1f}",
+                f"{g.get('compiled', 0)} compiled, {g.get('loaded', 0)} "
+                "loaded"
+            ])
+        ratios[label] = {k: cold[k] / warm[k]
+                         for k in ("warmup_s", "engine_s")}
+        rows.append([
+            f"{label}: cold / warm", "",
+            f"{ratios[label]['warmup_s']:.1f}x",
+            f"{ratios[label]['engine_s']:.1f}x", ""
+        ])
+    write_json(args.json, dict(
+        args=vars(args), machine=machine_info(),
+        shapes=[dict(prompt_len=p, new_tokens=g, batch_size=b)
+                for p, g, b in shapes],
+        starts={f"{k[0]} {k[1]}": v for k, v in found.items()},
+        ratios=ratios))
+    print(f"\nmodel {Path(args.model).name}, backend {args.backend}, "
+          f"{cores()} cores; graph cache on (TORCH_SENDNN_CACHE_ENABLE=1); "
+          "every start in a fresh process on an empty "
+          "TORCHINDUCTOR_CACHE_DIR")
+    print(table(["engine start", "load s", "warm-up s", "start-up (wall) s",
+                 "graphs"], rows))
     return 0
 
 

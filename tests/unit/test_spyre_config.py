@@ -429,6 +429,9 @@ def test_env_var_declarations_are_consistent(no_sendnn):
         "VLLM_SPYRE_USE_CB",
         "AIU_WORLD_SIZE",
         "SPYRE_DEVICES",
+        "TORCH_SENDNN_CACHE_ENABLE",
+        "TORCH_SENDNN_CACHE_DIR",
+        "VLLM_SPYRE_REQUIRE_PRECOMPILED",
     }
     # Every declared default parses: the defaults spelled out explicitly
     # give the same config as no environment at all.
@@ -473,3 +476,55 @@ def test_tensor_parallel_reconciliation(no_sendnn):
     assert "AIU_WORLD_SIZE" in str(err.value)
     plain = SpyreConfig.from_env(environ={})
     assert plain.validate_tensor_parallel(3, tp_given=True) == 3
+
+
+# ----------------------------------------------------------- graph cache
+def test_graph_cache_is_off_by_default(no_sendnn):
+    cfg = SpyreConfig.from_env(environ={})
+    assert cfg.graph_cache_dir is None
+    assert cfg.require_precompiled is False
+    # The directory alone does not turn it on.
+    cfg = SpyreConfig.from_env(environ={"TORCH_SENDNN_CACHE_DIR": "/x"})
+    assert cfg.graph_cache_dir is None
+
+
+def test_graph_cache_on_with_directory_and_strict(no_sendnn, tmp_path):
+    cfg = SpyreConfig.from_env(environ={
+        "TORCH_SENDNN_CACHE_ENABLE": "1",
+        "TORCH_SENDNN_CACHE_DIR": str(tmp_path / "graphs"),
+        "VLLM_SPYRE_REQUIRE_PRECOMPILED": "1",
+    })
+    assert cfg.graph_cache_dir == str(tmp_path / "graphs")
+    assert cfg.require_precompiled is True
+    assert SpyreConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_graph_cache_default_directory(no_sendnn, monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    cfg = SpyreConfig.from_env(environ={"TORCH_SENDNN_CACHE_ENABLE": "1"})
+    assert cfg.graph_cache_dir == str(tmp_path / "spyre_graphs")
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"TORCH_SENDNN_CACHE_ENABLE": "yes"},
+     "TORCH_SENDNN_CACHE_ENABLE='yes' is invalid: use 0 or 1"),
+    ({"VLLM_SPYRE_REQUIRE_PRECOMPILED": "2"},
+     "VLLM_SPYRE_REQUIRE_PRECOMPILED='2' is invalid"),
+    ({"VLLM_SPYRE_REQUIRE_PRECOMPILED": "1"},
+     "VLLM_SPYRE_REQUIRE_PRECOMPILED=1 needs the graph cache: set "
+     "TORCH_SENDNN_CACHE_ENABLE=1"),
+    ({"TORCH_SENDNN_CACHE_ENABLE": "1", "TORCH_SENDNN_CACHE_DIR": " "},
+     "TORCH_SENDNN_CACHE_DIR is empty"),
+])
+def test_graph_cache_settings_errors(no_sendnn, env, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        SpyreConfig.from_env(environ=env)
+
+
+def test_strict_mode_is_refused_with_sendnn(with_sendnn):
+    with pytest.raises(ValueError, match="with sendnn the cache is "
+                       "torch_sendnn's own"):
+        SpyreConfig.from_env(environ={
+            "VLLM_SPYRE_DYNAMO_BACKEND": "sendnn",
+            "TORCH_SENDNN_CACHE_ENABLE": "1",
+            "VLLM_SPYRE_REQUIRE_PRECOMPILED": "1"})

@@ -122,10 +122,32 @@ class GraphCache:
         if (self.dir / "key.json").is_file():
             logger.info("Spyre graph cache: entry %s in %s", self.entry,
                         self.root)
+            self._probe_writable()
             return
         logger.info("Spyre graph cache: %s", self.explain_miss())
         self._write(self.dir / "key.json",
                     json.dumps(self.parts, indent=1, sort_keys=True).encode())
+
+    def _probe_writable(self) -> None:
+        try:
+            with tempfile.TemporaryFile(dir=self.dir):
+                pass
+        except OSError as e:
+            self._cannot_write(e)
+
+    @contextlib.contextmanager
+    def kernels(self) -> Iterator[None]:
+        """Inductor's compiled kernels go to (and come from) ``DIR/inductor``
+        while a graph is loaded or compiled: a saved graph holds its C++
+        source, and building it again costs ~45 s a SmolLM2 shape.  With a
+        read-only directory inductor keeps its own cache directory."""
+        if not self.writable:
+            yield
+            return
+        from torch._inductor.runtime.cache_dir_utils import \
+            temporary_cache_dir
+        with temporary_cache_dir(str(self.root / "inductor")):
+            yield
 
     def explain_miss(self) -> str:
         """One line: no entry for this key, and what differs in the
@@ -239,11 +261,13 @@ class GraphCache:
                         os.unlink(tmp)
                     raise
         except OSError as e:
-            self.writable = False
-            logger.warning(
-                "Spyre graph cache: cannot write to %s (%s); serving goes "
-                "on, but the graphs compiled by this start are not kept",
-                self.dir, e)
+            self._cannot_write(e)
+
+    def _cannot_write(self, error: OSError) -> None:
+        self.writable = False
+        logger.warning(
+            "Spyre graph cache: cannot write to %s (%s); serving goes on, "
+            "but what this start compiles is not kept", self.dir, error)
 
     @contextlib.contextmanager
     def _lock(self) -> Iterator[None]:
@@ -276,13 +300,16 @@ class PrecompiledGraphs:
 
     def __call__(self, graph: str, *args, **kwargs):
         fn = self.graphs.get(graph)
-        if fn is None:
+        if fn is not None:
+            return fn(self.model, *args, **kwargs)
+        # The first call too: kernels may be loaded when first run.
+        with self.cache.kernels():
             fn = self._load(graph, args, kwargs)
             if fn is None:
                 fn = self._compile(graph, args, kwargs)
             fn.disable_guard_check()
             self.graphs[graph] = fn
-        return fn(self.model, *args, **kwargs)
+            return fn(self.model, *args, **kwargs)
 
     def _load(self, graph: str, args: tuple, kwargs: dict):
         payload = self.cache.read(graph)
