@@ -4,7 +4,8 @@ The wheel holds namespace portions only: modules under ``vllm/`` that land
 next to upstream vLLM's own files, without any ``__init__.py`` of ours, plus
 the ``vllm.platform_plugins`` entry point that makes vLLM select the Spyre
 platform in every process, and ``vllm.general_plugins`` entry points that
-correct upstream V0 request handling on Spyre (see the modules they name).
+correct upstream V0 request handling on Spyre and shorten its start-up
+(see the modules they name).
 """
 from setuptools import find_namespace_packages, setup
 
@@ -23,6 +24,8 @@ setup(
             "spyre_admission = vllm.engine.spyre_admission:install",
             "spyre_error_status = "
             "vllm.entrypoints.openai.spyre_error_status:install",
+            "spyre_model_inspection = "
+            "vllm.model_executor.models.spyre_inspection:install",
         ],
     },
 )

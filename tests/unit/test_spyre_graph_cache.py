@@ -106,6 +106,20 @@ def test_unwritable_directory_warns_once_and_goes_on(tmp_path, warnings):
     assert cache.read("g") is None and len(warnings) == 1
 
 
+def test_compiled_kernels_live_in_the_cache_directory(tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    outside = cache_dir()
+    cache = GraphCache(str(tmp_path), PARTS, rank=0)
+    with cache.kernels():
+        assert cache_dir() == str(tmp_path / "inductor")
+    assert cache_dir() == outside
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    unwritable = GraphCache(str(blocked / "graphs"), PARTS, rank=0)
+    with unwritable.kernels():
+        assert cache_dir() == outside
+
+
 def _hammer(directory: str, n: int, size: int) -> None:
     cache = GraphCache(directory, PARTS, rank=0)
     for i in range(n):

@@ -151,10 +151,12 @@ class GraphCache:
 
     def explain_miss(self) -> str:
         """One line: no entry for this key, and what differs in the
-        closest one the directory holds."""
+        closest other entry the directory holds."""
         best: Optional[dict] = None
         best_score = (-1, -1)
         for other in sorted(self.root.glob("*/key.json")):
+            if other.parent.name == self.entry:
+                continue
             try:
                 parts = json.loads(other.read_text())
             except (OSError, ValueError):
@@ -185,7 +187,7 @@ class GraphCache:
         path = self.path(graph)
         try:
             data = path.read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as e:
             return self._reject(graph, f"cannot be read ({e})")
@@ -251,6 +253,9 @@ class GraphCache:
                 fd, tmp = tempfile.mkstemp(dir=path.parent,
                                            prefix=f".{path.name}.")
                 try:
+                    # mkstemp's 0600 would hide the file from servers
+                    # running as other users.
+                    os.fchmod(fd, 0o644)
                     with os.fdopen(fd, "wb") as f:
                         f.write(data)
                         f.flush()
