@@ -115,6 +115,7 @@ class GraphCache:
         #: loaded / compiled / rejected graphs since start.
         self.stats: Counter = Counter()
         self.writable = True
+        self._quiet_now = False
         self._open()
 
     # ---- the entry ------------------------------------------------------
@@ -190,22 +191,22 @@ class GraphCache:
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as e:
-            return self._reject(graph, f"cannot be read ({e})")
+            return self.reject(graph, f"cannot be read ({e})")
         if not data.startswith(MAGIC):
-            return self._reject(graph, "is not a Spyre graph file")
+            return self.reject(graph, "is not a Spyre graph file")
         head_end = data.find(b"\n", len(MAGIC))
         try:
             head = json.loads(data[len(MAGIC):head_end])
         except ValueError:
-            return self._reject(graph, "has a corrupt header")
+            return self.reject(graph, "has a corrupt header")
         if head.get("entry") != self.entry or head.get("graph") != graph:
-            return self._reject(
+            return self.reject(
                 graph, f"belongs to another configuration (entry "
                 f"{head.get('entry')}, graph {head.get('graph')})")
         payload = data[head_end + 1:]
         if (len(payload) != head.get("bytes")
                 or digest(payload, 64) != head.get("sha256")):
-            return self._reject(
+            return self.reject(
                 graph, f"is truncated or corrupt ({len(payload)} of "
                 f"{head.get('bytes')} bytes, or a checksum mismatch)")
         return payload
@@ -226,12 +227,14 @@ class GraphCache:
         }).encode()
         self._write(self.path(graph), MAGIC + head + b"\n" + payload)
 
-    def _reject(self, graph: str, why: str) -> None:
+    def reject(self, graph: str, why: str) -> None:
+        """Counts and reports a graph file that cannot be used (silently
+        while ``has`` only looks)."""
+        if self._quiet_now:
+            return None
         self.stats["rejected"] += 1
-        if not getattr(self, "_quiet_now", False):
-            logger.warning(
-                "Spyre graph cache: %s %s; compiling the graph again",
-                self.path(graph), why)
+        logger.warning("Spyre graph cache: %s %s; compiling the graph again",
+                       self.path(graph), why)
         return None
 
     @contextlib.contextmanager
@@ -328,9 +331,9 @@ class PrecompiledGraphs:
             args, kwargs = _unmarked((args, kwargs))
             matches = fn.guard_check(self.model, *args, **kwargs)
         except Exception as e:  # a foreign or stale artifact
-            return self.cache._reject(graph, f"cannot be loaded ({e!r})")
+            return self.cache.reject(graph, f"cannot be loaded ({e!r})")
         if not matches:
-            return self.cache._reject(
+            return self.cache.reject(
                 graph, "does not match the inputs it serves "
                 f"({_guard_failure(fn, self.model, args, kwargs)})")
         self.cache.stats["loaded"] += 1
