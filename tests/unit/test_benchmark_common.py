@@ -120,22 +120,24 @@ def test_static_shapes_and_requests_they_hold():
         (None, 129)]
 
 
-@pytest.mark.parametrize("source, fmt, values, key", [
+@pytest.mark.parametrize("source, fmt, values, key, seconds", [
     ("vllm/worker/spyre_model_runner.py", "Spyre model load took %.1f s",
-     (3.25, ), "load_s"),
+     (3.25, ), "load_s", 3.25),
     ("vllm/worker/spyre_model_runner.py",
-     "Spyre warm-up of %d shape(s) took %.1f s", (2, 61.04), "warmup_s"),
+     "Spyre warm-up of %d shape(s) took %.1f s", (2, 61.04), "warmup_s",
+     61.04),
     ("vllm/worker/spyre_cb_model_runner.py",
-     "Spyre continuous-batching warm-up took %.1f s", (61.04, ), "warmup_s"),
+     "Spyre continuous-batching warm-up took %.1f s (%s)",
+     (61.04, "cached"), "warmup_s", 61.04),
 ])
 def test_server_startup_times_are_read_from_the_runners_log_lines(
-        source, fmt, values, key):
+        source, fmt, values, key, seconds):
     """serving_load reads warm-up seconds from the server log: the lines
     the model runners write, with their current wording."""
     assert f'"{fmt}"' in (REPO / source).read_text()
     line = "INFO 11-23 21:40:20 [x.py:1] " + fmt % values
     assert serving_load.startup_from_log(line)[key] == float(
-        "%.1f" % values[-1])
+        "%.1f" % seconds)
 
 
 def test_cb_static_ratios():

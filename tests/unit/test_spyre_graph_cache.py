@@ -187,6 +187,22 @@ def test_precompiled_graphs_are_saved_and_loaded(tmp_path, backend):
         assert compile_count() == before
 
 
+def test_saved_graphs_load_after_an_engine_that_froze_weights(tmp_path):
+    """An engine without the cache sets dynamo's prepare_freezing for the
+    whole process; graphs precompiled later must still take the weights
+    as inputs when loaded."""
+    model = Small().eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad(), torch._dynamo.config.patch(prepare_freezing=True):
+        PrecompiledGraphs(model, "inductor", None,
+                          GraphCache(str(tmp_path), PARTS, 0))("b2", x)
+        torch._dynamo.reset()
+        again = PrecompiledGraphs(model, "inductor", None,
+                                  GraphCache(str(tmp_path), PARTS, 0))
+        assert torch.equal(again("b2", x), model(x))
+    assert dict(again.cache.stats) == {"loaded": 1}
+
+
 def test_a_graph_whose_guards_fail_is_compiled_again(tmp_path, warnings):
     model = Small().eval()
     with torch.no_grad():

@@ -342,7 +342,11 @@ class PrecompiledGraphs:
     def _compile(self, graph: str, args: tuple, kwargs: dict):
         from torch._dynamo.aot_compile import AOTCompiledFunction
         options = dict(self.options or {}, guard_filter_fn=_keep_guard)
-        with torch._dynamo.config.patch(enable_aot_compile=True):
+        # prepare_freezing (set by an engine without the cache earlier in
+        # this process) would keep the parameters out of the saved graph's
+        # inputs, and the loaded graph could not be called.
+        with torch._dynamo.config.patch(enable_aot_compile=True,
+                                        prepare_freezing=False):
             compiled = torch.compile(self.model.forward,
                                      backend=self.backend,
                                      fullgraph=True,
