@@ -247,7 +247,12 @@ def _configure_parallel(parallel_config, spyre: SpyreConfig) -> None:
         parallel_config.tensor_parallel_size = tp
         parallel_config.world_size = tp
     backend = parallel_config.distributed_executor_backend
-    if tp == 1:
+    if backend == "external_launcher":
+        from vllm.executor.external_launcher_spyre_executor import (
+            SpyreExternalLauncherExecutor)
+        parallel_config.distributed_executor_backend = \
+            SpyreExternalLauncherExecutor
+    elif tp == 1:
         from vllm.executor.spyre_executor import SpyreExecutor
         parallel_config.distributed_executor_backend = SpyreExecutor
     elif backend == "ray":

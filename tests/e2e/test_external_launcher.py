@@ -1,0 +1,94 @@
+"""``distributed_executor_backend="external_launcher"`` on Spyre: under
+``torchrun --nproc-per-node 3`` every rank runs its own engine in its own
+process (``tests/torchrun_generate.py``), the three form the tensor-parallel
+group, and every rank returns transformers' greedy ids (so TP=1's), static
+and continuous batching, with nothing compiled after warm-up; one rank
+under plain ``python``; a size that disagrees with the launcher is
+refused."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, HFReference, spyre_env
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [16]]
+MAX_TOKENS = 8
+SCRIPT = REPO / "tests" / "torchrun_generate.py"
+TIMEOUT = 600
+
+
+def launch(out: Path, model: Path, env: dict, nproc: int,
+           engine_args: dict = None) -> subprocess.CompletedProcess:
+    from vllm.utils import get_open_port
+    out.mkdir(parents=True, exist_ok=True)
+    if nproc > 1:
+        torchrun = Path(sys.executable).with_name("torchrun")
+        prefix = [str(torchrun), "--nproc-per-node", str(nproc),
+                  "--master-port", str(get_open_port())]
+    else:
+        prefix = [sys.executable]
+    run_env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    run_env.update(env)
+    return subprocess.run(
+        [*prefix, str(SCRIPT), str(out), str(model), json.dumps(PROMPTS),
+         str(MAX_TOKENS), json.dumps(engine_args or {})],
+        env=run_env, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def ranks(out: Path, nproc: int) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text())
+            for r in range(nproc)]
+
+
+@pytest.fixture(scope="module")
+def hf_ids(tiny_llama_3kv):
+    hf = HFReference(tiny_llama_3kv)
+    return [hf.greedy(p, MAX_TOKENS)[0] for p in PROMPTS]
+
+
+STATIC = spyre_env("eager", [64], [MAX_TOKENS], [3])
+CB = {"VLLM_SPYRE_DYNAMO_BACKEND": "eager", "VLLM_SPYRE_USE_CB": "1"}
+
+
+@pytest.mark.parametrize("mode, env, engine_args", [
+    ("static", STATIC, {}),
+    ("cb", CB, {"max_model_len": 256, "max_num_seqs": 4}),
+])
+def test_torchrun_three_ranks_match_transformers(tmp_path, tiny_llama_3kv,
+                                                 hf_ids, mode, env,
+                                                 engine_args):
+    if shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None:
+        pytest.fail("torchrun is missing from the environment")
+    proc = launch(tmp_path, tiny_llama_3kv, env, 3, engine_args)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    for rank in ranks(tmp_path, 3):
+        assert rank["executor"] == "SpyreExternalLauncherExecutor"
+        assert rank["ids"] == hf_ids, mode
+        assert rank["serving_compiles"] == 0
+
+
+def test_one_rank_under_plain_python(tmp_path, tiny_llama_3kv, hf_ids):
+    proc = launch(tmp_path, tiny_llama_3kv, STATIC, 1)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    (rank, ) = ranks(tmp_path, 1)
+    assert rank["executor"] == "SpyreExternalLauncherExecutor"
+    assert rank["ids"] == hf_ids
+
+
+def test_size_that_disagrees_with_the_launcher_is_refused(
+        tmp_path, tiny_llama_3kv):
+    proc = launch(tmp_path, tiny_llama_3kv, STATIC, 1,
+                  {"tensor_parallel_size": 3})
+    assert proc.returncode != 0
+    assert ("tensor_parallel_size=3, but the launcher started WORLD_SIZE=1 "
+            "process(es)") in proc.stderr

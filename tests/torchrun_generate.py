@@ -1,0 +1,52 @@
+"""One rank of a torchrun job: builds a Spyre ``vllm.LLM`` with
+``distributed_executor_backend="external_launcher"`` in this process,
+generates greedily, and writes ``rank<RANK>.json`` (its ids and the dynamo
+compilations counted after start-up) into OUT_DIR.
+
+    torchrun --nproc-per-node N tests/torchrun_generate.py OUT_DIR MODEL \\
+        PROMPTS_JSON MAX_TOKENS [ENGINE_ARGS_JSON]
+
+The Spyre settings come from the environment.  With N=1 plain ``python``
+runs it too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def compile_count() -> int:
+    from torch._dynamo.utils import counters
+    return sum(counters["frames"].values()) + sum(
+        counters["stats"].values())
+
+
+def main() -> None:
+    os.environ.setdefault("VLLM_USE_V1", "0")
+    out, model, prompts, max_tokens = sys.argv[1:5]
+    engine_args = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+    from vllm import LLM, SamplingParams, TokensPrompt
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    llm = LLM(model=model, **{
+        "tensor_parallel_size": world,
+        "distributed_executor_backend": "external_launcher",
+        "seed": 0,
+        **engine_args
+    })
+    before = compile_count()
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in json.loads(prompts)],
+        SamplingParams(temperature=0.0, max_tokens=int(max_tokens),
+                       ignore_eos=True),
+        use_tqdm=False)
+    rank = int(os.environ.get("RANK", "0"))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(dict(
+        ids=[list(o.outputs[0].token_ids) for o in outputs],
+        serving_compiles=compile_count() - before,
+        executor=type(llm.llm_engine.model_executor).__name__)))
+
+
+if __name__ == "__main__":
+    main()
