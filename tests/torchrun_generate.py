@@ -16,11 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-
-def compile_count() -> int:
-    from torch._dynamo.utils import counters
-    return sum(counters["frames"].values()) + sum(
-        counters["stats"].values())
+from engine_start import compile_count
 
 
 def main() -> None:

@@ -1,11 +1,13 @@
 """Unit tests of vllm/model_executor/model_loader/spyre_graph_cache.py: the
 entry key, the graph file checks, atomic locked writes, what a miss names,
-and precompiled graphs saved and loaded on a small module (no engine)."""
+and precompiled graphs saved and loaded on a small module (no engine); and
+the graph cache's settings in vllm/platforms/spyre_config.py."""
 from __future__ import annotations
 
 import json
 import multiprocessing
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,8 @@ import torch
 from vllm.model_executor.model_loader import spyre_graph_cache as gc
 from vllm.model_executor.model_loader.spyre_graph_cache import (
     MAGIC, GraphCache, PrecompiledGraphs)
+from vllm.platforms import spyre_config
+from vllm.platforms.spyre_config import SpyreConfig
 
 PARTS = {"model": "/m", "weights": "w1", "backend": "inductor", "dtype": "f"}
 
@@ -250,3 +254,62 @@ def test_key_parts_cover_what_changes_a_graph(tmp_path):
     assert changed["model config"] != parts["model config"]
     assert Path(parts["model"]).is_absolute() and os.path.isdir(
         parts["model"])
+
+
+# ------------------------------------------------ settings (spyre_config)
+@pytest.fixture
+def no_sendnn(monkeypatch):
+    """Behave as on a machine without torch_sendnn, wherever tests run."""
+    monkeypatch.setattr(spyre_config, "sendnn_available", lambda: False)
+
+
+def test_graph_cache_is_off_by_default(no_sendnn):
+    cfg = SpyreConfig.from_env(environ={})
+    assert cfg.graph_cache_dir is None
+    assert cfg.require_precompiled is False
+    # The directory alone does not turn it on.
+    cfg = SpyreConfig.from_env(environ={"TORCH_SENDNN_CACHE_DIR": "/x"})
+    assert cfg.graph_cache_dir is None
+
+
+def test_graph_cache_on_with_directory_and_strict(no_sendnn, tmp_path):
+    cfg = SpyreConfig.from_env(environ={
+        "TORCH_SENDNN_CACHE_ENABLE": "1",
+        "TORCH_SENDNN_CACHE_DIR": str(tmp_path / "graphs"),
+        "VLLM_SPYRE_REQUIRE_PRECOMPILED": "1",
+    })
+    assert cfg.graph_cache_dir == str(tmp_path / "graphs")
+    assert cfg.require_precompiled is True
+    assert SpyreConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_graph_cache_default_directory(no_sendnn, monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    cfg = SpyreConfig.from_env(environ={"TORCH_SENDNN_CACHE_ENABLE": "1"})
+    assert cfg.graph_cache_dir == str(tmp_path / "spyre_graphs")
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"TORCH_SENDNN_CACHE_ENABLE": "yes"},
+     "TORCH_SENDNN_CACHE_ENABLE='yes' is invalid: use 0 or 1"),
+    ({"VLLM_SPYRE_REQUIRE_PRECOMPILED": "2"},
+     "VLLM_SPYRE_REQUIRE_PRECOMPILED='2' is invalid"),
+    ({"VLLM_SPYRE_REQUIRE_PRECOMPILED": "1"},
+     "VLLM_SPYRE_REQUIRE_PRECOMPILED=1 needs the graph cache: set "
+     "TORCH_SENDNN_CACHE_ENABLE=1"),
+    ({"TORCH_SENDNN_CACHE_ENABLE": "1", "TORCH_SENDNN_CACHE_DIR": " "},
+     "TORCH_SENDNN_CACHE_DIR is empty"),
+])
+def test_graph_cache_settings_errors(no_sendnn, env, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        SpyreConfig.from_env(environ=env)
+
+
+def test_strict_mode_is_refused_with_sendnn(monkeypatch):
+    monkeypatch.setattr(spyre_config, "sendnn_available", lambda: True)
+    with pytest.raises(ValueError, match="with sendnn the cache is "
+                       "torch_sendnn's own"):
+        SpyreConfig.from_env(environ={
+            "VLLM_SPYRE_DYNAMO_BACKEND": "sendnn",
+            "TORCH_SENDNN_CACHE_ENABLE": "1",
+            "VLLM_SPYRE_REQUIRE_PRECOMPILED": "1"})
