@@ -3,8 +3,9 @@
 process (``tests/torchrun_generate.py``), the three form the tensor-parallel
 group, and every rank returns transformers' greedy ids (so TP=1's), static
 and continuous batching, with nothing compiled after warm-up; one rank
-under plain ``python``; a size that disagrees with the launcher is
-refused."""
+under plain ``python``; ``worker_extension_cls`` mixed into the Spyre
+worker and reached by ``LLM.collective_rpc`` on every rank; a size that
+disagrees with the launcher is refused."""
 from __future__ import annotations
 
 import json
@@ -27,7 +28,8 @@ TIMEOUT = 600
 
 
 def launch(out: Path, model: Path, env: dict, nproc: int,
-           engine_args: dict = None) -> subprocess.CompletedProcess:
+           engine_args: dict = None,
+           rpc: str = None) -> subprocess.CompletedProcess:
     from vllm.utils import get_open_port
     out.mkdir(parents=True, exist_ok=True)
     if nproc > 1:
@@ -41,7 +43,8 @@ def launch(out: Path, model: Path, env: dict, nproc: int,
     run_env.update(env)
     return subprocess.run(
         [*prefix, str(SCRIPT), str(out), str(model), json.dumps(PROMPTS),
-         str(MAX_TOKENS), json.dumps(engine_args or {})],
+         str(MAX_TOKENS), json.dumps(engine_args or {}),
+         *([rpc] if rpc else [])],
         env=run_env, capture_output=True, text=True, timeout=TIMEOUT)
 
 
@@ -92,3 +95,17 @@ def test_size_that_disagrees_with_the_launcher_is_refused(
     assert proc.returncode != 0
     assert ("tensor_parallel_size=3, but the launcher started WORLD_SIZE=1 "
             "process(es)") in proc.stderr
+
+
+def test_worker_extension_is_reached_by_collective_rpc(tmp_path,
+                                                       tiny_llama_3kv):
+    proc = launch(tmp_path, tiny_llama_3kv, STATIC, 3,
+                  {"worker_extension_cls": "worker_extension.ModelProbe"},
+                  rpc="spyre_probe")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    probes = [rank["rpc"] for rank in ranks(tmp_path, 3)]
+    # One worker per engine: each rank's call reaches its own worker.
+    assert [p[0]["rank"] for p in probes] == [0, 1, 2]
+    assert {p[0]["model"] for p in probes} == {"SpyreCausalLM"}
+    # Each rank holds its own shard of the weights.
+    assert len({round(p[0]["weights_sum"], 3) for p in probes}) == 3
