@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from engine_start import compile_count
+from engine_start import compile_count, greedy_ids
 
 
 def main() -> None:
@@ -25,7 +25,7 @@ def main() -> None:
     out, model, prompts, max_tokens = sys.argv[1:5]
     engine_args = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
     rpc = sys.argv[6] if len(sys.argv) > 6 else None
-    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm import LLM
     world = int(os.environ.get("WORLD_SIZE", "1"))
     llm = LLM(model=model, **{
         "tensor_parallel_size": world,
@@ -34,14 +34,10 @@ def main() -> None:
         **engine_args
     })
     before = compile_count()
-    outputs = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in json.loads(prompts)],
-        SamplingParams(temperature=0.0, max_tokens=int(max_tokens),
-                       ignore_eos=True),
-        use_tqdm=False)
+    ids = greedy_ids(llm, prompts, max_tokens)
     rank = int(os.environ.get("RANK", "0"))
     Path(out, f"rank{rank}.json").write_text(json.dumps(dict(
-        ids=[list(o.outputs[0].token_ids) for o in outputs],
+        ids=ids,
         serving_compiles=compile_count() - before,
         rpc=llm.collective_rpc(rpc) if rpc else None,
         executor=type(llm.llm_engine.model_executor).__name__)))

@@ -378,9 +378,9 @@ def _unmarked(value):
     return value
 
 
-def _guard_failure(fn, *args, **kwargs) -> str:
+def _guard_failure(fn, model, args: tuple, kwargs: dict) -> str:
     """The first failing guard of a precompiled function, in words."""
-    f_locals = fn.prepare_f_locals(*args[:1], *args[1], **args[2])
+    f_locals = fn.prepare_f_locals(model, *args, **kwargs)
     reason = fn._artifacts.guard_manager.check_verbose(f_locals)
     return "; ".join(getattr(reason, "verbose_code_parts", [str(reason)]))
 
