@@ -71,15 +71,17 @@ def _common(vocab: int, heads: int) -> dict:
 
 
 def build_tiny_llama(out_dir: Path, seed: int = 0, heads: int = 4,
-                     kv_heads: int = 2) -> Path:
+                     kv_heads: int = 2, tied: bool = False) -> Path:
     """A 2-layer Llama (head size 16, GQA 4/2 heads unless told
-    otherwise, 1024 positions)."""
+    otherwise, 1024 positions); ``tied``: its output head is its token
+    embedding, as in SmolLM2."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     tokenizer = build_tokenizer(seed)
     torch.manual_seed(seed)
-    config = LlamaConfig(**_common(len(tokenizer), heads),
-                         num_key_value_heads=kv_heads, rms_norm_eps=1e-5)
+    config = LlamaConfig(**{
+        **_common(len(tokenizer), heads), "tie_word_embeddings": tied
+    }, num_key_value_heads=kv_heads, rms_norm_eps=1e-5)
     return _save(LlamaForCausalLM(config).eval(), tokenizer, out_dir)
 
 
@@ -136,6 +138,22 @@ FAMILIES = {
     "mixtral": _mixtral,
     "qwen3": _qwen3,
 }
+
+
+def build_retrained(src_dir: Path, out_dir: Path, seed: int = 1) -> Path:
+    """The checkpoint of ``src_dir`` after a "training step": the same
+    architecture and tokenizer, every weight moved by random noise as large
+    as the weights themselves, so that greedy outputs change."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(src_dir,
+                                                 dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.3)
+    return _save(model.eval(), AutoTokenizer.from_pretrained(src_dir),
+                 out_dir)
 
 
 def build_tiny_family(family: str, out_dir: Path, seed: int = 0,

@@ -1,20 +1,23 @@
 """One rank of a torchrun job: builds a Spyre ``vllm.LLM`` with
 ``distributed_executor_backend="external_launcher"`` in this process,
-generates greedily, and writes ``rank<RANK>.json`` (its ids, the dynamo
-compilations counted after start-up, and what ``LLM.collective_rpc`` of
-RPC_METHOD returned, if one is given) into OUT_DIR.
+generates greedily, and writes ``rank<RANK>.json`` into OUT_DIR: its ids,
+the dynamo compilations counted after start-up, what ``LLM.collective_rpc``
+of ``--rpc`` returned, and, with ``--update-from DIR``, the ids generated
+after loading DIR's weights in place (``update_weights_in_place``) and the
+compilations counted since.
 
     torchrun --nproc-per-node N tests/torchrun_generate.py OUT_DIR MODEL \\
-        PROMPTS_JSON MAX_TOKENS [ENGINE_ARGS_JSON [RPC_METHOD]]
+        PROMPTS_JSON MAX_TOKENS [--engine-args JSON] [--rpc METHOD] \\
+        [--update-from DIR]
 
 The Spyre settings come from the environment.  With N=1 plain ``python``
 runs it too.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 from engine_start import compile_count, greedy_ids
@@ -22,25 +25,39 @@ from engine_start import compile_count, greedy_ids
 
 def main() -> None:
     os.environ.setdefault("VLLM_USE_V1", "0")
-    out, model, prompts, max_tokens = sys.argv[1:5]
-    engine_args = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
-    rpc = sys.argv[6] if len(sys.argv) > 6 else None
+    parser = argparse.ArgumentParser()
+    for name in ("out", "model", "prompts", "max_tokens"):
+        parser.add_argument(name)
+    parser.add_argument("--engine-args", type=json.loads, default={})
+    parser.add_argument("--rpc")
+    parser.add_argument("--update-from")
+    args = parser.parse_args()
     from vllm import LLM
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    llm = LLM(model=model, **{
+    llm = LLM(model=args.model, **{
         "tensor_parallel_size": world,
         "distributed_executor_backend": "external_launcher",
         "seed": 0,
-        **engine_args
+        **args.engine_args
     })
     before = compile_count()
-    ids = greedy_ids(llm, prompts, max_tokens)
-    rank = int(os.environ.get("RANK", "0"))
-    Path(out, f"rank{rank}.json").write_text(json.dumps(dict(
-        ids=ids,
+    result = dict(
+        ids=greedy_ids(llm, args.prompts, args.max_tokens),
         serving_compiles=compile_count() - before,
-        rpc=llm.collective_rpc(rpc) if rpc else None,
-        executor=type(llm.llm_engine.model_executor).__name__)))
+        rpc=llm.collective_rpc(args.rpc) if args.rpc else None,
+        executor=type(llm.llm_engine.model_executor).__name__)
+    if args.update_from:
+        from safetensors.torch import load_file
+        state_dict = {}
+        for path in sorted(Path(args.update_from).glob("*.safetensors")):
+            state_dict.update(load_file(path))
+        before = compile_count()
+        llm.collective_rpc("update_weights_in_place", args=(state_dict, ))
+        result.update(
+            updated_ids=greedy_ids(llm, args.prompts, args.max_tokens),
+            update_compiles=compile_count() - before)
+    rank = int(os.environ.get("RANK", "0"))
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

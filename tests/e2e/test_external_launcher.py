@@ -5,7 +5,9 @@ group, and every rank returns transformers' greedy ids (so TP=1's), static
 and continuous batching, with nothing compiled after warm-up; one rank
 under plain ``python``; ``worker_extension_cls`` mixed into the Spyre
 worker and reached by ``LLM.collective_rpc`` on every rank; a size that
-disagrees with the launcher is refused."""
+disagrees with the launcher is refused; new weights loaded in place on every
+rank (each keeping its shard) give transformers' ids of the new checkpoint
+with nothing compiled, ``eager`` and ``inductor``."""
 from __future__ import annotations
 
 import json
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, HFReference, spyre_env
+from tiny_models import build_retrained
 
 pytestmark = pytest.mark.e2e
 
@@ -28,8 +31,10 @@ TIMEOUT = 600
 
 
 def launch(out: Path, model: Path, env: dict, nproc: int,
-           engine_args: dict = None,
-           rpc: str = None) -> subprocess.CompletedProcess:
+           engine_args: dict = None, rpc: str = None,
+           update_from: Path = None) -> subprocess.CompletedProcess:
+    """Runs ``tests/torchrun_generate.py`` on ``nproc`` ranks (plain
+    ``python`` for one)."""
     from vllm.utils import get_open_port
     out.mkdir(parents=True, exist_ok=True)
     if nproc > 1:
@@ -43,8 +48,9 @@ def launch(out: Path, model: Path, env: dict, nproc: int,
     run_env.update(env)
     return subprocess.run(
         [*prefix, str(SCRIPT), str(out), str(model), json.dumps(PROMPTS),
-         str(MAX_TOKENS), json.dumps(engine_args or {}),
-         *([rpc] if rpc else [])],
+         str(MAX_TOKENS), "--engine-args", json.dumps(engine_args or {}),
+         *(["--rpc", rpc] if rpc else []),
+         *(["--update-from", str(update_from)] if update_from else [])],
         env=run_env, capture_output=True, text=True, timeout=TIMEOUT)
 
 
@@ -109,3 +115,20 @@ def test_worker_extension_is_reached_by_collective_rpc(tmp_path,
     assert {p[0]["model"] for p in probes} == {"SpyreCausalLM"}
     # Each rank holds its own shard of the weights.
     assert len({round(p[0]["weights_sum"], 3) for p in probes}) == 3
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_weights_updated_in_place_on_three_ranks(tmp_path, tiny_llama_3kv,
+                                                 hf_ids, backend):
+    retrained = build_retrained(tiny_llama_3kv, tmp_path / "retrained")
+    hf = HFReference(retrained)
+    retrained_ids = [hf.greedy(p, MAX_TOKENS)[0] for p in PROMPTS]
+    assert retrained_ids != hf_ids
+    proc = launch(tmp_path / "out", tiny_llama_3kv,
+                  spyre_env(backend, [64], [MAX_TOKENS], [3]), 3,
+                  update_from=retrained)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    for rank in ranks(tmp_path / "out", 3):
+        assert rank["ids"] == hf_ids
+        assert rank["updated_ids"] == retrained_ids
+        assert rank["update_compiles"] == 0

@@ -16,6 +16,7 @@ V0 Neuron worker does.
 from __future__ import annotations
 
 import os
+import time
 from typing import Optional
 
 import torch
@@ -134,6 +135,24 @@ class SpyreWorker(LocalOrDistributedWorkerBase):
         is off."""
         model = self.model_runner.model
         return model.graph_cache_stats() if model is not None else {}
+
+    def update_weights_in_place(self, state_dict) -> dict:
+        """Loads new weights into the compiled model, nothing recompiled:
+        ``state_dict`` maps Hugging Face names to the full tensors of the
+        checkpoint the model was loaded from (each rank keeps its shard).
+        Called on every rank by ``LLM.collective_rpc`` between requests; a
+        mismatching state dict is refused with a ``ValueError`` naming the
+        tensors, and the old weights stay.  Returns the tensors loaded and
+        the seconds taken."""
+        model = self.model_runner.model
+        if model is None:
+            raise RuntimeError("update_weights_in_place before load_model")
+        start = time.perf_counter()
+        count = model.update_weights_in_place(state_dict)
+        seconds = time.perf_counter() - start
+        logger.info("Spyre worker %d: loaded %d tensors in place in %.2f s",
+                    self.rank, count, seconds)
+        return {"tensors": count, "seconds": seconds}
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """One block per sequence, ``max_num_seqs`` sequences, one spare."""

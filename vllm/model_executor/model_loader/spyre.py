@@ -74,6 +74,9 @@ class SpyreCausalLM(nn.Module):
                                     model_config.hf_config)
         #: FMS attention op of every forward.
         self.attn_name = self.ATTN_NAMES[0]
+        #: Whether the graphs hold the weights as constants (inductor
+        #: freezing) rather than reading them as inputs.
+        self.frozen = False
         if spyre_config.dynamo_backend == "inductor":
             self._use_cpu_kernels()
         self._register_attention()
@@ -152,15 +155,18 @@ class SpyreCausalLM(nn.Module):
                 cpp_wrapper=True,
                 size_asserts=False,
                 alignment_asserts=False)
-            if cache is None:
-                # Weights become constants of the graph, which lets
-                # inductor pre-pack for MKL those linear layers the packed
-                # kernel does not take.  Dynamo must hand the parameters to
-                # inductor as parameters for that (prepare_freezing).  A
-                # cached graph cannot hold frozen weights (docs/
-                # performance.md), so the cache keeps them graph inputs.
+            if cache is None and self.attn_name == self.ATTN_NAMES[0]:
+                # Where the packed kernel is not used (bfloat16, or no
+                # compiler for it), weights become constants of the graph,
+                # which lets inductor pre-pack them for MKL.  Dynamo must
+                # hand the parameters to inductor as parameters for that
+                # (prepare_freezing).  With the packed kernel, freezing
+                # gains nothing measurable (docs/performance.md) and would
+                # rule out in-place weight updates; a cached graph cannot
+                # hold frozen weights, so the cache keeps them inputs too.
                 torch._dynamo.config.prepare_freezing = True
                 options["freezing"] = True
+                self.frozen = True
         if cache is not None:
             options.pop("guard_filter_fn", None)
             return spyre_graph_cache.PrecompiledGraphs(model, backend,
@@ -192,6 +198,40 @@ class SpyreCausalLM(nn.Module):
             dtype=self.dtype)
         return spyre_graph_cache.GraphCache(
             directory, parts, rank=get_tensor_model_parallel_rank())
+
+    # ---- weights ---------------------------------------------------------
+    def update_weights_in_place(self, state_dict) -> int:
+        """Loads new weights (Hugging Face naming, full tensors; this rank
+        keeps its shard) into the compiled model without recompiling
+        (``spyre_weight_update``); returns how many tensors were loaded.
+        A state dict that does not match the checkpoint is refused with the
+        old weights kept."""
+        from vllm.model_executor.model_loader import spyre_weight_update
+        backend = self.spyre_config.dynamo_backend
+        family = spyre_families.family_of(self.hf_config)
+        if backend == "sendnn":
+            raise NotImplementedError(
+                "In-place weight updates with the sendnn backend are not "
+                "supported on Spyre")
+        if not family.serves_checkpoint_layout:
+            raise NotImplementedError(
+                f"In-place weight updates of {family.hf_architecture} "
+                "models are not supported on Spyre")
+        if self.frozen:
+            raise NotImplementedError(
+                "In-place weight updates of a model compiled with its "
+                "weights frozen into the graphs (inductor, dtype "
+                f"{self.dtype}) are not supported on Spyre: set "
+                "TORCH_SENDNN_CACHE_ENABLE=1 (the graph cache keeps weights "
+                "graph inputs) or use float32")
+        layout = spyre_weight_update.CheckpointLayout.read(
+            self.model_path, self.hf_config)
+        spyre_weight_update.check_state_dict(state_dict, layout)
+        args = spyre_families.fms_model_args(self.model_path, self.hf_config)
+        return spyre_weight_update.load_in_place(
+            self.fms_model, state_dict, layout,
+            architecture=args["architecture"], source=args["source"],
+            tensor_parallel=self.tp_size > 1)
 
     # ---- graphs ---------------------------------------------------------
     @staticmethod

@@ -109,12 +109,17 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLinear(nn.Module):
-    """Drop-in for a float32 ``nn.Linear`` (no autograd)."""
+    """Drop-in for a float32 ``nn.Linear`` (no autograd).  ``tied_to``
+    names the model parameter the weight was tied to (an embedding), if
+    any: the packed copy is refreshed from it when weights are updated in
+    place (``spyre_weight_update``)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear,
+                 tied_to: Optional[str] = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
+        self.tied_to = tied_to
         with torch.no_grad():
             self.register_buffer("packed", pack_weight(linear.weight.detach()))
             bias = linear.bias
@@ -124,6 +129,16 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.spyre_cpu.packed_linear(x, self.packed,
                                                  self.out_features, self.bias)
+
+    @torch.no_grad()
+    def repack(self, weight: torch.Tensor) -> None:
+        """Packs ``weight`` [out_features, in_features] into the packed
+        buffer in place, so compiled graphs see it at their next call."""
+        if weight.shape != (self.out_features, self.in_features):
+            raise ValueError(
+                f"weight of shape {tuple(weight.shape)} for a packed layer "
+                f"of {self.out_features} x {self.in_features}")
+        self.packed.copy_(pack_weight(weight.to(self.packed.dtype)))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, "
@@ -141,12 +156,25 @@ def _plain_linear_types() -> tuple[type, ...]:
 def pack_linears(model: nn.Module) -> int:
     """Replaces every plain float32 linear layer of ``model`` with a
     ``PackedLinear``; returns how many.  A weight tied to an embedding stays
-    in place for the embedding, and the layer gets its own packed copy."""
+    in place for the embedding, and the layer gets its own packed copy,
+    which remembers the parameter it was tied to."""
     plain = _plain_linear_types()
-    swaps = [(parent, name, child)
-             for parent in model.modules()
+    swaps = [(f"{prefix}.{name}" if prefix else name, parent, name, child)
+             for prefix, parent in model.named_modules()
              for name, child in parent.named_children()
              if type(child) in plain and child.weight.dtype == torch.float32]
-    for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child))
+    owners = _parameter_owners(model)
+    for qualified, parent, name, child in swaps:
+        others = [n for n in owners.get(id(child.weight), [])
+                  if not n.startswith(qualified + ".")]
+        setattr(parent, name,
+                PackedLinear(child, tied_to=others[0] if others else None))
     return len(swaps)
+
+
+def _parameter_owners(model: nn.Module) -> dict[int, list[str]]:
+    """Every name each parameter goes by (a tied one has several)."""
+    owners: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name)
+    return owners

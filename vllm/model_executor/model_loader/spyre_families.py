@@ -85,6 +85,12 @@ class DecoderFamily:
     #: Whether the config's ``sliding_window`` applies to this family.
     has_window: bool = False
 
+    @property
+    def serves_checkpoint_layout(self) -> bool:
+        """Whether the served model keeps the layout its checkpoint loads
+        into (no ``prepare`` step), so new weights can be loaded in place."""
+        return self.prepare is _as_loaded
+
     def sliding_window(self, hf_config) -> Optional[int]:
         return _window_of(hf_config) if self.has_window else None
 
