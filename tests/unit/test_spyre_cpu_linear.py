@@ -90,9 +90,26 @@ def test_pack_linears_replaces_every_linear(tiny_pair):
     assert n == 4 * 2 + 1
     assert not [m for m in packed.modules()
                 if isinstance(m, torch.nn.Linear)]
-    # The tied embedding keeps its weight for the lookup.
+    # The tied embedding keeps its weight for the lookup; the head's packed
+    # copy remembers it, the other layers are tied to nothing.
     torch.testing.assert_close(packed.base_model.embedding.weight,
                                model.base_model.embedding.weight)
+    heads = {name: m.tied_to for name, m in packed.named_modules()
+             if isinstance(m, spyre_cpu_linear.PackedLinear)}
+    assert heads.pop("head") == "base_model.embedding.weight"
+    assert set(heads.values()) == {None}
+
+
+def test_repack_replaces_the_weight_in_place():
+    layer = spyre_cpu_linear.PackedLinear(torch.nn.Linear(8, 40))
+    buffer = layer.packed
+    new = torch.randn(40, 8)
+    layer.repack(new)
+    assert layer.packed is buffer  # compiled graphs keep reading it
+    torch.testing.assert_close(layer(torch.eye(8)), new.t() + layer.bias)
+    with pytest.raises(ValueError, match=r"shape \(8, 40\) for a packed "
+                       "layer of 40 x 8"):
+        layer.repack(new.t())
 
 
 @torch.inference_mode()
