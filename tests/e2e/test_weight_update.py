@@ -4,8 +4,9 @@ transformers' on the new checkpoint, with nothing compiled, on ``eager``
 and ``inductor`` (whose packed layers, a tied head among them, are
 repacked), static and continuous batching; a state dict that does not
 match is refused naming the tensor and the old weights keep serving;
-graphs with frozen weights and mixture-of-experts models refuse clearly.
-Tensor parallel over three torchrun ranks: ``test_external_launcher.py``."""
+graphs with frozen weights and mixture-of-experts models refuse clearly;
+TP=3 through the multiprocessing executor.  Tensor parallel over three
+torchrun ranks: ``test_external_launcher.py``."""
 from __future__ import annotations
 
 import pytest
@@ -134,3 +135,22 @@ def test_mixture_of_experts_refuses_updates(tmp_path):
                            "supported"):
             llm.collective_rpc("update_weights_in_place",
                                args=(hf.model.state_dict(), ))
+
+
+def test_update_reaches_every_multiprocessing_rank(tiny_llama_3kv,
+                                                   tmp_path):
+    """TP=3 through the multiprocessing executor: the state dict is sent
+    to each worker process, every rank keeps its shard, and a refusal on
+    the ranks leaves them all serving the old weights."""
+    ckpt = Checkpoints(tiny_llama_3kv,
+                       build_retrained(tiny_llama_3kv, tmp_path / "b"))
+    bad = {k: v for k, v in ckpt.state_dict_b.items()
+           if k != "model.norm.weight"}
+    with spyre_llm(ckpt.a, STATIC["eager"], tensor_parallel_size=3) as llm:
+        with pytest.raises(ValueError, match="missing model.norm.weight"):
+            llm.collective_rpc("update_weights_in_place", args=(bad, ))
+        assert greedy(llm) == ckpt.ids_a
+        done = llm.collective_rpc("update_weights_in_place",
+                                  args=(ckpt.state_dict_b, ))
+        assert [d["tensors"] for d in done] == [len(ckpt.state_dict_b)] * 3
+        assert greedy(llm) == ckpt.ids_b
