@@ -124,9 +124,11 @@ class SpyreCausalLM(nn.Module):
         spyre_kv_cache.register()
 
     def _compile(self, model: nn.Module):
-        """The compiled model: ``DynamoGraphs`` (dynamo compiles each graph
-        at its first call) or, with the graph cache on, ``PrecompiledGraphs``
-        (each graph loaded from the cache or precompiled and kept)."""
+        """The compiled model: ``PrecompiledGraphs`` (each graph loaded
+        from the graph cache when it is on, or precompiled and kept) or,
+        for ``sendnn``, ``eager`` without the cache and inductor graphs
+        with frozen weights, ``DynamoGraphs`` (dynamo compiles each graph
+        at its first call)."""
         backend = self.spyre_config.dynamo_backend
         if backend == "sendnn":
             import torch_sendnn  # noqa: F401  registers the backend
@@ -160,13 +162,18 @@ class SpyreCausalLM(nn.Module):
                 # compiler for it), weights become constants of the graph,
                 # which lets inductor pre-pack them for MKL.  Dynamo must
                 # hand the parameters to inductor as parameters for that
-                # (prepare_freezing).  With the packed kernel, freezing
-                # gains nothing measurable (docs/performance.md) and would
-                # rule out in-place weight updates; a cached graph cannot
-                # hold frozen weights, so the cache keeps them inputs too.
+                # (prepare_freezing).  A precompiled graph cannot hold
+                # frozen weights (docs/performance.md).
                 torch._dynamo.config.prepare_freezing = True
                 options["freezing"] = True
                 self.frozen = True
+            elif cache is None:
+                # With the packed kernel, weights stay graph inputs (so
+                # they can be updated in place), and graphs precompiled
+                # per name, kept in memory, step as fast as frozen ones;
+                # dynamo's own dispatch with weights as inputs costs
+                # about 2 ms a SmolLM2 decode step (docs/performance.md).
+                cache = spyre_graph_cache.InMemoryGraphs()
         if cache is not None:
             options.pop("guard_filter_fn", None)
             return spyre_graph_cache.PrecompiledGraphs(model, backend,
@@ -274,7 +281,8 @@ class SpyreCausalLM(nn.Module):
         """Graphs loaded, compiled and rejected by the cache since start
         (empty when it is off)."""
         cache = getattr(self.model, "cache", None)
-        return dict(cache.stats) if cache is not None else {}
+        return dict(cache.stats) if cache is not None and \
+            cache.persistent else {}
 
     def _cache_for(self, batch_size: int, cache_len: int) -> list:
         key = (batch_size, cache_len)

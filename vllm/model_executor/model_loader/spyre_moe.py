@@ -31,8 +31,12 @@ from torch import nn
 def _classes() -> tuple[type, type]:
     """FMS's layer class, and the class its loaded layers are given."""
     from fms.modules.feedforward import MOEFeedForward
-    return MOEFeedForward, type("DenseMOEFeedForward",
-                                (DenseMOEFeedForward, MOEFeedForward), {})
+    dense = type("DenseMOEFeedForwardLayer",
+                 (DenseMOEFeedForward, MOEFeedForward), {})
+    # Precompiled graphs pickle their guards, and pickle finds a class by
+    # its module and name.
+    globals()[dense.__name__] = dense
+    return MOEFeedForward, dense
 
 
 def router_weights(scores: torch.Tensor, top_k: int) -> torch.Tensor:
