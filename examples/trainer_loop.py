@@ -27,6 +27,8 @@ DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / \
     "SmolLM2-135M-Instruct"
 
 os.environ.setdefault("VLLM_SPYRE_DYNAMO_BACKEND", "eager")
+# With inductor: weights stay graph inputs, so they can be updated in place.
+os.environ.setdefault("VLLM_SPYRE_INDUCTOR_FREEZING", "0")
 os.environ.setdefault("VLLM_SPYRE_WARMUP_PROMPT_LENS", "64")
 os.environ.setdefault("VLLM_SPYRE_WARMUP_NEW_TOKENS", "12")
 os.environ.setdefault("VLLM_SPYRE_WARMUP_BATCH_SIZES", "1")

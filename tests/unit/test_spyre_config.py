@@ -432,6 +432,7 @@ def test_env_var_declarations_are_consistent(no_sendnn):
         "TORCH_SENDNN_CACHE_ENABLE",
         "TORCH_SENDNN_CACHE_DIR",
         "VLLM_SPYRE_REQUIRE_PRECOMPILED",
+        "VLLM_SPYRE_INDUCTOR_FREEZING",
     }
     # Every declared default parses: the defaults spelled out explicitly
     # give the same config as no environment at all.

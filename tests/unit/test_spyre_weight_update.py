@@ -1,6 +1,7 @@
 """The pure parts of in-place weight updates (``spyre_weight_update``):
 what a checkpoint's layout requires, the checks that refuse a state dict
-before anything is copied, and the layer grouping of the copy.  Engines
+before anything is copied, the layer grouping of the copy, and the setting
+that keeps inductor's weights graph inputs.  Engines
 updated end to end: ``tests/e2e/test_weight_update.py``."""
 from __future__ import annotations
 
@@ -134,3 +135,23 @@ def test_packed_fms_model_takes_new_weights_in_place():
     with torch.inference_mode():
         torch.testing.assert_close(served(ids), new(ids), rtol=1e-4,
                                    atol=1e-4)
+
+
+@pytest.mark.parametrize("value, freezing", [(None, True), ("1", True),
+                                             ("0", False)])
+def test_freezing_setting(value, freezing):
+    from vllm.platforms.spyre_config import SpyreConfig
+    env = {"VLLM_SPYRE_DYNAMO_BACKEND": "inductor"}
+    if value is not None:
+        env["VLLM_SPYRE_INDUCTOR_FREEZING"] = value
+    cfg = SpyreConfig.from_env(environ=env)
+    assert cfg.inductor_freezing is freezing
+    # Workers get the setting through the vLLM config.
+    assert SpyreConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_a_bad_freezing_value_is_refused():
+    from vllm.platforms.spyre_config import SpyreConfig
+    with pytest.raises(ValueError,
+                       match="VLLM_SPYRE_INDUCTOR_FREEZING='yes' is invalid"):
+        SpyreConfig.from_env(environ={"VLLM_SPYRE_INDUCTOR_FREEZING": "yes"})

@@ -105,6 +105,12 @@ SPYRE_ENV_VARS: tuple[EnvVar, ...] = (
         "`1` refuses to start, listing the shapes missing from the graph "
         "cache, instead of compiling them; needs "
         "`TORCH_SENDNN_CACHE_ENABLE=1` (`eager` and `inductor`)."),
+    EnvVar(
+        "VLLM_SPYRE_INDUCTOR_FREEZING", lambda: "1", "`1`",
+        "`1` lets `inductor` freeze the weights into its graphs as "
+        "constants (the fastest steps); `0` keeps them graph inputs, which "
+        "new weights loaded in place (`update_weights_in_place`) need. "
+        "The graph cache always keeps them inputs."),
 )
 _ENV_BY_NAME = {v.name: v for v in SPYRE_ENV_VARS}
 
@@ -154,6 +160,8 @@ class SpyreConfig:
     graph_cache_dir: Optional[str] = None
     #: Refuse to start when a graph is missing from the cache.
     require_precompiled: bool = False
+    #: inductor may freeze the weights into its graphs (cache off).
+    inductor_freezing: bool = True
 
     @classmethod
     def from_env(cls,
@@ -206,6 +214,12 @@ class SpyreConfig:
         cache_dir, strict = _parse_graph_cache(
             get("TORCH_SENDNN_CACHE_ENABLE"), get("TORCH_SENDNN_CACHE_DIR"),
             get("VLLM_SPYRE_REQUIRE_PRECOMPILED"), backend)
+        freezing = get("VLLM_SPYRE_INDUCTOR_FREEZING")
+        if freezing not in ("0", "1"):
+            raise ValueError(
+                f"VLLM_SPYRE_INDUCTOR_FREEZING={freezing!r} is invalid: use "
+                "1 (weights frozen into inductor's graphs) or 0 (weights "
+                "graph inputs, updatable in place).")
         return cls(dynamo_backend=backend,
                    warmup_shapes=shapes,
                    use_cb=use_cb == "1",
@@ -214,7 +228,8 @@ class SpyreConfig:
                    devices=devices,
                    ignored_vars=ignored,
                    graph_cache_dir=cache_dir,
-                   require_precompiled=strict)
+                   require_precompiled=strict,
+                   inductor_freezing=freezing == "1")
 
     @property
     def card_count(self) -> Optional[int]:
@@ -278,7 +293,8 @@ class SpyreConfig:
                    ignored_vars=tuple(data.get("ignored_vars", ())),
                    graph_cache_dir=data.get("graph_cache_dir"),
                    require_precompiled=data.get("require_precompiled",
-                                                False))
+                                                False),
+                   inductor_freezing=data.get("inductor_freezing", True))
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> "SpyreConfig":

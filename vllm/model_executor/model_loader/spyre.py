@@ -124,11 +124,9 @@ class SpyreCausalLM(nn.Module):
         spyre_kv_cache.register()
 
     def _compile(self, model: nn.Module):
-        """The compiled model: ``PrecompiledGraphs`` (each graph loaded
-        from the graph cache when it is on, or precompiled and kept) or,
-        for ``sendnn``, ``eager`` without the cache and inductor graphs
-        with frozen weights, ``DynamoGraphs`` (dynamo compiles each graph
-        at its first call)."""
+        """The compiled model: ``DynamoGraphs`` (dynamo compiles each graph
+        at its first call) or, with the graph cache on, ``PrecompiledGraphs``
+        (each graph loaded from the cache or precompiled and kept)."""
         backend = self.spyre_config.dynamo_backend
         if backend == "sendnn":
             import torch_sendnn  # noqa: F401  registers the backend
@@ -157,23 +155,20 @@ class SpyreCausalLM(nn.Module):
                 cpp_wrapper=True,
                 size_asserts=False,
                 alignment_asserts=False)
-            if cache is None and self.attn_name == self.ATTN_NAMES[0]:
-                # Where the packed kernel is not used (bfloat16, or no
-                # compiler for it), weights become constants of the graph,
-                # which lets inductor pre-pack them for MKL.  Dynamo must
-                # hand the parameters to inductor as parameters for that
-                # (prepare_freezing).  A precompiled graph cannot hold
-                # frozen weights (docs/performance.md).
-                torch._dynamo.config.prepare_freezing = True
+            if cache is None and self.spyre_config.inductor_freezing:
+                # Weights become constants of the graph, which lets
+                # inductor fold and pre-pack them (for MKL, the layers the
+                # packed kernel does not take).  Dynamo must hand the
+                # parameters to inductor as parameters for that
+                # (prepare_freezing).  A cached graph cannot hold frozen
+                # weights (docs/performance.md), so the cache keeps them
+                # graph inputs, as does VLLM_SPYRE_INDUCTOR_FREEZING=0 (for
+                # weights updated in place).
                 options["freezing"] = True
                 self.frozen = True
-            elif cache is None:
-                # With the packed kernel, weights stay graph inputs (so
-                # they can be updated in place), and graphs precompiled
-                # per name, kept in memory, step as fast as frozen ones;
-                # dynamo's own dispatch with weights as inputs costs
-                # about 2 ms a SmolLM2 decode step (docs/performance.md).
-                cache = spyre_graph_cache.InMemoryGraphs()
+            # A process-wide flag: an engine built earlier in this process
+            # must not leave it set for this one.
+            torch._dynamo.config.prepare_freezing = self.frozen
         if cache is not None:
             options.pop("guard_filter_fn", None)
             return spyre_graph_cache.PrecompiledGraphs(model, backend,
@@ -227,10 +222,11 @@ class SpyreCausalLM(nn.Module):
         if self.frozen:
             raise NotImplementedError(
                 "In-place weight updates of a model compiled with its "
-                "weights frozen into the graphs (inductor, dtype "
-                f"{self.dtype}) are not supported on Spyre: set "
-                "TORCH_SENDNN_CACHE_ENABLE=1 (the graph cache keeps weights "
-                "graph inputs) or use float32")
+                "weights frozen into the graphs (inductor freezing) are not "
+                "supported on Spyre: start the engine with "
+                "VLLM_SPYRE_INDUCTOR_FREEZING=0 (or the graph cache on, "
+                "TORCH_SENDNN_CACHE_ENABLE=1), which keep the weights graph "
+                "inputs")
         layout = spyre_weight_update.CheckpointLayout.read(
             self.model_path, self.hf_config)
         spyre_weight_update.check_state_dict(state_dict, layout)
@@ -281,8 +277,7 @@ class SpyreCausalLM(nn.Module):
         """Graphs loaded, compiled and rejected by the cache since start
         (empty when it is off)."""
         cache = getattr(self.model, "cache", None)
-        return dict(cache.stats) if cache is not None and \
-            cache.persistent else {}
+        return dict(cache.stats) if cache is not None else {}
 
     def _cache_for(self, batch_size: int, cache_len: int) -> list:
         key = (batch_size, cache_len)

@@ -105,8 +105,6 @@ class GraphCache:
     """One entry of the cache directory: the graphs of one configuration,
     for one rank."""
 
-    persistent = True
-
     def __init__(self, directory: str, parts: Mapping[str, str],
                  rank: int) -> None:
         self.root = Path(directory)
@@ -289,26 +287,10 @@ class GraphCache:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
 
-class InMemoryGraphs:
-    """Stands in for ``GraphCache`` when the cache is off: graphs are
-    precompiled and kept in this process only."""
-
-    persistent = False
-
-    def __init__(self) -> None:
-        self.stats: Counter = Counter()
-
-    def kernels(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def read(self, graph: str) -> None:
-        return None
-
-
 class PrecompiledGraphs:
-    """The compiled model as one precompiled function per graph name,
-    loaded from the graph cache (when on) or compiled (and kept) at its
-    first call.
+    """The compiled model when the graph cache is on: one precompiled
+    function per graph name, loaded from the cache or compiled (and
+    kept) at its first call.
 
     A loaded graph's guards are checked against its first inputs; a graph
     whose guards fail is compiled again.  Later calls skip the check: the
@@ -317,8 +299,7 @@ class PrecompiledGraphs:
     """
 
     def __init__(self, model: torch.nn.Module, backend: str,
-                 options: Optional[dict],
-                 cache: "GraphCache | InMemoryGraphs") -> None:
+                 options: Optional[dict], cache: GraphCache) -> None:
         self.model = model
         self.backend = backend
         self.options = options
@@ -373,8 +354,6 @@ class PrecompiledGraphs:
                                      options=options)
             fn = compiled.aot_compile((args, kwargs))
         self.cache.stats["compiled"] += 1
-        if not self.cache.persistent:
-            return fn
         try:
             payload = AOTCompiledFunction.serialize(fn).serialized_data
         except Exception as e:
