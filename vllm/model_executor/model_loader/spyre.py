@@ -230,10 +230,9 @@ class SpyreCausalLM(nn.Module):
         layout = spyre_weight_update.CheckpointLayout.read(
             self.model_path, self.hf_config)
         spyre_weight_update.check_state_dict(state_dict, layout)
-        args = spyre_families.fms_model_args(self.model_path, self.hf_config)
         return spyre_weight_update.load_in_place(
             self.fms_model, state_dict, layout,
-            architecture=args["architecture"], source=args["source"],
+            architecture=family.fms_architecture, source=family.source,
             tensor_parallel=self.tp_size > 1)
 
     # ---- graphs ---------------------------------------------------------

@@ -91,14 +91,9 @@ def check_state_dict(state_dict: Mapping[str, Any],
         problems.append(f"not in the model: {_names(extra)}")
     for name in sorted(set(state_dict) & set(known)):
         tensor = state_dict[name]
-        if (not isinstance(tensor, torch.Tensor) or tensor.is_meta
-                or not torch.is_floating_point(tensor)):
-            what = (f"a {tensor.dtype} tensor"
-                    if isinstance(tensor, torch.Tensor) and
-                    not tensor.is_meta else type(tensor).__name__)
-            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
-                what = "a meta tensor (no data)"
-            problems.append(f"{name} is {what}, not a floating-point "
+        wrong = _not_a_float_tensor(tensor)
+        if wrong:
+            problems.append(f"{name} is {wrong}, not a floating-point "
                             "tensor")
         elif tuple(tensor.shape) != known[name]:
             problems.append(f"{name} has shape {tuple(tensor.shape)}, the "
@@ -109,6 +104,18 @@ def check_state_dict(state_dict: Mapping[str, Any],
             "; ".join(problems) + ". Pass a state dict in Hugging Face "
             "naming with the full (unsharded) tensors of the checkpoint "
             "the model was loaded from.")
+
+
+def _not_a_float_tensor(value: Any) -> Optional[str]:
+    """What ``value`` is, when it is not a floating-point tensor with
+    data."""
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    if value.is_meta:
+        return "a meta tensor (no data)"
+    if not torch.is_floating_point(value):
+        return f"a {value.dtype} tensor"
+    return None
 
 
 def _names(names: list[str], shown: int = 5) -> str:
