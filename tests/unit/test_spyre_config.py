@@ -293,6 +293,22 @@ def test_use_cb_still_validates_the_other_vars(no_sendnn):
                                       "AIU_WORLD_SIZE": "0"})
 
 
+def test_every_field_reaches_the_workers():
+    """Each field set away from its default survives ``to_dict`` /
+    ``from_dict`` (the vLLM config's copy the workers read)."""
+    from dataclasses import MISSING, fields
+    cfg = SpyreConfig(
+        dynamo_backend="eager", warmup_shapes=(WarmupShape(64, 4, 2), ),
+        use_cb=True, backend_reason="reason", world_size=2,
+        devices=("0", "1"), ignored_vars=("VLLM_SPYRE_WARMUP_NEW_TOKENS", ),
+        graph_cache_dir="/tmp/g", require_precompiled=True,
+        inductor_freezing=False)
+    # A field added later must be set here too.
+    assert all(getattr(cfg, f.name) != f.default for f in fields(cfg)
+               if f.default is not MISSING)
+    assert SpyreConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
 def test_use_cb_round_trip(no_sendnn):
     env = {"VLLM_SPYRE_USE_CB": "1", "VLLM_SPYRE_DYNAMO_BACKEND": "eager",
            "VLLM_SPYRE_WARMUP_NEW_TOKENS": "20", "SPYRE_DEVICES": "0,1"}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Mapping, Optional
 
 DYNAMO_BACKENDS = ("eager", "inductor", "sendnn")
@@ -283,18 +283,15 @@ class SpyreConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "SpyreConfig":
-        shapes = tuple(WarmupShape(**s) for s in data["warmup_shapes"])
-        return cls(dynamo_backend=data["dynamo_backend"],
-                   warmup_shapes=shapes,
-                   use_cb=data["use_cb"],
-                   backend_reason=data["backend_reason"],
-                   world_size=data.get("world_size"),
-                   devices=tuple(data.get("devices", ())),
-                   ignored_vars=tuple(data.get("ignored_vars", ())),
-                   graph_cache_dir=data.get("graph_cache_dir"),
-                   require_precompiled=data.get("require_precompiled",
-                                                False),
-                   inductor_freezing=data.get("inductor_freezing", True))
+        """The config ``to_dict`` gave (also after a JSON round trip, which
+        turns tuples into lists); a field the dict lacks keeps its
+        default."""
+        values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+        values["warmup_shapes"] = tuple(
+            WarmupShape(**s) for s in data["warmup_shapes"])
+        for name in ("devices", "ignored_vars"):
+            values[name] = tuple(values.get(name, ()))
+        return cls(**values)
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> "SpyreConfig":
