@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -264,8 +265,9 @@ def test_malformed_requests_get_4xx(server, body, status):
                              max_tokens=1)).status_code == 200
 
 
-def stream_times(server, prompt, max_tokens):
-    """Streams one completion; returns (arrival time of each chunk)."""
+def stream_times(server, prompt, max_tokens, started=None):
+    """Streams one completion; returns (arrival time of each chunk).
+    ``started`` (an Event), if given, is set at the first chunk."""
     times = []
     with requests.post(server.url + "/v1/completions",
                        json=dict(model=server.model, prompt=prompt,
@@ -277,6 +279,8 @@ def stream_times(server, prompt, max_tokens):
             if line.startswith(b"data: ") and line != b"data: [DONE]":
                 if json.loads(line[6:])["choices"]:
                     times.append(time.monotonic())
+                    if started is not None:
+                        started.set()
     return times
 
 
@@ -285,12 +289,11 @@ def test_later_arrivals_wait_then_share_one_batch(server):
     batch together (16 engine steps for 4 rows of 16 tokens)."""
     steps = "vllm:iteration_tokens_total_count"
     before = metric(server, steps)
+    running = threading.Event()
     with ThreadPoolExecutor(5) as pool:
-        blocker = pool.submit(stream_times, server, [9] * 8, 16)
-        deadline = time.monotonic() + 60
-        while metric(server, "vllm:num_requests_running") < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        blocker = pool.submit(stream_times, server, [9] * 8, 16, running)
+        # Its first token has arrived: the batch runs 15 more steps.
+        assert running.wait(60)
         later = [pool.submit(stream_times, server, [9] * (4 + i), 16)
                  for i in range(4)]
         first = blocker.result()
