@@ -18,8 +18,10 @@ PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 WINDOW = 80
 
 
-def build_tokenizer(seed: int = 0):
-    """A byte-level BPE tokenizer trained on a small generated corpus."""
+def build_tokenizer(seed: int = 0,
+                    specials=("<pad>", "<s>", "</s>", "<unk>")):
+    """A byte-level BPE tokenizer trained on a small generated corpus;
+    ``specials`` take the first ids, in order."""
     import torch
     from tokenizers import (Tokenizer, decoders, models, pre_tokenizers,
                             trainers)
@@ -37,7 +39,7 @@ def build_tokenizer(seed: int = 0):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=384, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+        vocab_size=384, special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",

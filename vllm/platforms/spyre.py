@@ -30,6 +30,8 @@ logger = init_logger(__name__)
 
 SPYRE_WORKER_CLS = "vllm.worker.spyre_worker.SpyreWorker"
 SPYRE_CB_WORKER_CLS = "vllm.worker.spyre_cb_worker.SpyreCBWorker"
+SPYRE_POOLING_WORKER_CLS = \
+    "vllm.worker.spyre_pooling_worker.SpyrePoolingWorker"
 
 
 def register() -> Optional[str]:
@@ -91,11 +93,13 @@ class SpyrePlatform(Platform):
     @classmethod
     def check_and_update_config(cls, vllm_config: "VllmConfig") -> None:
         """Apply the Spyre settings to the vLLM config (API process only)."""
-        spyre = SpyreConfig.from_env()
+        model_config = vllm_config.model_config
+        pooling = (model_config is not None
+                   and model_config.runner_type == "pooling")
+        spyre = SpyreConfig.from_env(pooling=pooling)
         logger.info("Spyre torch.compile backend: %s (%s)",
                     spyre.dynamo_backend, spyre.backend_reason)
 
-        model_config = vllm_config.model_config
         parallel_config = vllm_config.parallel_config
 
         tp_before = parallel_config.tensor_parallel_size
@@ -109,10 +113,11 @@ class SpyrePlatform(Platform):
 
         if model_config is None:
             return
-        if model_config.runner_type != "generate":
+        if model_config.runner_type not in ("generate", "pooling"):
             raise NotImplementedError(
                 f"The {model_config.runner_type!r} runner is not supported on "
-                "Spyre yet; only text generation is.")
+                "Spyre; text generation and pooling (embeddings, scores) "
+                "are.")
         if model_config.enable_prompt_embeds:
             # The compiled graphs take token ids: embeddings would be
             # replaced by the placeholder ids vLLM stores for them.
@@ -120,14 +125,22 @@ class SpyrePlatform(Platform):
                 "--enable-prompt-embeds is not supported on Spyre")
         # Imported here: vllm.model_executor imports vllm.config, which
         # resolves the platform.
-        from vllm.model_executor.model_loader.spyre_families import family_of
-        family = family_of(model_config.hf_config)
-        if spyre.use_cb:
-            _configure_continuous_batching(vllm_config, spyre)
+        if pooling:
+            from vllm.model_executor.model_loader.spyre_encoder import (
+                encoder_family)
+            encoder_family(model_config.hf_config)
+            _configure_pooling(vllm_config, spyre)
         else:
-            _configure_static_batching(vllm_config, spyre)
-        _check_sliding_window(family.sliding_window(model_config.hf_config),
-                              model_config.max_model_len, spyre)
+            from vllm.model_executor.model_loader.spyre_families import (
+                family_of)
+            family = family_of(model_config.hf_config)
+            if spyre.use_cb:
+                _configure_continuous_batching(vllm_config, spyre)
+            else:
+                _configure_static_batching(vllm_config, spyre)
+            _check_sliding_window(
+                family.sliding_window(model_config.hf_config),
+                model_config.max_model_len, spyre)
         # No sequence outgrows the window (checked above), and the Spyre
         # caches are laid out by this backend: vLLM's block manager must
         # not manage blocks for a window (left set, it made a Mistral
@@ -207,6 +220,54 @@ def _configure_continuous_batching(vllm_config: "VllmConfig",
         "Spyre continuous batching: max_model_len=%d, max_num_seqs=%d, "
         "block_size=%d", max_model_len, scheduler_config.max_num_seqs,
         cache_config.block_size)
+
+
+def _configure_pooling(vllm_config: "VllmConfig",
+                       spyre: SpyreConfig) -> None:
+    """A pooling model (embeddings, cross-encoder scores): one forward pass
+    per request over the warm-up shapes, several short texts packed into a
+    row, no key/value cache."""
+    model_config = vllm_config.model_config
+    scheduler_config = vllm_config.scheduler_config
+    parallel_config = vllm_config.parallel_config
+    cache_config = vllm_config.cache_config
+    for name in spyre.ignored_vars:
+        logger.warning(
+            "%s is set but ignored: pooling models run one pass over the "
+            "warm-up shapes (VLLM_SPYRE_WARMUP_PROMPT_LENS x "
+            "VLLM_SPYRE_WARMUP_BATCH_SIZES) and generate nothing.", name)
+    if spyre.require_precompiled:
+        raise NotImplementedError(
+            "VLLM_SPYRE_REQUIRE_PRECOMPILED=1 is not supported for pooling "
+            "models on Spyre: the graph cache holds generators only.")
+    if spyre.graph_cache_dir is not None:
+        logger.warning("TORCH_SENDNN_CACHE_ENABLE=1 is ignored for pooling "
+                       "models: their shapes compile at every start.")
+    hf_max_len = _model_max_len(model_config.hf_text_config)
+    if hf_max_len is not None:
+        spyre.validate_model_len(hf_max_len)
+    if parallel_config.worker_cls == SPYRE_WORKER_CLS:
+        parallel_config.worker_cls = SPYRE_POOLING_WORKER_CLS
+    max_model_len = spyre.max_model_len
+    model_config.max_model_len = max_model_len
+    scheduler_config.max_model_len = max_model_len
+    tokens = spyre.max_num_batched_tokens
+    # Texts of a step: a shape's slots, at two tokens a text at least (a
+    # tokenizer's start and end markers).
+    scheduler_config.max_num_seqs = max(1, tokens // 2)
+    scheduler_config.max_num_batched_tokens = tokens
+    _disable_chunked_prefill(scheduler_config)
+    from vllm.core.spyre_pooling_scheduler import SpyrePoolingScheduler
+    scheduler_config.scheduler_cls = functools.partial(SpyrePoolingScheduler,
+                                                       spyre_config=spyre)
+    cache_config.block_size = max_model_len
+    cache_config.enable_prefix_caching = False
+    logger.info(
+        "Spyre pooling: warm-up shapes %s; max_model_len=%d, up to %d texts "
+        "and %d tokens a step",
+        ", ".join(f"{s.prompt_len}x{s.batch_size}"
+                  for s in spyre.warmup_shapes), max_model_len,
+        scheduler_config.max_num_seqs, tokens)
 
 
 def _check_sliding_window(window: Optional[int], max_model_len: int,

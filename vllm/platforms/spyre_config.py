@@ -24,6 +24,9 @@ CB_BLOCK_SIZE = 64
 WARMUP_ENV_VARS = ("VLLM_SPYRE_WARMUP_PROMPT_LENS",
                    "VLLM_SPYRE_WARMUP_NEW_TOKENS",
                    "VLLM_SPYRE_WARMUP_BATCH_SIZES")
+#: Settings that pooling models do not read.
+POOLING_IGNORED_ENV_VARS = ("VLLM_SPYRE_WARMUP_NEW_TOKENS",
+                            "VLLM_SPYRE_USE_CB")
 ADDITIONAL_CONFIG_KEY = "spyre"
 
 
@@ -66,10 +69,13 @@ SPYRE_ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "VLLM_SPYRE_WARMUP_NEW_TOKENS", lambda: "20", "`20`",
         "Comma-separated numbers of new tokens of the warm-up shapes, one "
-        "per shape."),
+        "per shape. Not read for pooling models (embedding, scoring), "
+        "which generate nothing."),
     EnvVar(
         "VLLM_SPYRE_WARMUP_BATCH_SIZES", lambda: "1", "`1`",
-        "Comma-separated batch sizes of the warm-up shapes, one per shape."),
+        "Comma-separated batch sizes of the warm-up shapes, one per shape. "
+        "For pooling models a row of a shape may hold several short texts "
+        "(docs/embeddings.md)."),
     EnvVar(
         "VLLM_SPYRE_USE_CB", lambda: "0", "`0`",
         "`1` selects continuous batching with paged attention: requests "
@@ -77,7 +83,8 @@ SPYRE_ENV_VARS: tuple[EnvVar, ...] = (
         f"live in blocks of {CB_BLOCK_SIZE} tokens, `--max-num-seqs` "
         "sequences decode at once and `--max-model-len` bounds a sequence; "
         "no warm-up shapes are needed. `0` selects static batching over "
-        "the warm-up shapes."),
+        "the warm-up shapes. Pooling models always run on warm-up shapes "
+        "and ignore it, with a warning."),
     EnvVar(
         "AIU_WORLD_SIZE", lambda: "", "unset",
         "Number of Spyre cards to split the model over (tensor parallel). "
@@ -162,11 +169,18 @@ class SpyreConfig:
     require_precompiled: bool = False
     #: inductor may freeze the weights into its graphs (cache off).
     inductor_freezing: bool = True
+    #: A pooling model (embeddings, scores): shapes generate no tokens.
+    pooling: bool = False
 
     @classmethod
     def from_env(cls,
-                 environ: Optional[Mapping[str, str]] = None) -> "SpyreConfig":
+                 environ: Optional[Mapping[str, str]] = None,
+                 pooling: bool = False) -> "SpyreConfig":
         """Parse and validate every ``VLLM_SPYRE_*`` variable.
+
+        ``pooling``: the model embeds or scores (vLLM's pooling runner), so
+        its shapes are prompt lengths × batch sizes with no new tokens, and
+        continuous batching does not apply.
 
         Raises ``ValueError`` naming the variable, the value and the rule.
         """
@@ -199,7 +213,13 @@ class SpyreConfig:
                 "with Spyre cards, or set VLLM_SPYRE_DYNAMO_BACKEND to "
                 "inductor or eager to run on the CPU.")
 
-        if use_cb == "1":
+        if pooling:
+            shapes = parse_pooling_shapes(
+                get("VLLM_SPYRE_WARMUP_PROMPT_LENS"),
+                get("VLLM_SPYRE_WARMUP_BATCH_SIZES"))
+            ignored = tuple(n for n in POOLING_IGNORED_ENV_VARS if n in env)
+            use_cb = "0"
+        elif use_cb == "1":
             # Continuous batching compiles no per-shape graphs.
             shapes: tuple[WarmupShape, ...] = ()
             ignored = tuple(n for n in WARMUP_ENV_VARS if n in env)
@@ -229,7 +249,8 @@ class SpyreConfig:
                    ignored_vars=ignored,
                    graph_cache_dir=cache_dir,
                    require_precompiled=strict,
-                   inductor_freezing=freezing == "1")
+                   inductor_freezing=freezing == "1",
+                   pooling=pooling)
 
     @property
     def card_count(self) -> Optional[int]:
@@ -369,14 +390,34 @@ def _parse_graph_cache(enable: str, directory: str, strict: str,
 def parse_warmup_shapes(prompt_lens: str, new_tokens: str,
                         batch_sizes: str) -> tuple[WarmupShape, ...]:
     """Build the warm-up shapes from the three comma lists."""
-    lists = {
+    return _shapes_from_lists({
         "VLLM_SPYRE_WARMUP_PROMPT_LENS": _parse_int_list(
             "VLLM_SPYRE_WARMUP_PROMPT_LENS", prompt_lens),
         "VLLM_SPYRE_WARMUP_NEW_TOKENS": _parse_int_list(
             "VLLM_SPYRE_WARMUP_NEW_TOKENS", new_tokens),
         "VLLM_SPYRE_WARMUP_BATCH_SIZES": _parse_int_list(
             "VLLM_SPYRE_WARMUP_BATCH_SIZES", batch_sizes),
-    }
+    })
+
+
+def parse_pooling_shapes(prompt_lens: str,
+                         batch_sizes: str) -> tuple[WarmupShape, ...]:
+    """The shapes of a pooling model: one per (prompt length, batch size)
+    pair of the two comma lists, generating nothing (``new_tokens=0``)."""
+    return _shapes_from_lists({
+        "VLLM_SPYRE_WARMUP_PROMPT_LENS": _parse_int_list(
+            "VLLM_SPYRE_WARMUP_PROMPT_LENS", prompt_lens),
+        "VLLM_SPYRE_WARMUP_BATCH_SIZES": _parse_int_list(
+            "VLLM_SPYRE_WARMUP_BATCH_SIZES", batch_sizes),
+    })
+
+
+def _shapes_from_lists(
+        lists: Mapping[str, list[int]]) -> tuple[WarmupShape, ...]:
+    """Shapes from equally long lists of prompt lengths, batch sizes and,
+    where given, new tokens (0 when not)."""
+    prompt_lens = ",".join(
+        str(p) for p in lists["VLLM_SPYRE_WARMUP_PROMPT_LENS"])
     lengths = {name: len(v) for name, v in lists.items()}
     if len(set(lengths.values())) != 1:
         listed = ", ".join(f"{n} has {k}" for n, k in lengths.items())
@@ -388,8 +429,12 @@ def parse_warmup_shapes(prompt_lens: str, new_tokens: str,
             raise ValueError(
                 f"VLLM_SPYRE_WARMUP_PROMPT_LENS={prompt_lens!r} is invalid: "
                 f"{p} is not a multiple of {PROMPT_LEN_MULTIPLE}.")
+    count = len(lists["VLLM_SPYRE_WARMUP_PROMPT_LENS"])
     shapes = [
-        WarmupShape(p, n, b) for p, n, b in zip(*lists.values())
+        WarmupShape(p, n, b) for p, n, b in zip(
+            lists["VLLM_SPYRE_WARMUP_PROMPT_LENS"],
+            lists.get("VLLM_SPYRE_WARMUP_NEW_TOKENS", [0] * count),
+            lists["VLLM_SPYRE_WARMUP_BATCH_SIZES"])
     ]
     # Duplicates would only compile the same graphs twice.
     return tuple(sorted(set(shapes)))

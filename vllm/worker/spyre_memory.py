@@ -149,6 +149,22 @@ def static_estimate(process: int, weights: int, geometry: Geometry,
                     f"{len(shapes)} shape(s)")
 
 
+def pooling_estimate(process: int, weights: int, geometry: Geometry,
+                     shapes, backend: str) -> Estimate:
+    """A pooling model: no key/value cache, the largest shape's pass (every
+    token attending over its row) and its ``[B, L, L]`` mask."""
+    def step(s) -> int:
+        return (geometry.activation_bytes(s.batch_size, s.prompt_len,
+                                          s.prompt_len) +
+                s.batch_size * s.prompt_len * s.prompt_len)
+
+    largest = max(shapes, key=step)
+    return Estimate(process, weights, 0, step(largest),
+                    int(weights * RUNTIME_OVERHEAD[backend]),
+                    f"the largest pooling shape (prompt_len="
+                    f"{largest.prompt_len}, batch_size={largest.batch_size})")
+
+
 def cb_estimate(process: int, weights: int, geometry: Geometry,
                 blocks: int, block_size: int, max_model_len: int,
                 max_num_seqs: int, backend: str, override: bool) -> Estimate:

@@ -1,0 +1,330 @@
+"""SpyreEncoderModel: an FMS encoder (BERT, RoBERTa), compiled with
+torch.compile, with vLLM's poolers on top: embeddings and cross-encoder
+scores on Spyre.
+
+The pooling model runner calls ``forward`` once per packed pass with the
+tensors built by ``vllm.worker.spyre_pooling_inputs`` (``[B, L]`` token
+ids, positions and token types, and a ``[B, L, L]`` block-diagonal mask):
+the encoder body runs as one compiled graph per warm-up shape and returns
+the hidden state of every slot.  The runner gathers the texts' hidden
+states and hands them to ``pooler``, vLLM's own ``DispatchPooler``, which
+applies the model's pooling type (from its sentence-transformers
+configuration, else the architecture's default), normalisation,
+``dimensions`` (Matryoshka) and, for cross-encoders, the classification
+head and activation, exactly as vLLM's own BERT and RoBERTa models do.
+
+The body is FMS's ``RoBERTaHeadless``, which FMS uses for BERT too; the
+checkpoint is read through FMS's ``hf`` adapters (``bert``, ``roberta``
+and their ``_classification`` variants), so FMS names, fuses and, under
+tensor parallelism, shards the weights.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.model_executor.layers.pooler import (ClassifierPooler, CLSPool,
+                                               DispatchPooler, Pooler)
+from vllm.model_executor.model_loader import spyre_graph_cache
+from vllm.model_executor.model_loader.spyre import serving_dtype
+from vllm.platforms.spyre_config import SpyreConfig
+
+logger = init_logger(__name__)
+
+#: FMS attention op of an encoder: SDPA with the given mask, not causal.
+ATTN_NAME = "sdpa_bidirectional"
+
+
+@dataclass(frozen=True)
+class EncoderFamily:
+    """How one Hugging Face encoder architecture maps onto FMS."""
+
+    hf_architecture: str
+    #: FMS architecture whose ``hf`` adapter reads the checkpoint.
+    fms_architecture: str
+    #: Prefix FMS's adapter expects before the encoder's weights; a base
+    #: model's checkpoint (``BertModel``) stores them without it.
+    prefix: str
+    #: A cross-encoder: a classification head on the first token.
+    classify: bool
+    #: RoBERTa numbers positions after the padding id.
+    roberta_positions: bool
+
+    def params(self, hf_config) -> dict:
+        """FMS model parameters from the Hugging Face config (FMS's own
+        parameter builders)."""
+        from fms.models.hf.config_utils import param_builders
+        build = (param_builders.build_roberta_params if
+                 self.roberta_positions else param_builders.build_bert_params)
+        return build(hf_config, is_classify=self.classify)
+
+    def first_position(self, hf_config) -> int:
+        """The position embedding row (in FMS's table) of a text's first
+        token: 0 for BERT; for RoBERTa the padding id + 1 in the Hugging
+        Face table, whose first two rows FMS's adapter drops."""
+        if not self.roberta_positions:
+            return 0
+        pad = hf_config.pad_token_id
+        if pad is None or pad < 1:
+            raise NotImplementedError(
+                f"{self.hf_architecture} with pad_token_id={pad} is not "
+                "supported on Spyre: FMS's RoBERTa adapter expects position "
+                "ids numbered after a padding id of 1 or more.")
+        return pad - 1
+
+
+def _families() -> dict[str, EncoderFamily]:
+    rows = [
+        ("BertModel", "bert", "bert.", False, False),
+        ("BertForSequenceClassification", "bert_classification", "bert.",
+         True, False),
+        ("RobertaModel", "roberta", "roberta.", False, True),
+        ("XLMRobertaModel", "roberta", "roberta.", False, True),
+        ("RobertaForSequenceClassification", "roberta_classification",
+         "roberta.", True, True),
+        ("XLMRobertaForSequenceClassification", "roberta_classification",
+         "roberta.", True, True),
+    ]
+    return {r[0]: EncoderFamily(*r) for r in rows}
+
+
+ENCODER_FAMILIES = _families()
+
+
+def encoder_family(hf_config) -> EncoderFamily:
+    """The family of a pooling model's architecture; NotImplementedError
+    naming the supported ones otherwise."""
+    for arch in getattr(hf_config, "architectures", None) or ():
+        if arch in ENCODER_FAMILIES:
+            return ENCODER_FAMILIES[arch]
+    listed = ", ".join(ENCODER_FAMILIES)
+    raise NotImplementedError(
+        f"Pooling models of architecture {hf_config.architectures} are not "
+        f"supported on Spyre; supported encoders: {listed}.")
+
+
+class _Encoder(nn.Module):
+    """The FMS modules, named as FMS's adapters name the weights."""
+
+    def __init__(self, config, strategy, classify: bool) -> None:
+        super().__init__()
+        from fms.models.roberta import RoBERTaHeadless
+        from fms.modules.head import MLPClassificationHead
+        from fms.utils.activation import str_to_activation
+        self.config = config  # FMS's adapters read it
+        self.base_model = RoBERTaHeadless(config, strategy)
+        if classify:
+            self.classification_head = MLPClassificationHead(
+                config.emb_dim,
+                num_classes=config.num_classes,
+                activation_fn=str_to_activation(
+                    config.classifier_activation_fn))
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                token_type_ids: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        return self.base_model(input_ids,
+                               position_ids=position_ids,
+                               token_type_ids=token_type_ids,
+                               mask=mask,
+                               attn_name=ATTN_NAME)
+
+
+class SpyreEncoderModel(nn.Module):
+    """FMS encoder compiled for the configured backend, with vLLM's
+    poolers."""
+
+    is_pooling_model = True
+
+    def __init__(self, *, vllm_config: VllmConfig,
+                 spyre_config: SpyreConfig) -> None:
+        super().__init__()
+        self.spyre_config = spyre_config
+        model_config = vllm_config.model_config
+        self.dtype = serving_dtype(model_config.dtype,
+                                   spyre_config.dynamo_backend)
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.hf_config = model_config.hf_config
+        self.family = encoder_family(self.hf_config)
+        #: Position of each text's first token (``packed_inputs``).
+        self.first_position = self.family.first_position(self.hf_config)
+        self.encoder = self._load(model_config.model)
+        self.pooler = self._build_pooler(model_config)
+        self.model = self._compile(self.encoder)
+
+    # ---- load -----------------------------------------------------------
+    def _load(self, path: str) -> _Encoder:
+        from fms.models.roberta import (RoBERTaClassificationConfig,
+                                        RoBERTaConfig)
+        from fms.utils.serialization import load_state_dict_into_model
+        start = time.perf_counter()
+        params = self.family.params(self.hf_config)
+        # Positions are always given (packed texts restart at 0), so FMS
+        # must not derive them from a padding id, nor zero the embedding of
+        # a token that happens to have that id.
+        params.update(pos_emb="roberta", pad_id=None, p_dropout=0.0)
+        config_cls = (RoBERTaClassificationConfig
+                      if self.family.classify else RoBERTaConfig)
+        config = config_cls(**params)
+        encoder = _Encoder(config, self._strategy(), self.family.classify)
+        encoder.to(self.dtype)
+        with torch.no_grad():
+            for tensor in _float_tensors(encoder):
+                tensor.fill_(float("nan"))
+        state_dict = self._checkpoint(path)
+        load_state_dict_into_model(
+            encoder, state_dict, architecture=self.family.fms_architecture,
+            source="hf", dtype=self.dtype,
+            distributed_strategy="tp" if self.tp_size > 1 else None)
+        missing = [name for name, t in _named_float_tensors(encoder)
+                   if torch.isnan(t).any()]
+        if missing:
+            raise ValueError(
+                f"The checkpoint in {path} does not provide these weights "
+                f"of the {self.family.hf_architecture} encoder: "
+                f"{', '.join(missing)}")
+        encoder.eval()
+        encoder.requires_grad_(False)
+        logger.info("Loaded FMS %s encoder from %s in %.1f s",
+                    self.family.fms_architecture, path,
+                    time.perf_counter() - start)
+        return encoder
+
+    def _strategy(self):
+        from fms.distributed.strategy import (NoOpStrategy,
+                                              TensorParallelStrategy)
+        if self.tp_size == 1:
+            return NoOpStrategy
+
+        class LayersOnly(TensorParallelStrategy):
+            """Shards the encoder blocks; the embeddings stay whole (gloo,
+            the CPU process group, lacks the all-gather FMS's sharded
+            embedding needs, and they are a small part of an encoder)."""
+
+            def _distribute_module(self, module, final_layers=False):
+                return module
+
+        import torch.distributed as dist
+        return LayersOnly(group=dist.group.WORLD)
+
+    def _checkpoint(self, path: str) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors, named as FMS's adapter expects: the
+        family's prefix added where a base model's checkpoint lacks it,
+        and the pooler a base model never uses left out."""
+        folder = Path(path)
+        files = sorted(folder.glob("*.safetensors"))
+        tensors: dict[str, torch.Tensor] = {}
+        if files:
+            from safetensors.torch import load_file
+            for f in files:
+                tensors.update(load_file(str(f)))
+        else:
+            for f in sorted(folder.glob("*.bin")):
+                tensors.update(torch.load(f, map_location="cpu",
+                                          weights_only=True))
+        prefix = self.family.prefix
+        named = {}
+        for name, tensor in tensors.items():
+            if name.startswith(("embeddings.", "encoder.", "pooler.")):
+                name = prefix + name
+            if name.endswith("position_ids"):
+                continue  # a buffer some checkpoints carry, not a weight
+            if not self.family.classify and name.startswith(prefix +
+                                                            "pooler."):
+                continue
+            named[name] = tensor
+        return named
+
+    def _build_pooler(self, model_config) -> Pooler:
+        """vLLM's poolers, by task, as vLLM's BERT and RoBERTa models build
+        them."""
+        pooler_config = model_config.pooler_config
+        if not self.family.classify:
+            return DispatchPooler({
+                "encode": Pooler.for_encode(pooler_config),
+                "embed": Pooler.for_embed(pooler_config),
+            })
+        head = self.classify_head
+        return DispatchPooler({
+            "encode": Pooler.for_encode(pooler_config),
+            "classify": ClassifierPooler(
+                pooling=CLSPool(), classifier=head,
+                act_fn=ClassifierPooler.act_fn_for_seq_cls(model_config)),
+            "score": ClassifierPooler(
+                pooling=CLSPool(), classifier=head,
+                act_fn=ClassifierPooler.act_fn_for_cross_encoder(
+                    model_config)),
+        })
+
+    def classify_head(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The cross-encoder's head on the first token's hidden state
+        (BERT's pooler dense + tanh, RoBERTa's classifier dense + tanh,
+        then the output projection): ``[N, H]`` -> ``[N, labels]``."""
+        head = self.encoder.classification_head
+        return head.head(head.act(head.dense(pooled.to(self.dtype))))
+
+    # ---- compile --------------------------------------------------------
+    def _compile(self, encoder: _Encoder) -> Callable:
+        backend = self.spyre_config.dynamo_backend
+        if backend == "sendnn":
+            import torch_sendnn  # noqa: F401  registers the backend
+        limit = max(64, 4 * len(self.spyre_config.warmup_shapes))
+        torch._dynamo.config.cache_size_limit = max(
+            torch._dynamo.config.cache_size_limit, limit)
+        torch._dynamo.config.accumulated_cache_size_limit = max(
+            torch._dynamo.config.accumulated_cache_size_limit, 4 * limit)
+        options: dict = {}
+        if backend != "sendnn":
+            options["guard_filter_fn"] = \
+                torch.compiler.skip_guard_on_all_nn_modules_unsafe
+        if backend == "inductor":
+            # Large matrix products (every token of the batch at once):
+            # frozen weights let inductor pre-pack them for oneDNN.
+            options.update(cpp_wrapper=True, freezing=True,
+                           size_asserts=False, alignment_asserts=False)
+            torch._dynamo.config.prepare_freezing = True
+        # One graph per warm-up shape, as on the card.
+        return spyre_graph_cache.DynamoGraphs(
+            torch.compile(encoder, backend=backend, dynamic=False,
+                          options=options or None))
+
+    @staticmethod
+    def graph_name(batch_size: int, prompt_len: int) -> str:
+        return f"encode-b{batch_size}-p{prompt_len}"
+
+    def graph_cache_stats(self) -> dict[str, int]:
+        """Pooling models compile at every start (no graph cache)."""
+        return {}
+
+    def require_precompiled(self) -> None:
+        """Nothing to check: the graph cache does not hold encoders."""
+
+    # ---- run ------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                token_type_ids: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """One packed pass: ``[B, L]`` inputs, ``[B, L, L]`` mask ->
+        the hidden state of every slot, ``[B * L, H]``."""
+        B, L = input_ids.shape
+        hidden = self.model(self.graph_name(B, L), input_ids, position_ids,
+                            token_type_ids, mask)
+        return hidden.reshape(B * L, -1)
+
+
+def _named_float_tensors(module: nn.Module):
+    for name, t in list(module.named_parameters()) + list(
+            module.named_buffers()):
+        if t.is_floating_point():
+            yield name, t
+
+
+def _float_tensors(module: nn.Module):
+    return [t for _, t in _named_float_tensors(module)]
+

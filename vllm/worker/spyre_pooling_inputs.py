@@ -1,0 +1,179 @@
+"""Pure functions that pack texts into the compiled shapes of a pooling
+model (embeddings, cross-encoder scores).
+
+A pooling shape is ``(prompt_len, batch_size)``: ``batch_size`` rows of
+``prompt_len`` token slots, run once, generating nothing.  Many short texts
+share one row: each text occupies consecutive slots of a row, its positions
+count from the start of the text, and it attends only to its own tokens
+(a block-diagonal mask), so packing changes no text's result.  Unused slots
+are padding that attends only to itself.
+
+The scheduler calls ``select_texts`` to take from its waiting queue the
+texts that fit one shape together; the model runner calls ``plan_passes``
+on the texts it receives to find the shape (and the slots) again, then
+``packed_inputs`` to build the tensors.  Both place texts with the same
+first-fit rule in arrival order, so they agree.  Nothing here touches a
+model or a scheduler.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from vllm.platforms.spyre_config import WarmupShape
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one text sits: its row and the slot of its first token."""
+
+    row: int
+    offset: int
+
+
+def first_fit(lengths: Sequence[int],
+              shape: WarmupShape) -> Optional[list[Placement]]:
+    """Places texts of ``lengths`` tokens, in order, each into the first row
+    with room; None if one does not fit."""
+    fill = [0] * shape.batch_size
+    placements = []
+    for n in lengths:
+        row = next((r for r, used in enumerate(fill)
+                    if used + n <= shape.prompt_len), None)
+        if row is None:
+            return None
+        placements.append(Placement(row, fill[row]))
+        fill[row] += n
+    return placements
+
+
+def choose_pooling_shape(
+    lengths: Sequence[int], shapes: Sequence[WarmupShape]
+) -> Optional[tuple[WarmupShape, list[Placement]]]:
+    """The cheapest shape that holds every text at once, and where each
+    text goes; None if no shape does."""
+    for shape in sorted(shapes, key=lambda s: s.cost):
+        placements = first_fit(lengths, shape)
+        if placements is not None:
+            return shape, placements
+    return None
+
+
+def select_texts(waiting: Sequence[int], shapes: Sequence[WarmupShape],
+                 max_texts: int) -> list[int]:
+    """Indices (into ``waiting``, token counts in arrival order) of the
+    texts the next step runs.
+
+    The oldest text is always taken, so no text that fits some shape
+    starves.  For each shape that holds the oldest text, the waiting texts
+    are placed first-fit in arrival order, a text that does not fit being
+    left for a later step, up to ``max_texts``; the shape that takes the
+    most texts wins, among equals the cheapest.  Returns [] when the queue
+    is empty or its oldest text fits no shape.
+    """
+    best: Optional[tuple[tuple, list[int]]] = None
+    for shape in shapes:
+        if not waiting or waiting[0] > shape.prompt_len:
+            continue
+        fill = [0] * shape.batch_size
+        taken = []
+        for i, n in enumerate(waiting):
+            if len(taken) == max_texts:
+                break
+            row = next((r for r, used in enumerate(fill)
+                        if used + n <= shape.prompt_len), None)
+            if row is not None:
+                fill[row] += n
+                taken.append(i)
+        key = (-len(taken), shape.cost)
+        if best is None or key < best[0]:
+            best = (key, taken)
+    return best[1] if best is not None else []
+
+
+def plan_passes(
+    lengths: Sequence[int], shapes: Sequence[WarmupShape]
+) -> list[tuple[WarmupShape, list[int], list[Placement]]]:
+    """Forward passes that run every text: ``(shape, indices into lengths,
+    placements)``.  One pass on the cheapest shape holding them all, which
+    is what a step chosen by ``select_texts`` gets; a set that no shape
+    holds at once is split in two, recursively."""
+    if not lengths:
+        return []
+    picked = choose_pooling_shape(lengths, shapes)
+    if picked is not None:
+        return [(picked[0], list(range(len(lengths))), picked[1])]
+    if len(lengths) == 1:
+        raise ValueError(rejection_reason(lengths[0], shapes))
+    half = len(lengths) // 2
+    passes = []
+    for start, part in ((0, lengths[:half]), (half, lengths[half:])):
+        for shape, indices, placements in plan_passes(part, shapes):
+            passes.append((shape, [start + i for i in indices], placements))
+    return passes
+
+
+def rejection_reason(length: int,
+                     shapes: Sequence[WarmupShape]) -> Optional[str]:
+    """Why a text of ``length`` tokens can never be run, or None."""
+    longest = max(s.prompt_len for s in shapes)
+    if length <= longest:
+        return None
+    lens = ", ".join(str(p) for p in sorted({s.prompt_len for s in shapes}))
+    return (f"The input has {length} tokens, more than the longest compiled "
+            f"Spyre warm-up shape holds ({longest}; prompt lengths: {lens}). "
+            "Shorten it, set truncate_prompt_tokens, or add a longer prompt "
+            "length to VLLM_SPYRE_WARMUP_PROMPT_LENS.")
+
+
+@dataclass(frozen=True)
+class EncoderInputs:
+    """Tensors of one packed forward pass of shape ``[B, L]``."""
+
+    input_ids: torch.Tensor  # [B, L] int64
+    position_ids: torch.Tensor  # [B, L] int64
+    token_type_ids: torch.Tensor  # [B, L] int64
+    mask: torch.Tensor  # [B, L, L] bool: True = may attend
+    gather: torch.Tensor  # [T] int64: flat slot of each text token, in order
+
+
+def packed_inputs(texts: Sequence[Sequence[int]],
+                  token_types: Sequence[Optional[Sequence[int]]],
+                  shape: WarmupShape, placements: Sequence[Placement],
+                  pad_id: int, first_position: int = 0) -> EncoderInputs:
+    """The tensors of ``texts`` placed at ``placements`` in ``shape``.
+
+    A text's positions run from ``first_position`` (RoBERTa numbers its
+    positions after the padding id); its token types default to 0.
+    ``gather`` lists, text after text, the flat slot (``row * L + slot``)
+    of every token, so that the encoder's output ``[B * L, H]`` indexed by
+    it is the texts' hidden states concatenated, as vLLM's poolers take
+    them.
+    """
+    B, L = shape.batch_size, shape.prompt_len
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((B, L), dtype=torch.long)
+    token_type_ids = torch.zeros((B, L), dtype=torch.long)
+    segment = torch.zeros((B, L), dtype=torch.long)  # 0 = padding
+    gather = []
+    for i, (ids, types, at) in enumerate(zip(texts, token_types,
+                                             placements)):
+        n = len(ids)
+        end = at.offset + n
+        if end > L or at.row >= B:
+            raise ValueError(f"text {i} of {n} tokens at {at} does not fit "
+                             f"shape {shape}")
+        input_ids[at.row, at.offset:end] = torch.tensor(ids)
+        position_ids[at.row, at.offset:end] = torch.arange(
+            first_position, first_position + n)
+        if types:
+            token_type_ids[at.row, at.offset:end] = torch.tensor(types)
+        segment[at.row, at.offset:end] = i + 1
+        gather.append(torch.arange(at.row * L + at.offset, at.row * L + end))
+    same = segment.unsqueeze(2) == segment.unsqueeze(1)  # [B, L, L]
+    real = (segment != 0).unsqueeze(2)  # [B, L, 1]
+    mask = (same & real) | torch.eye(L, dtype=torch.bool).unsqueeze(0)
+    flat = torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long)
+    return EncoderInputs(input_ids, position_ids, token_type_ids, mask, flat)

@@ -1,0 +1,29 @@
+"""SpyrePoolingWorker: one Spyre card serving a pooling model (embeddings,
+cross-encoder scores).
+
+The platform installs this worker when vLLM runs a model with the pooling
+runner (``task="embed"``, ``"score"``, ``"classify"``).  Start-up is
+``SpyreWorker``'s (memory check, load, compile, warm-up of every shape);
+the difference is what is sized: a pooling model keeps no key/value cache
+(vLLM's engine never asks a pooling worker for blocks), so the memory
+check counts the weights and the largest shape's activations only.
+"""
+from __future__ import annotations
+
+from vllm.worker import spyre_memory
+from vllm.worker.spyre_pooling_model_runner import SpyrePoolingModelRunner
+from vllm.worker.spyre_worker import SpyreWorker
+
+
+class SpyrePoolingWorker(SpyreWorker):
+    """Executes a pooling model on one Spyre card (or the CPU)."""
+
+    model_runner: SpyrePoolingModelRunner  # type: ignore[assignment]
+    runner_cls = SpyrePoolingModelRunner
+
+    def memory_estimate(self) -> spyre_memory.Estimate:
+        """The weights and the largest shape's activations; no cache."""
+        weights, geometry = self._memory_parts()
+        return spyre_memory.pooling_estimate(
+            spyre_memory.process_rss(), weights, geometry,
+            self.spyre_config.warmup_shapes, self.spyre_config.dynamo_backend)
