@@ -2,10 +2,14 @@
 # Both set everything up on first use (scripts/setup.sh).
 PYTEST_ARGS ?=
 
-.PHONY: run test serve image setup freeze clean
+.PHONY: run embed test serve image setup freeze clean
 
 run: setup
 	.venv/bin/python examples/offline_demo.py
+
+# The embedding demo on the built-in embedding model (all-MiniLM-L6-v2).
+embed: setup
+	.venv/bin/python examples/embedding_demo.py
 
 test:
 	bash scripts/run_tests.sh $(PYTEST_ARGS)

