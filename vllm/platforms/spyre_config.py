@@ -397,7 +397,7 @@ def parse_warmup_shapes(prompt_lens: str, new_tokens: str,
             "VLLM_SPYRE_WARMUP_NEW_TOKENS", new_tokens),
         "VLLM_SPYRE_WARMUP_BATCH_SIZES": _parse_int_list(
             "VLLM_SPYRE_WARMUP_BATCH_SIZES", batch_sizes),
-    })
+    }, prompt_lens)
 
 
 def parse_pooling_shapes(prompt_lens: str,
@@ -409,15 +409,13 @@ def parse_pooling_shapes(prompt_lens: str,
             "VLLM_SPYRE_WARMUP_PROMPT_LENS", prompt_lens),
         "VLLM_SPYRE_WARMUP_BATCH_SIZES": _parse_int_list(
             "VLLM_SPYRE_WARMUP_BATCH_SIZES", batch_sizes),
-    })
+    }, prompt_lens)
 
 
-def _shapes_from_lists(
-        lists: Mapping[str, list[int]]) -> tuple[WarmupShape, ...]:
-    """Shapes from equally long lists of prompt lengths, batch sizes and,
-    where given, new tokens (0 when not)."""
-    prompt_lens = ",".join(
-        str(p) for p in lists["VLLM_SPYRE_WARMUP_PROMPT_LENS"])
+def _shapes_from_lists(lists: Mapping[str, list[int]],
+                       prompt_lens: str) -> tuple[WarmupShape, ...]:
+    """Shapes from equally long lists of prompt lengths (``prompt_lens``
+    as given), batch sizes and, where given, new tokens (0 when not)."""
     lengths = {name: len(v) for name, v in lists.items()}
     if len(set(lengths.values())) != 1:
         listed = ", ".join(f"{n} has {k}" for n, k in lengths.items())
