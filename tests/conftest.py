@@ -20,6 +20,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 SMOLLM2_DIR = REPO / "models" / "SmolLM2-135M-Instruct"
+MINILM_DIR = REPO / "models" / "all-MiniLM-L6-v2"
 
 
 def pytest_configure(config):

@@ -102,3 +102,58 @@ def _sentence_transformers_config(out_dir: Path, pooling: str,
     (out_dir / "2_Normalize").mkdir(exist_ok=True)
     (out_dir / "sentence_bert_config.json").write_text(json.dumps(
         {"max_seq_length": 512, "do_lower_case": False}))
+
+
+# ---- references ------------------------------------------------------------
+
+def hf_embeddings(model_dir: Path, texts: list[list[int]], pooling: str,
+                  dimensions: Optional[int] = None) -> "torch.Tensor":
+    """The reference embeddings: transformers' encoder on each text alone,
+    then the model's pooling (``"mean"`` or ``"cls"``), Matryoshka
+    truncation to ``dimensions`` and L2 normalisation."""
+    import torch
+    from transformers import AutoModel
+    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for ids in texts:
+            hidden = model(torch.tensor([ids])).last_hidden_state[0]
+            vec = hidden.mean(0) if pooling == "mean" else hidden[0]
+            if dimensions is not None:
+                vec = vec[:dimensions]
+            out.append(torch.nn.functional.normalize(vec, dim=0))
+    return torch.stack(out)
+
+
+def hf_scores(model_dir: Path, query: str, documents: list[str]) -> list:
+    """The reference cross-encoder scores: transformers' sequence
+    classifier on each (query, document) pair, through a sigmoid (one
+    label), as sentence-transformers' CrossEncoder scores them."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [
+            torch.sigmoid(model(**tok(query, d, return_tensors="pt")).logits
+                          [0, 0]).item() for d in documents
+        ]
+
+
+def random_texts(count: int, longest: int, vocab: tuple[int, int],
+                 frame: tuple[int, int], seed: int = 0) -> list[list[int]]:
+    """``count`` token-id texts of 1 to ``longest`` tokens (ids drawn from
+    ``vocab``, a half-open range), each framed by ``frame`` (start, end
+    marker ids) when it has room, lengths spread evenly and shuffled."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.linspace(1, longest, count).round().long()
+    lengths = lengths[torch.randperm(count, generator=gen)].tolist()
+    texts = []
+    for n in lengths:
+        ids = torch.randint(*vocab, (n, ), generator=gen).tolist()
+        if n >= 2:
+            ids[0], ids[-1] = frame
+        texts.append(ids)
+    return texts

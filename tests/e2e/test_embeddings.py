@@ -1,0 +1,208 @@
+"""Pooling models offline, end to end: ``LLM.embed`` and ``LLM.score`` on
+the Spyre backend against transformers (and sentence-transformers for
+all-MiniLM-L6-v2), packing of short texts, the step table of the pooling
+scheduler, Matryoshka ``dimensions``, tensor parallelism over 3 ranks,
+nothing compiled after warm-up, and clear refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import MINILM_DIR, compile_count, spyre_llm
+from tiny_encoders import (build_tiny_encoder, hf_embeddings, hf_scores,
+                           random_texts)
+
+pytestmark = pytest.mark.e2e
+
+#: Two shapes: eight rows of 64 slots (short texts several to a row) and
+#: two rows of 256.
+SHAPES = {"VLLM_SPYRE_WARMUP_PROMPT_LENS": "64,256",
+          "VLLM_SPYRE_WARMUP_BATCH_SIZES": "8,2"}
+#: (start, end) marker ids and the ids texts are drawn from.
+MINILM_TOKENS = dict(frame=(101, 102), vocab=(1000, 30000))
+TINY_TOKENS = dict(frame=(0, 2), vocab=(4, 380))
+QUERY = "spyre card batch"
+DOCUMENTS = ["the batch of tokens", "red green blue", "compile the graph",
+             "spyre", "a fast kernel in the cache", "one two three"]
+
+
+def env(backend: str, **extra) -> dict:
+    return {"VLLM_SPYRE_DYNAMO_BACKEND": backend, **SHAPES, **extra}
+
+
+def cosines(vectors, reference) -> torch.Tensor:
+    got = torch.tensor([o.outputs.embedding for o in vectors])
+    return torch.nn.functional.cosine_similarity(got, reference, dim=1)
+
+
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory):
+    """Tiny checkpoints: name -> (folder, pooling of its reference)."""
+    root = tmp_path_factory.mktemp("encoders")
+    return {
+        # No sentence-transformers config: BERT's default, CLS.
+        "bert": (build_tiny_encoder("bert", root / "bert"), "cls"),
+        "roberta": (build_tiny_encoder("roberta", root / "roberta",
+                                       pooling="mean"), "mean"),
+        "bert-matryoshka": (build_tiny_encoder(
+            "bert", root / "bert-m", pooling="mean", matryoshka=True),
+                            "mean"),
+        "bert-cross": (build_tiny_encoder("bert-cross", root / "bc"), None),
+        "roberta-cross": (build_tiny_encoder("roberta-cross", root / "rc"),
+                          None),
+    }
+
+
+def embed_checked(llm, model_dir, texts, pooling) -> None:
+    """Embeds ``texts`` (token ids), none compiling, each within cosine
+    0.9999 of the reference."""
+    from vllm import TokensPrompt
+    before = compile_count()
+    out = llm.embed([TokensPrompt(prompt_token_ids=t) for t in texts],
+                    use_tqdm=False)
+    assert compile_count() == before
+    sims = cosines(out, hf_embeddings(model_dir, texts, pooling))
+    assert sims.min() >= 0.9999, sims
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("name", ["bert", "roberta"])
+def test_tiny_embeddings_match_transformers(encoders, name, backend):
+    path, pooling = encoders[name]
+    texts = random_texts(50, 256, **TINY_TOKENS)
+    with spyre_llm(path, env(backend), task="embed") as llm:
+        embed_checked(llm, path, texts, pooling)
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_minilm_matches_transformers_and_sentence_transformers(backend):
+    from sentence_transformers import SentenceTransformer
+    texts = random_texts(50, 256, **MINILM_TOKENS)
+    sentences = ["The capital of France is Paris.", "a",
+                 "Spyre cards fit IBM Z and Power machines. " * 20,
+                 "How do plants make their food?"]
+    with spyre_llm(MINILM_DIR, env(backend), task="embed") as llm:
+        embed_checked(llm, MINILM_DIR, texts, "mean")
+        out = llm.embed(sentences, use_tqdm=False)
+    reference = SentenceTransformer(str(MINILM_DIR), device="cpu").encode(
+        sentences, convert_to_tensor=True)
+    assert cosines(out, reference).min() >= 0.9999
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("name", ["minilm", "roberta"])
+def test_tensor_parallel_embeddings(encoders, name):
+    """12 heads (all-MiniLM) and 6 (tiny RoBERTa) split over 3 ranks."""
+    path, pooling = ((MINILM_DIR, "mean") if name == "minilm" else
+                     encoders[name])
+    tokens = MINILM_TOKENS if name == "minilm" else TINY_TOKENS
+    texts = random_texts(20, 256, **tokens, seed=1)
+    with spyre_llm(path, env("eager"), task="embed",
+                   tensor_parallel_size=3) as llm:
+        embed_checked(llm, path, texts, pooling)
+
+
+@pytest.mark.parametrize("name, backend", [("bert-cross", "eager"),
+                                           ("roberta-cross", "eager"),
+                                           ("bert-cross", "inductor")])
+def test_scores_match_the_cross_encoder(encoders, name, backend):
+    path, _ = encoders[name]
+    reference = hf_scores(path, QUERY, DOCUMENTS)
+    with spyre_llm(path, env(backend), task="score") as llm:
+        before = compile_count()
+        out = llm.score(QUERY, DOCUMENTS, use_tqdm=False)
+        assert compile_count() == before
+    scores = [o.outputs.score for o in out]
+    assert scores == pytest.approx(reference, abs=1e-4)
+    by_score = sorted(range(len(DOCUMENTS)), key=lambda i: -scores[i])
+    assert by_score == sorted(range(len(DOCUMENTS)),
+                              key=lambda i: -reference[i])
+
+
+def test_tensor_parallel_scores(encoders):
+    path, _ = encoders["bert-cross"]
+    with spyre_llm(path, env("eager"), task="score",
+                   tensor_parallel_size=3) as llm:
+        out = llm.score(QUERY, DOCUMENTS, use_tqdm=False)
+    assert [o.outputs.score for o in out] == pytest.approx(
+        hf_scores(path, QUERY, DOCUMENTS), abs=1e-4)
+
+
+def test_matryoshka_dimensions_and_normalize(encoders):
+    from vllm import PoolingParams, TokensPrompt
+    path, pooling = encoders["bert-matryoshka"]
+    texts = random_texts(6, 60, **TINY_TOKENS, seed=2)
+    prompts = [TokensPrompt(prompt_token_ids=t) for t in texts]
+    with spyre_llm(path, env("eager"), task="embed") as llm:
+        short = llm.embed(prompts, pooling_params=PoolingParams(dimensions=16),
+                          use_tqdm=False)
+        raw = llm.embed(prompts, pooling_params=PoolingParams(normalize=False),
+                        use_tqdm=False)
+    assert all(len(o.outputs.embedding) == 16 for o in short)
+    assert cosines(short, hf_embeddings(path, texts, pooling,
+                                        dimensions=16)).min() >= 0.9999
+    norms = torch.tensor([o.outputs.embedding for o in raw]).norm(dim=1)
+    assert (norms - 1).abs().min() > 1e-3  # not normalised
+
+
+def test_step_table_packs_texts_into_one_shape(encoders):
+    """Texts of these lengths, queued at once, run in the steps
+    ``select_texts`` plans for two rows of 64 slots: first-fit in arrival
+    order, a text that does not fit waiting for the next step."""
+    from vllm import PoolingParams, TokensPrompt
+    from conftest import spyre_engine
+    path, pooling = encoders["bert"]
+    lengths = {"a": 50, "b": 40, "c": 30, "d": 10, "e": 64, "f": 5}
+    gen = torch.Generator().manual_seed(4)
+    texts = {rid: [0, *torch.randint(4, 380, (n - 2, ), generator=gen).tolist(),
+                   2] for rid, n in lengths.items()}
+    shapes = {"VLLM_SPYRE_DYNAMO_BACKEND": "eager",
+              "VLLM_SPYRE_WARMUP_PROMPT_LENS": "64",
+              "VLLM_SPYRE_WARMUP_BATCH_SIZES": "2"}
+    steps, vectors = [], {}
+    with spyre_engine(path, shapes, task="embed") as engine:
+        for rid, ids in texts.items():
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=ids),
+                               PoolingParams(task="embed"))
+        while engine.has_unfinished_requests():
+            done = [o for o in engine.step() if o.finished]
+            steps.append(sorted(o.request_id for o in done))
+            vectors.update({o.request_id: o.outputs.data for o in done})
+    assert steps == [["a", "b", "d", "f"], ["c", "e"]]
+    reference = hf_embeddings(path, list(texts.values()), pooling)
+    got = torch.stack([vectors[rid] for rid in texts])
+    sims = torch.nn.functional.cosine_similarity(got, reference, dim=1)
+    assert sims.min() >= 0.9999
+
+
+def test_refusals_name_the_values(encoders, tiny_llama):
+    from vllm import SamplingParams, TokensPrompt
+    path, pooling = encoders["bert"]
+    texts = random_texts(3, 40, **TINY_TOKENS, seed=3)
+    with spyre_llm(path, env("eager"), task="embed") as llm:
+        with pytest.raises(ValueError, match="257") as exc:
+            llm.embed([TokensPrompt(prompt_token_ids=[5] * 257)],
+                      use_tqdm=False)
+        assert "256" in str(exc.value)
+        with pytest.raises(ValueError, match="generat"):
+            llm.generate(["spyre"], SamplingParams(max_tokens=2),
+                         use_tqdm=False)
+        # Still serving, with the same results.
+        embed_checked(llm, path, texts, pooling)
+    gen_env = {"VLLM_SPYRE_DYNAMO_BACKEND": "eager",
+               "VLLM_SPYRE_WARMUP_PROMPT_LENS": "64",
+               "VLLM_SPYRE_WARMUP_NEW_TOKENS": "4",
+               "VLLM_SPYRE_WARMUP_BATCH_SIZES": "1"}
+    with spyre_llm(tiny_llama, gen_env) as llm:
+        with pytest.raises(ValueError, match="pooling|embed"):
+            llm.embed(["spyre card"], use_tqdm=False)
+
+
+def test_decoder_as_embedder_is_refused_at_start(tiny_llama):
+    """A pooling model with no FMS encoder (here a decoder asked to embed)
+    is refused at start-up, naming the encoders that are supported."""
+    with pytest.raises(NotImplementedError, match="supported encoders: "
+                       "BertModel"):
+        with spyre_llm(tiny_llama, env("eager"), task="embed"):
+            pass
