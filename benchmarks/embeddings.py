@@ -1,0 +1,216 @@
+"""Embeddings per second: our Spyre engine against sentence-transformers.
+
+The same texts go to both engines, each in its own process with the same
+intra-op threads: for each text length (tokens, the tokenizer's markers
+included) and batch size B, B texts per call (``LLM.embed`` /
+``SentenceTransformer.encode``), enough calls for ``--texts`` texts, the
+engines alternated (the order flipped every repetition).  A text is a
+window of the benchmark text (``data/text.txt``) at most that many tokens
+long; both engines tokenize it themselves.
+
+Our engine gets the warm-up shapes an operator would configure for this
+workload (``shapes``): for each length and batch size, the rows of 64 or
+more slots that hold B texts, several short texts packed to a row.
+Reported per (length, B): embeddings/s of each engine (median over the
+repetitions), ours / sentence-transformers, the dynamo compilations in our
+timed calls (must be 0) and the smallest cosine similarity between the two
+engines' vectors.
+
+    python benchmarks/embeddings.py [--model DIR] [--backend inductor]
+        [--batch-sizes 1,8,32] [--text-lens 32,256] [--texts 64]
+        [--repetitions 3] [--json PATH] [--plot PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from _common import (REPO, RESULTS, TEXT, Child, compile_count, cores,
+                     machine_info, parse_ints, table, write_json)
+
+DEFAULT_EMBEDDER = str(REPO / "models" / "all-MiniLM-L6-v2")
+ENGINES = ("st", "spyre")
+
+
+def shapes(text_lens: list[int], batch_sizes: list[int]) -> dict[str, str]:
+    """Warm-up shapes holding B texts of each length: rows of the length
+    rounded up to a multiple of 64, as many texts to a row as fit, as few
+    rows as hold B of them."""
+    pairs = set()
+    for n in text_lens:
+        row = -(-n // 64) * 64
+        per_row = row // n
+        for b in batch_sizes:
+            pairs.add((row, -(-b // per_row)))
+    pairs = sorted(pairs)
+    return {"VLLM_SPYRE_WARMUP_PROMPT_LENS": ",".join(str(p) for p, _ in
+                                                      pairs),
+            "VLLM_SPYRE_WARMUP_BATCH_SIZES": ",".join(str(b) for _, b in
+                                                      pairs)}
+
+
+def texts_of(model: str, length: int, count: int) -> list[str]:
+    """``count`` windows of the benchmark text, each at most ``length``
+    tokens once tokenized with the model's markers."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+    words = TEXT.read_text().split()
+    out, start = [], 0
+    while len(out) < count:
+        take = length
+        while True:
+            text = " ".join(words[start:start + take])
+            if len(tok(text)["input_ids"]) <= length:
+                break
+            take -= 1
+        out.append(text)
+        start = (start + 7 * take) % max(1, len(words) - 4 * length)
+    return out
+
+
+class SpyreEmbedder:
+    """Lives in a child: our engine, ``LLM(task="embed")``."""
+
+    def __init__(self, model: str) -> None:
+        from vllm import LLM
+        start = time.perf_counter()
+        self.llm = LLM(model=model, task="embed")
+        self.startup_s = time.perf_counter() - start
+
+    def info(self) -> dict:
+        return {"startup_s": self.startup_s}
+
+    def run(self, texts: list[str], batch: int) -> dict:
+        before = compile_count()
+        start = time.perf_counter()
+        vectors = []
+        for i in range(0, len(texts), batch):
+            out = self.llm.embed(texts[i:i + batch], use_tqdm=False)
+            vectors += [o.outputs.embedding for o in out]
+        seconds = time.perf_counter() - start
+        return dict(seconds=seconds, compiles=compile_count() - before,
+                    vectors=vectors)
+
+
+class STEmbedder:
+    """Lives in a child: sentence-transformers on the CPU."""
+
+    def __init__(self, model: str) -> None:
+        from sentence_transformers import SentenceTransformer
+        start = time.perf_counter()
+        self.model = SentenceTransformer(model, device="cpu")
+        self.startup_s = time.perf_counter() - start
+
+    def info(self) -> dict:
+        return {"startup_s": self.startup_s}
+
+    def run(self, texts: list[str], batch: int) -> dict:
+        start = time.perf_counter()
+        vectors = []
+        for i in range(0, len(texts), batch):
+            vectors += self.model.encode(texts[i:i + batch],
+                                         batch_size=batch).tolist()
+        return dict(seconds=time.perf_counter() - start, compiles=0,
+                    vectors=vectors)
+
+
+def min_cosine(a: list[list[float]], b: list[list[float]]) -> float:
+    import torch
+    return torch.nn.functional.cosine_similarity(
+        torch.tensor(a), torch.tensor(b), dim=1).min().item()
+
+
+def measure(children: dict, args, text_lens, batch_sizes) -> list[dict]:
+    rows = []
+    for n in text_lens:
+        texts = texts_of(args.model, n, args.texts)
+        for b in batch_sizes:
+            runs: dict[str, list[dict]] = {e: [] for e in children}
+            for rep in range(args.repetitions + 1):  # the first: untimed
+                order = list(children) if rep % 2 else list(children)[::-1]
+                for name in order:
+                    result = children[name].call("run", texts, b)
+                    if rep:
+                        runs[name].append(result)
+            rate = {e: statistics.median(len(texts) / r["seconds"]
+                                         for r in runs[e]) for e in runs}
+            rows.append(dict(
+                text_len=n, batch=b, st_emb_s=rate["st"],
+                spyre_emb_s=rate["spyre"],
+                ratio=rate["spyre"] / rate["st"],
+                compiles=sum(r["compiles"] for r in runs["spyre"]),
+                min_cosine=min_cosine(runs["spyre"][0]["vectors"],
+                                      runs["st"][0]["vectors"])))
+            print(f"length {n}, batch {b}: ours {rate['spyre']:.1f} emb/s, "
+                  f"sentence-transformers {rate['st']:.1f} emb/s", flush=True)
+    return rows
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    lens = sorted({r["text_len"] for r in rows})
+    fig, axes = plt.subplots(1, len(lens), figsize=(5 * len(lens), 4))
+    for ax, n in zip(axes if len(lens) > 1 else [axes], lens):
+        sel = [r for r in rows if r["text_len"] == n]
+        x = range(len(sel))
+        ax.bar([i - 0.2 for i in x], [r["st_emb_s"] for r in sel], 0.4,
+               label="sentence-transformers")
+        ax.bar([i + 0.2 for i in x], [r["spyre_emb_s"] for r in sel], 0.4,
+               label="Spyre (inductor)")
+        ax.set_xticks(list(x), [f"batch {r['batch']}" for r in sel])
+        ax.set_title(f"{n}-token texts")
+        ax.set_ylabel("embeddings / s")
+        ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=DEFAULT_EMBEDDER)
+    ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--text-lens", default="32,256")
+    ap.add_argument("--texts", type=int, default=64,
+                    help="texts per timed run (a multiple of each batch)")
+    ap.add_argument("--repetitions", type=int, default=3)
+    ap.add_argument("--json", default=str(RESULTS / "embeddings.json"))
+    ap.add_argument("--plot", default=None)
+    args = ap.parse_args()
+    text_lens, batch_sizes = parse_ints(args.text_lens), parse_ints(
+        args.batch_sizes)
+    env = {"VLLM_SPYRE_DYNAMO_BACKEND": args.backend, "VLLM_USE_V1": "0",
+           **shapes(text_lens, batch_sizes)}
+    print(f"our warm-up shapes: {env}", flush=True)
+    children = {
+        "st": Child("sentence-transformers", STEmbedder, args.model),
+        "spyre": Child("spyre", SpyreEmbedder, args.model, env=env),
+    }
+    try:
+        info = {name: c.result() for name, c in children.items()}
+        rows = measure(children, args, text_lens, batch_sizes)
+    finally:
+        for c in children.values():
+            c.close()
+    write_json(args.json, dict(model=args.model, backend=args.backend,
+                               env=env, machine=machine_info(),
+                               threads=cores(), startup=info, rows=rows,
+                               compilations=sum(r["compiles"]
+                                                for r in rows)))
+    if args.plot:
+        plot(rows, args.plot)
+    print(table(["text tokens", "batch", "st emb/s", "ours emb/s",
+                 "ours/st", "compiles", "min cosine"],
+                [[r["text_len"], r["batch"], f"{r['st_emb_s']:.1f}",
+                  f"{r['spyre_emb_s']:.1f}", f"{r['ratio']:.2f}",
+                  r["compiles"], f"{r['min_cosine']:.6f}"] for r in rows]))
+
+
+if __name__ == "__main__":
+    main()
