@@ -17,7 +17,8 @@ timed calls (must be 0) and the smallest cosine similarity between the two
 engines' vectors.
 
     python benchmarks/embeddings.py [--model DIR] [--backend inductor]
-        [--batch-sizes 1,8,32] [--text-lens 32,256] [--texts 64]
+        [--dtype float32] [--batch-sizes 1,8,32] [--text-lens 32,256]
+        [--texts 64]
         [--repetitions 3] [--json PATH] [--plot PATH]
 """
 from __future__ import annotations
@@ -73,10 +74,10 @@ def texts_of(model: str, length: int, count: int) -> list[str]:
 class SpyreEmbedder:
     """Lives in a child: our engine, ``LLM(task="embed")``."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, dtype: str) -> None:
         from vllm import LLM
         start = time.perf_counter()
-        self.llm = LLM(model=model, task="embed")
+        self.llm = LLM(model=model, task="embed", dtype=dtype)
         self.startup_s = time.perf_counter() - start
 
     def info(self) -> dict:
@@ -148,7 +149,7 @@ def measure(children: dict, args, text_lens, batch_sizes) -> list[dict]:
     return rows
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, label: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -160,7 +161,7 @@ def plot(rows: list[dict], path: str) -> None:
         ax.bar([i - 0.2 for i in x], [r["st_emb_s"] for r in sel], 0.4,
                label="sentence-transformers")
         ax.bar([i + 0.2 for i in x], [r["spyre_emb_s"] for r in sel], 0.4,
-               label="Spyre (inductor)")
+               label=f"Spyre ({label})")
         ax.set_xticks(list(x), [f"batch {r['batch']}" for r in sel])
         ax.set_title(f"{n}-token texts")
         ax.set_ylabel("embeddings / s")
@@ -175,6 +176,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_EMBEDDER)
     ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--dtype", default="float32",
+                    help="our engine's --dtype: float32, or bfloat16 (matrix "
+                    "products in bfloat16; sentence-transformers stays "
+                    "float32)")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--text-lens", default="32,256")
     ap.add_argument("--texts", type=int, default=64,
@@ -190,7 +195,8 @@ def main() -> None:
     print(f"our warm-up shapes: {env}", flush=True)
     children = {
         "st": Child("sentence-transformers", STEmbedder, args.model),
-        "spyre": Child("spyre", SpyreEmbedder, args.model, env=env),
+        "spyre": Child("spyre", SpyreEmbedder, args.model, args.dtype,
+                       env=env),
     }
     try:
         info = {name: c.result() for name, c in children.items()}
@@ -199,12 +205,13 @@ def main() -> None:
         for c in children.values():
             c.close()
     write_json(args.json, dict(model=args.model, backend=args.backend,
+                               dtype=args.dtype,
                                env=env, machine=machine_info(),
                                threads=cores(), startup=info, rows=rows,
                                compilations=sum(r["compiles"]
                                                 for r in rows)))
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, f"{args.backend}, {args.dtype}")
     print(table(["text tokens", "batch", "st emb/s", "ours emb/s",
                  "ours/st", "compiles", "min cosine"],
                 [[r["text_len"], r["batch"], f"{r['st_emb_s']:.1f}",

@@ -92,6 +92,24 @@ def test_minilm_matches_transformers_and_sentence_transformers(backend):
 
 @pytest.mark.smollm2
 @pytest.mark.parametrize("name", ["minilm", "roberta"])
+def test_bfloat16_matrix_products_stay_within_cosine_0_9999(encoders, name):
+    """``--dtype bfloat16``: every matrix product in bfloat16, the rest in
+    float32; embeddings still within cosine 0.9999 of float32
+    transformers, nothing compiled after warm-up."""
+    path, pooling = ((MINILM_DIR, "mean") if name == "minilm" else
+                     encoders[name])
+    tokens = MINILM_TOKENS if name == "minilm" else TINY_TOKENS
+    texts = random_texts(50, 256, **tokens, seed=5)
+    with spyre_llm(path, env("inductor"), task="embed",
+                   dtype="bfloat16") as llm:
+        model = llm.llm_engine.model_executor.driver_worker.worker \
+            .model_runner.model
+        assert model.bf16_matmuls
+        embed_checked(llm, path, texts, pooling)
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("name", ["minilm", "roberta"])
 def test_tensor_parallel_embeddings(encoders, name):
     """12 heads (all-MiniLM) and 6 (tiny RoBERTa) split over 3 ranks."""
     path, pooling = ((MINILM_DIR, "mean") if name == "minilm" else

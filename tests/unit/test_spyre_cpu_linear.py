@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from vllm.model_executor.model_loader import spyre_cpu_linear
 
@@ -122,3 +123,28 @@ def test_packed_model_matches(tiny_pair):
                            dynamic=False)
     torch.testing.assert_close(traced(ids), model(ids), rtol=1e-4,
                                atol=1e-4)
+
+
+def test_bf16_linear_rounds_the_product_operands_only():
+    """``Bf16Linear``: the weight and input rounded to bfloat16, the
+    product and the bias in float32; ``bf16_linears`` swaps every plain
+    linear layer."""
+    from vllm.model_executor.model_loader.spyre_cpu_linear import (
+        Bf16Linear, bf16_linears)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 32), nn.GELU(),
+                          nn.Linear(32, 8, bias=False))
+    x = torch.randn(5, 48)
+    expected = model(x)
+    layer = model[0]
+    exact = torch.nn.functional.linear(
+        x.to(torch.bfloat16).float(), layer.weight.to(torch.bfloat16).float(),
+        layer.bias)
+    assert bf16_linears(model) == 2
+    assert all(isinstance(model[i], Bf16Linear) for i in (0, 2))
+    assert model[0].weight.dtype == torch.bfloat16
+    assert model[0].bias.dtype == torch.float32 and model[2].bias is None
+    out = model[0](x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, exact, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(model(x), expected, rtol=0.05, atol=0.05)

@@ -156,7 +156,8 @@ def packed_inputs(texts: Sequence[Sequence[int]],
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
     position_ids = torch.zeros((B, L), dtype=torch.long)
     token_type_ids = torch.zeros((B, L), dtype=torch.long)
-    segment = torch.zeros((B, L), dtype=torch.long)  # 0 = padding
+    # Padding attends to itself only; each text to its own block.
+    mask = torch.eye(L, dtype=torch.bool).repeat(B, 1, 1)  # [B, L, L]
     gather = []
     for i, (ids, types, at) in enumerate(zip(texts, token_types,
                                              placements)):
@@ -170,10 +171,7 @@ def packed_inputs(texts: Sequence[Sequence[int]],
             first_position, first_position + n)
         if types:
             token_type_ids[at.row, at.offset:end] = torch.tensor(types)
-        segment[at.row, at.offset:end] = i + 1
+        mask[at.row, at.offset:end, at.offset:end] = True
         gather.append(torch.arange(at.row * L + at.offset, at.row * L + end))
-    same = segment.unsqueeze(2) == segment.unsqueeze(1)  # [B, L, L]
-    real = (segment != 0).unsqueeze(2)  # [B, L, 1]
-    mask = (same & real) | torch.eye(L, dtype=torch.bool).unsqueeze(0)
     flat = torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long)
     return EncoderInputs(input_ids, position_ids, token_type_ids, mask, flat)

@@ -178,3 +178,38 @@ def _parameter_owners(model: nn.Module) -> dict[int, list[str]]:
     for name, param in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(param), []).append(name)
     return owners
+
+
+class Bf16Linear(nn.Module):
+    """A linear layer whose matrix product runs on the CPU's bfloat16
+    instructions (oneDNN through PyTorch): the weight is kept in bfloat16
+    and the input rounded to it, while the output, the bias and so the
+    residual stream, norms and softmax around it stay float32.  Half the
+    weight bytes and, where the CPU has ``avx512_bf16``, about 2.8x the
+    float32 product's rate on encoder-sized products."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = nn.Parameter(
+            linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+        self.bias = (None if linear.bias is None else nn.Parameter(
+            linear.bias.detach().float(), requires_grad=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.linear(x.to(torch.bfloat16),
+                                       self.weight).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def bf16_linears(model: nn.Module) -> int:
+    """Replaces every plain float32 linear layer of ``model`` (no tied
+    weights) with a ``Bf16Linear``; returns how many."""
+    plain = _plain_linear_types()
+    swaps = [(parent, name, child) for parent in model.modules()
+             for name, child in parent.named_children()
+             if type(child) in plain and child.weight.dtype == torch.float32]
+    for parent, name, child in swaps:
+        setattr(parent, name, Bf16Linear(child))
+    return len(swaps)

@@ -32,7 +32,8 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.pooler import (ClassifierPooler, CLSPool,
                                                DispatchPooler, Pooler)
-from vllm.model_executor.model_loader import spyre_graph_cache
+from vllm.model_executor.model_loader import (spyre_cpu_linear,
+                                              spyre_graph_cache)
 from vllm.model_executor.model_loader.spyre import serving_dtype
 from vllm.platforms.spyre_config import SpyreConfig
 
@@ -40,6 +41,38 @@ logger = init_logger(__name__)
 
 #: FMS attention op of an encoder: SDPA with the given mask, not causal.
 ATTN_NAME = "sdpa_bidirectional"
+#: The same in bfloat16 (``--dtype bfloat16`` on the CPU backends).
+ATTN_NAME_BF16 = "spyre_encoder_bf16"
+
+
+def _store(keys: torch.Tensor, values: torch.Tensor, key_cache, value_cache,
+           **attn_kwargs):
+    """No cache: a pass attends over its own keys and values."""
+    return keys, values, keys, values
+
+
+def _compute_bf16(query: torch.Tensor, keys: torch.Tensor,
+                  values: torch.Tensor, nheads: int, kvheads: int,
+                  p_dropout: float, scale_factor, **attn_kwargs):
+    """Bidirectional attention of ``[B, L, H, D]`` queries, keys and values
+    under the ``[B, L, L]`` mask, its two products in bfloat16 (float32
+    accumulation in PyTorch's CPU kernel); returns float32
+    ``[B, L, H, D]`` as FMS expects."""
+    bf16 = torch.bfloat16
+    out = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(2, 1).to(bf16) for t in (query, keys, values)),
+        attn_mask=attn_kwargs["mask"].unsqueeze(1), scale=scale_factor)
+    return out.transpose(2, 1).contiguous().to(query.dtype)
+
+
+def register_attention() -> None:
+    """Registers the bfloat16 encoder attention with FMS once per
+    process."""
+    from fms.modules import attention
+    try:
+        attention.get_attention_type(attn_name=ATTN_NAME_BF16)
+    except KeyError:
+        attention.register_attention_op(ATTN_NAME_BF16, _store, _compute_bf16)
 
 
 @dataclass(frozen=True)
@@ -115,6 +148,8 @@ class _Encoder(nn.Module):
 
     def __init__(self, config, strategy, classify: bool) -> None:
         super().__init__()
+        #: The FMS attention op every layer runs.
+        self.attn_name = ATTN_NAME
         from fms.models.roberta import RoBERTaHeadless
         from fms.modules.head import MLPClassificationHead
         from fms.utils.activation import str_to_activation
@@ -134,7 +169,7 @@ class _Encoder(nn.Module):
                                position_ids=position_ids,
                                token_type_ids=token_type_ids,
                                mask=mask,
-                               attn_name=ATTN_NAME)
+                               attn_name=self.attn_name)
 
 
 class SpyreEncoderModel(nn.Module):
@@ -148,14 +183,28 @@ class SpyreEncoderModel(nn.Module):
         super().__init__()
         self.spyre_config = spyre_config
         model_config = vllm_config.model_config
-        self.dtype = serving_dtype(model_config.dtype,
-                                   spyre_config.dynamo_backend)
+        backend = spyre_config.dynamo_backend
+        #: The dtype of the encoder's tensors.  ``--dtype bfloat16`` on the
+        #: CPU backends keeps them float32 but runs every matrix product in
+        #: bfloat16 (``Bf16Linear``): embeddings then stay within cosine
+        #: 0.9999 of float32 (docs/embeddings.md), which a model held
+        #: wholly in bfloat16 does not.
+        self.bf16_matmuls = (backend != "sendnn"
+                             and model_config.dtype == torch.bfloat16)
+        self.dtype = (torch.float32 if self.bf16_matmuls else serving_dtype(
+            model_config.dtype, backend))
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.hf_config = model_config.hf_config
         self.family = encoder_family(self.hf_config)
         #: Position of each text's first token (``packed_inputs``).
         self.first_position = self.family.first_position(self.hf_config)
         self.encoder = self._load(model_config.model)
+        if self.bf16_matmuls:
+            n = spyre_cpu_linear.bf16_linears(self.encoder.base_model)
+            register_attention()
+            self.encoder.attn_name = ATTN_NAME_BF16
+            logger.info("Matrix products of %d linear layers and of "
+                        "attention in bfloat16", n)
         self.pooler = self._build_pooler(model_config)
         self.model = self._compile(self.encoder)
 
