@@ -11,14 +11,16 @@ long; both engines tokenize it themselves.
 Our engine gets the warm-up shapes an operator would configure for this
 workload (``shapes``): for each length and batch size, the rows of 64 or
 more slots that hold B texts, several short texts packed to a row.
-Reported per (length, B): embeddings/s of each engine (median over the
-repetitions), ours / sentence-transformers, the dynamo compilations in our
-timed calls (must be 0) and the smallest cosine similarity between the two
-engines' vectors.
+Ours runs once per ``--dtypes`` entry (``float32``, and ``bfloat16``:
+every matrix product in bfloat16, the rest float32); sentence-transformers
+runs in float32.  Reported per (length, B): embeddings/s of each engine
+(median over the repetitions), ours / sentence-transformers, the dynamo
+compilations in our timed calls (must be 0) and the smallest cosine
+similarity between our vectors and sentence-transformers'.
 
     python benchmarks/embeddings.py [--model DIR] [--backend inductor]
-        [--dtype float32] [--batch-sizes 1,8,32] [--text-lens 32,256]
-        [--texts 64]
+        [--dtypes float32,bfloat16] [--batch-sizes 1,8,32]
+        [--text-lens 32,256] [--texts 64]
         [--repetitions 3] [--json PATH] [--plot PATH]
 """
 from __future__ import annotations
@@ -124,6 +126,8 @@ def min_cosine(a: list[list[float]], b: list[list[float]]) -> float:
 
 
 def measure(children: dict, args, text_lens, batch_sizes) -> list[dict]:
+    """Per (length, batch): each engine's median embeddings/s, ours over
+    sentence-transformers, our compilations and agreement."""
     rows = []
     for n in text_lens:
         texts = texts_of(args.model, n, args.texts)
@@ -135,37 +139,49 @@ def measure(children: dict, args, text_lens, batch_sizes) -> list[dict]:
                     result = children[name].call("run", texts, b)
                     if rep:
                         runs[name].append(result)
-            rate = {e: statistics.median(len(texts) / r["seconds"]
-                                         for r in runs[e]) for e in runs}
-            rows.append(dict(
-                text_len=n, batch=b, st_emb_s=rate["st"],
-                spyre_emb_s=rate["spyre"],
-                ratio=rate["spyre"] / rate["st"],
-                compiles=sum(r["compiles"] for r in runs["spyre"]),
-                min_cosine=min_cosine(runs["spyre"][0]["vectors"],
-                                      runs["st"][0]["vectors"])))
-            print(f"length {n}, batch {b}: ours {rate['spyre']:.1f} emb/s, "
-                  f"sentence-transformers {rate['st']:.1f} emb/s", flush=True)
+            row = dict(text_len=n, batch=b, emb_s={}, ratio={},
+                       compiles={}, min_cosine={})
+            for e in children:
+                row["emb_s"][e] = statistics.median(
+                    len(texts) / r["seconds"] for r in runs[e])
+            for e in ours(children):
+                row["ratio"][e] = row["emb_s"][e] / row["emb_s"]["st"]
+                row["compiles"][e] = sum(r["compiles"] for r in runs[e])
+                row["min_cosine"][e] = min_cosine(runs[e][0]["vectors"],
+                                                  runs["st"][0]["vectors"])
+            rows.append(row)
+            print(f"length {n}, batch {b}: " + ", ".join(
+                f"{e} {v:.1f}" for e, v in row["emb_s"].items()) +
+                  " emb/s", flush=True)
     return rows
 
 
-def plot(rows: list[dict], path: str, label: str) -> None:
+def ours(children) -> list[str]:
+    return [e for e in children if e != "st"]
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     lens = sorted({r["text_len"] for r in rows})
-    fig, axes = plt.subplots(1, len(lens), figsize=(5 * len(lens), 4))
+    engines = list(rows[0]["emb_s"])
+    labels = {"st": "sentence-transformers (float32)"}
+    fig, axes = plt.subplots(1, len(lens), figsize=(5.5 * len(lens), 4))
+    width = 0.8 / len(engines)
     for ax, n in zip(axes if len(lens) > 1 else [axes], lens):
         sel = [r for r in rows if r["text_len"] == n]
-        x = range(len(sel))
-        ax.bar([i - 0.2 for i in x], [r["st_emb_s"] for r in sel], 0.4,
-               label="sentence-transformers")
-        ax.bar([i + 0.2 for i in x], [r["spyre_emb_s"] for r in sel], 0.4,
-               label=f"Spyre ({label})")
-        ax.set_xticks(list(x), [f"batch {r['batch']}" for r in sel])
+        for k, e in enumerate(engines):
+            ax.bar([i + (k - (len(engines) - 1) / 2) * width
+                    for i in range(len(sel))],
+                   [r["emb_s"][e] for r in sel], width,
+                   label=labels.get(
+                       e, f"Spyre ({title}, {e.split('-', 1)[-1]})"))
+        ax.set_xticks(list(range(len(sel))),
+                      [f"batch {r['batch']}" for r in sel])
         ax.set_title(f"{n}-token texts")
         ax.set_ylabel("embeddings / s")
-        ax.legend()
+        ax.legend(fontsize=8)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -176,10 +192,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_EMBEDDER)
     ap.add_argument("--backend", default="inductor")
-    ap.add_argument("--dtype", default="float32",
-                    help="our engine's --dtype: float32, or bfloat16 (matrix "
-                    "products in bfloat16; sentence-transformers stays "
-                    "float32)")
+    ap.add_argument("--dtypes", default="float32,bfloat16",
+                    help="our engine's --dtype, one engine each: float32, "
+                    "bfloat16 (matrix products in bfloat16); "
+                    "sentence-transformers runs in float32")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--text-lens", default="32,256")
     ap.add_argument("--texts", type=int, default=64,
@@ -193,11 +209,11 @@ def main() -> None:
     env = {"VLLM_SPYRE_DYNAMO_BACKEND": args.backend, "VLLM_USE_V1": "0",
            **shapes(text_lens, batch_sizes)}
     print(f"our warm-up shapes: {env}", flush=True)
-    children = {
-        "st": Child("sentence-transformers", STEmbedder, args.model),
-        "spyre": Child("spyre", SpyreEmbedder, args.model, args.dtype,
-                       env=env),
-    }
+    children = {"st": Child("sentence-transformers", STEmbedder,
+                            args.model)}
+    for dtype in args.dtypes.split(","):
+        children[f"spyre-{dtype}"] = Child(f"spyre-{dtype}", SpyreEmbedder,
+                                           args.model, dtype, env=env)
     try:
         info = {name: c.result() for name, c in children.items()}
         rows = measure(children, args, text_lens, batch_sizes)
@@ -205,18 +221,23 @@ def main() -> None:
         for c in children.values():
             c.close()
     write_json(args.json, dict(model=args.model, backend=args.backend,
-                               dtype=args.dtype,
                                env=env, machine=machine_info(),
                                threads=cores(), startup=info, rows=rows,
-                               compilations=sum(r["compiles"]
-                                                for r in rows)))
+                               compilations=sum(
+                                   sum(r["compiles"].values())
+                                   for r in rows)))
     if args.plot:
-        plot(rows, args.plot, f"{args.backend}, {args.dtype}")
-    print(table(["text tokens", "batch", "st emb/s", "ours emb/s",
-                 "ours/st", "compiles", "min cosine"],
-                [[r["text_len"], r["batch"], f"{r['st_emb_s']:.1f}",
-                  f"{r['spyre_emb_s']:.1f}", f"{r['ratio']:.2f}",
-                  r["compiles"], f"{r['min_cosine']:.6f}"] for r in rows]))
+        plot(rows, args.plot, args.backend)
+    mine = ours(children)
+    print(table(
+        ["text tokens", "batch", "st emb/s"] +
+        [f"{e} emb/s" for e in mine] + [f"{e}/st" for e in mine] +
+        ["compiles", "min cosine"],
+        [[r["text_len"], r["batch"], f"{r['emb_s']['st']:.1f}"] +
+         [f"{r['emb_s'][e]:.1f}" for e in mine] +
+         [f"{r['ratio'][e]:.2f}" for e in mine] +
+         [sum(r["compiles"].values()),
+          f"{min(r['min_cosine'].values()):.6f}"] for r in rows]))
 
 
 if __name__ == "__main__":
