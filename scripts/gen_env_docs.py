@@ -95,8 +95,9 @@ names the variable, its value and the rule.
 
 Start-up also refuses what the Spyre backend does not support yet, with a
 `NotImplementedError`: pipeline parallelism, runners other than text
-generation (for example pooling / embedding models), LoRA, speculative
-decoding, and prefix caching under continuous batching. A card count from
+generation and pooling, pooling models of an architecture with no FMS
+encoder ([embeddings.md](embeddings.md)), LoRA, speculative decoding, and
+prefix caching under continuous batching. A card count from
 `AIU_WORLD_SIZE` or `SPYRE_DEVICES` must agree with
 `--tensor-parallel-size` and split the model's heads
 ([tensor-parallel.md](tensor-parallel.md)). Requests are checked one by one when they arrive; see
@@ -143,6 +144,25 @@ log prints them ("Spyre continuous batching: ...").
 | chunked prefill | off | the runner cuts a prefill into 64-token chunks itself, in one engine step |
 | prefix caching | refused | not supported yet |
 | executor, worker, scheduler | the same executors, `SpyreCBWorker`, `SpyreCBScheduler` | continuous batching over a block pool |
+
+## What the platform sets for pooling models
+
+An embedding model or cross-encoder (`--task embed`, `--task score`,
+`--task classify`; vLLM's pooling runner) runs one pass per request over
+warm-up shapes made of `VLLM_SPYRE_WARMUP_PROMPT_LENS` and
+`VLLM_SPYRE_WARMUP_BATCH_SIZES` (one pair per shape); `VLLM_SPYRE_USE_CB`
+and `VLLM_SPYRE_WARMUP_NEW_TOKENS` are ignored with a warning. The start-up
+log prints the limits ("Spyre pooling: ..."); see
+[embeddings.md](embeddings.md).
+
+| vLLM setting | value | why |
+|---|---|---|
+| `max_model_len` | the largest prompt length | the longest text a shape holds |
+| `max_num_batched_tokens` | the largest `batch_size * prompt_len` | the slots of the largest shape |
+| `max_num_seqs` | half of that | texts of one step, at two tokens a text at least (several short texts share a row) |
+| chunked prefill, prefix caching | off | a text runs whole, in one pass |
+| `--dtype bfloat16` | matrix products in bfloat16, the rest float32 (CPU backends) | within cosine 0.9999 of float32 |
+| executor, worker, scheduler | the same executors, `SpyrePoolingWorker`, `SpyrePoolingScheduler` | texts packed into one shape per step |
 """
 
 

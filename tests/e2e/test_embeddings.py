@@ -147,7 +147,7 @@ def test_tensor_parallel_scores(encoders):
         hf_scores(path, QUERY, DOCUMENTS), abs=1e-4)
 
 
-def test_matryoshka_dimensions_and_normalize(encoders):
+def test_matryoshka_dimensions_normalize_and_token_states(encoders):
     from vllm import PoolingParams, TokensPrompt
     path, pooling = encoders["bert-matryoshka"]
     texts = random_texts(6, 60, **TINY_TOKENS, seed=2)
@@ -157,6 +157,19 @@ def test_matryoshka_dimensions_and_normalize(encoders):
                           use_tqdm=False)
         raw = llm.embed(prompts, pooling_params=PoolingParams(normalize=False),
                         use_tqdm=False)
+        several = [(p, t) for p, t in zip(prompts, texts) if len(t) > 1][:2]
+        tokens = llm.encode([p for p, _ in several],
+                            pooling_params=PoolingParams(softmax=False),
+                            pooling_task="encode",
+                            use_tqdm=False)
+    # The "encode" task: every token's hidden state (vLLM's ALL pooling).
+    from transformers import AutoModel
+    body = AutoModel.from_pretrained(path).eval()
+    for out, (_, ids) in zip(tokens, several):
+        with torch.no_grad():
+            hidden = body(torch.tensor([ids])).last_hidden_state[0]
+        torch.testing.assert_close(out.outputs.data, hidden, rtol=1e-4,
+                                   atol=1e-4)
     assert all(len(o.outputs.embedding) == 16 for o in short)
     assert cosines(short, hf_embeddings(path, texts, pooling,
                                         dimensions=16)).min() >= 0.9999
