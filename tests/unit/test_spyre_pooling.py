@@ -191,3 +191,17 @@ def test_pooling_estimate_has_no_cache_and_sizes_the_largest_shape():
     assert "prompt_len=256, batch_size=4" in est.sized_for
     assert est.activations == (geometry.activation_bytes(4, 256, 256) +
                                4 * 256 * 256)
+
+
+@pytest.mark.parametrize("dtype, backend, held, bf16", [
+    (torch.bfloat16, "inductor", torch.float32, True),
+    (torch.bfloat16, "eager", torch.float32, True),
+    (torch.bfloat16, "sendnn", torch.bfloat16, False),
+    (torch.float16, "eager", torch.float32, False),
+    (torch.float32, "inductor", torch.float32, False),
+])
+def test_encoder_dtype(dtype, backend, held, bf16):
+    """``--dtype bfloat16`` on the CPU: float32 tensors, bfloat16 products
+    (the memory check counts the tensors as held)."""
+    from vllm.model_executor.model_loader.spyre_encoder import encoder_dtype
+    assert encoder_dtype(dtype, backend) == (held, bf16)

@@ -10,6 +10,9 @@ check counts the weights and the largest shape's activations only.
 """
 from __future__ import annotations
 
+import torch
+
+from vllm.model_executor.model_loader.spyre_encoder import encoder_dtype
 from vllm.worker import spyre_memory
 from vllm.worker.spyre_pooling_model_runner import SpyrePoolingModelRunner
 from vllm.worker.spyre_worker import SpyreWorker
@@ -20,6 +23,12 @@ class SpyrePoolingWorker(SpyreWorker):
 
     model_runner: SpyrePoolingModelRunner  # type: ignore[assignment]
     runner_cls = SpyrePoolingModelRunner
+
+    def held_dtype(self) -> torch.dtype:
+        """float32 under ``--dtype bfloat16`` on the CPU: only the
+        products run in bfloat16 (``encoder_dtype``)."""
+        return encoder_dtype(self.model_config.dtype,
+                             self.spyre_config.dynamo_backend)[0]
 
     def memory_estimate(self) -> spyre_memory.Estimate:
         """The weights and the largest shape's activations; no cache."""

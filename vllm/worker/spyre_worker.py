@@ -116,12 +116,15 @@ class SpyreWorker(LocalOrDistributedWorkerBase):
             spyre_memory.process_rss(), weights, geometry,
             self.spyre_config.warmup_shapes, self.spyre_config.dynamo_backend)
 
+    def held_dtype(self) -> torch.dtype:
+        """The dtype the model's tensors are held in."""
+        return serving_dtype(self.model_config.dtype,
+                             self.spyre_config.dynamo_backend)
+
     def _memory_parts(self) -> tuple[int, spyre_memory.Geometry]:
         """This rank's weight bytes and cache geometry, at the dtype
         served."""
-        dtype = serving_dtype(self.model_config.dtype,
-                              self.spyre_config.dynamo_backend)
-        item = torch.empty((), dtype=dtype).element_size()
+        item = torch.empty((), dtype=self.held_dtype()).element_size()
         return (spyre_memory.weights_of(self.vllm_config, item),
                 spyre_memory.geometry_of(self.vllm_config, item))
 

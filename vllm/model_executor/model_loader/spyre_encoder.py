@@ -113,6 +113,19 @@ class EncoderFamily:
         return pad - 1
 
 
+def encoder_dtype(dtype: torch.dtype,
+                  backend: str) -> tuple[torch.dtype, bool]:
+    """The dtype an encoder's tensors are held in, and whether its matrix
+    products run in bfloat16.  ``--dtype bfloat16`` on the CPU backends
+    keeps the tensors float32 but runs every matrix product in bfloat16
+    (``Bf16Linear``, ``ATTN_NAME_BF16``): embeddings then stay within
+    cosine 0.9999 of float32 (docs/embeddings.md), which a model held
+    wholly in bfloat16 does not."""
+    if backend != "sendnn" and dtype == torch.bfloat16:
+        return torch.float32, True
+    return serving_dtype(dtype, backend), False
+
+
 def _families() -> dict[str, EncoderFamily]:
     rows = [
         ("BertModel", "bert", "bert.", False, False),
@@ -183,16 +196,10 @@ class SpyreEncoderModel(nn.Module):
         super().__init__()
         self.spyre_config = spyre_config
         model_config = vllm_config.model_config
-        backend = spyre_config.dynamo_backend
-        #: The dtype of the encoder's tensors.  ``--dtype bfloat16`` on the
-        #: CPU backends keeps them float32 but runs every matrix product in
-        #: bfloat16 (``Bf16Linear``): embeddings then stay within cosine
-        #: 0.9999 of float32 (docs/embeddings.md), which a model held
-        #: wholly in bfloat16 does not.
-        self.bf16_matmuls = (backend != "sendnn"
-                             and model_config.dtype == torch.bfloat16)
-        self.dtype = (torch.float32 if self.bf16_matmuls else serving_dtype(
-            model_config.dtype, backend))
+        #: The dtype of the encoder's tensors, and whether its matrix
+        #: products run in bfloat16 (``encoder_dtype``).
+        self.dtype, self.bf16_matmuls = encoder_dtype(
+            model_config.dtype, spyre_config.dynamo_backend)
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.hf_config = model_config.hf_config
         self.family = encoder_family(self.hf_config)
