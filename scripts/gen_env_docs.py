@@ -157,7 +157,7 @@ log prints the limits ("Spyre pooling: ..."); see
 
 | vLLM setting | value | why |
 |---|---|---|
-| `max_model_len` | the largest prompt length | the longest text a shape holds |
+| `max_model_len` | the model's (`max_position_embeddings`), else the largest prompt length | vLLM's own check refuses texts beyond the model; the scheduler refuses, naming the shapes, those longer than every shape |
 | `max_num_batched_tokens` | the largest `batch_size * prompt_len` | the slots of the largest shape |
 | `max_num_seqs` | half of that | texts of one step, at two tokens a text at least (several short texts share a row) |
 | chunked prefill, prefix caching | off | a text runs whole, in one pass |

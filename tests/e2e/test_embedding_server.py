@@ -114,7 +114,11 @@ def test_concurrent_clients_share_steps(embedder, reference):
 @pytest.mark.smollm2
 @pytest.mark.parametrize("path, body, message", [
     ("/v1/embeddings", {"input": []}, "at least one"),
-    ("/v1/embeddings", {"input": "word " * 300}, "302 tokens"),
+    ("/v1/embeddings", {"input": "word " * 300},
+     "The input has 302 tokens, more than the longest compiled Spyre "
+     "warm-up shape holds (256; prompt lengths: 64, 256)"),
+    ("/v1/embeddings", {"input": "word " * 600}, "maximum context length "
+     "is 512 tokens"),
     ("/v1/embeddings", {"input": "hi", "dimensions": 8}, "matryoshka"),
     ("/v1/embeddings", {"input": {"not": "text"}}, ""),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 4},
@@ -175,7 +179,8 @@ def test_rerank_order_matches_the_cross_encoder(cross_encoder, path):
 
 @pytest.mark.parametrize("path, body, message", [
     ("/rerank", {"query": QUERY, "documents": []}, "At least one"),
-    ("/score", {"text_1": "x " * 300, "text_2": ["y"]}, "maximum context"),
+    ("/score", {"text_1": "x " * 300, "text_2": ["y"]},
+     "more than the longest compiled Spyre warm-up shape holds"),
     ("/v1/embeddings", {"input": ["hi"]}, "does not support Embeddings"),
     ("/v1/completions", {"prompt": "hi"}, "does not support Completions"),
 ])

@@ -248,7 +248,10 @@ def _configure_pooling(vllm_config: "VllmConfig",
         spyre.validate_model_len(hf_max_len)
     if parallel_config.worker_cls == SPYRE_WORKER_CLS:
         parallel_config.worker_cls = SPYRE_POOLING_WORKER_CLS
-    max_model_len = spyre.max_model_len
+    # The model's own limit, so that a text longer than every shape but
+    # not than the model reaches SpyrePoolingScheduler, whose refusal names
+    # the shapes; vLLM's length check answers texts beyond the model.
+    max_model_len = max(spyre.max_model_len, hf_max_len or 0)
     model_config.max_model_len = max_model_len
     scheduler_config.max_model_len = max_model_len
     tokens = spyre.max_num_batched_tokens
