@@ -93,3 +93,34 @@ def test_every_shape_was_warmed_up(tiny_run):
     warmed = [k for k in tiny_run["timings"] if k.startswith("warmup")]
     assert len(warmed) == 2
     assert "load" in tiny_run["timings"]
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_two_engines_of_one_family_in_one_process(tiny_llama, tmp_path,
+                                                  backend):
+    """Two engines on two Llamas with other weights, alive together in one
+    process on the same shape: each generates its own model's tokens (with
+    frozen inductor graphs, dynamo would otherwise run the second engine
+    on the first one's graphs, weights included)."""
+    import os
+    from unittest import mock
+
+    from vllm import LLM, SamplingParams, TokensPrompt
+    from tiny_models import build_tiny_llama
+    other = build_tiny_llama(tmp_path / "other", seed=1)
+    env = spyre_env(backend, prompt_lens=[64], new_tokens=[6],
+                    batch_sizes=[2])
+    prompt = torch.randint(4, 300, (20, ),
+                           generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with spyre_llm(tiny_llama, env) as first:
+        with mock.patch.dict(os.environ, env):
+            second = LLM(model=str(other))
+        ids = [list(llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+                                 params, use_tqdm=False)[0].outputs[0]
+                    .token_ids) for llm in (first, second)]
+        del second
+    expected = [HFReference(path).greedy(prompt, 6)[0]
+                for path in (tiny_llama, other)]
+    assert ids == expected
+    assert ids[0] != ids[1]

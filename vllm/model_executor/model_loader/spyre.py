@@ -177,11 +177,10 @@ class SpyreCausalLM(nn.Module):
         # the card.  Otherwise dynamo generalises the batch dimension at the
         # second batch size it sees, and the shared graph cannot use the
         # MKL packing (per batch size) of the layers left on MKL.
-        return spyre_graph_cache.DynamoGraphs(
-            torch.compile(model,
-                          backend=backend,
-                          dynamic=False,
-                          options=options or None))
+        return spyre_graph_cache.DynamoGraphs(model,
+                                              backend=backend,
+                                              dynamic=False,
+                                              options=options or None)
 
     def _graph_cache(self, backend: str):
         """This rank's entry of the graph cache, or None when it is off

@@ -347,9 +347,9 @@ class SpyreEncoderModel(nn.Module):
                            size_asserts=False, alignment_asserts=False)
             torch._dynamo.config.prepare_freezing = True
         # One graph per warm-up shape, as on the card.
-        return spyre_graph_cache.DynamoGraphs(
-            torch.compile(encoder, backend=backend, dynamic=False,
-                          options=options or None))
+        return spyre_graph_cache.DynamoGraphs(encoder, backend=backend,
+                                              dynamic=False,
+                                              options=options or None)
 
     @staticmethod
     def graph_name(batch_size: int, prompt_len: int) -> str:

@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import tempfile
+import types
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
@@ -404,10 +405,28 @@ def _keep_guard(entries) -> list[bool]:
 
 class DynamoGraphs:
     """The compiled model when the graph cache is off: dynamo picks the
-    graph by its guards, so the graph name is not needed."""
+    graph by its guards, so the graph name is not needed.
 
-    def __init__(self, compiled: Callable) -> None:
-        self.compiled = compiled
+    ``model.forward`` is compiled through a copy with a code object of its
+    own.  Dynamo keeps its graphs per code object, and guards on a model's
+    weights by shape and dtype, not identity; a graph with frozen weights
+    holds one model's weights as constants.  Without the copy, a second
+    model of the same class in the process (an embedder beside a reranker,
+    two engines) would run the first one's graphs and weights."""
+
+    def __init__(self, model: torch.nn.Module, **compile_args) -> None:
+        self.compiled = torch.compile(own_code(model.forward),
+                                      **compile_args)
 
     def __call__(self, graph: str, *args, **kwargs):
         return self.compiled(*args, **kwargs)
+
+
+def own_code(method: Callable) -> Callable:
+    """``method`` (bound) with a copy of its function's code object."""
+    func = method.__func__
+    copy = types.FunctionType(func.__code__.replace(), func.__globals__,
+                              func.__name__, func.__defaults__,
+                              func.__closure__)
+    copy.__kwdefaults__ = func.__kwdefaults__
+    return types.MethodType(copy, method.__self__)
