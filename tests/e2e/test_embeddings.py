@@ -269,3 +269,22 @@ def test_models_of_one_class_in_one_process(encoders, backend, tmp_path):
                                    abs=1e-4)
     for out, path in zip(vectors, paths):
         assert cosines(out, hf_embeddings(path, texts, "cls")).min() >= 0.9999
+
+
+def test_classify_matches_the_sequence_classifier(encoders):
+    """``LLM.classify``: the classifier's own activation (a sigmoid for one
+    label) over transformers' logits of each text alone."""
+    from transformers import (AutoModelForSequenceClassification,
+                              AutoTokenizer)
+    path, _ = encoders["roberta-cross"]
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    with torch.no_grad():
+        expected = [torch.sigmoid(model(**tok(d, return_tensors="pt"))
+                                  .logits[0]).tolist() for d in DOCUMENTS]
+    with spyre_llm(path, env("eager"), task="classify") as llm:
+        out = llm.classify(DOCUMENTS, use_tqdm=False)
+    got = [o.outputs.probs for o in out]
+    assert len(got) == len(DOCUMENTS)
+    for g, e in zip(got, expected):
+        assert g == pytest.approx(e, abs=1e-4)
