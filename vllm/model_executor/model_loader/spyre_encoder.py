@@ -161,11 +161,11 @@ class _Encoder(nn.Module):
 
     def __init__(self, config, strategy, classify: bool) -> None:
         super().__init__()
-        #: The FMS attention op every layer runs.
-        self.attn_name = ATTN_NAME
         from fms.models.roberta import RoBERTaHeadless
         from fms.modules.head import MLPClassificationHead
         from fms.utils.activation import str_to_activation
+        #: The FMS attention op every layer runs.
+        self.attn_name = ATTN_NAME
         self.config = config  # FMS's adapters read it
         self.base_model = RoBERTaHeadless(config, strategy)
         if classify:
