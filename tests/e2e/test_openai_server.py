@@ -284,22 +284,34 @@ def stream_times(server, prompt, max_tokens, started=None):
     return times
 
 
-def test_later_arrivals_wait_then_share_one_batch(server):
+@pytest.fixture(scope="module")
+def long_batch_server(tiny_llama):
+    """One shape of 128 new tokens: a running batch lasts long enough for
+    later requests to arrive (and be tokenized and queued) while it runs,
+    even on a loaded machine."""
+    env = spyre_env("eager", prompt_lens=[64], new_tokens=[128],
+                    batch_sizes=[4])
+    with Server(tiny_llama, env) as srv:
+        yield srv
+
+
+def test_later_arrivals_wait_then_share_one_batch(long_batch_server):
     """While a batch runs, new requests wait; when it ends they form one
     batch together (16 engine steps for 4 rows of 16 tokens)."""
+    server = long_batch_server
     steps = "vllm:iteration_tokens_total_count"
     before = metric(server, steps)
     running = threading.Event()
     with ThreadPoolExecutor(5) as pool:
-        blocker = pool.submit(stream_times, server, [9] * 8, 16, running)
-        # Its first token has arrived: the batch runs 15 more steps.
+        blocker = pool.submit(stream_times, server, [9] * 8, 128, running)
+        # Its first token has arrived: the batch runs 127 more steps.
         assert running.wait(60)
         later = [pool.submit(stream_times, server, [9] * (4 + i), 16)
                  for i in range(4)]
         first = blocker.result()
         others = [f.result() for f in later]
-    assert len(first) == 16 and all(len(t) == 16 for t in others)
+    assert len(first) == 128 and all(len(t) == 16 for t in others)
     # Nobody starts before the running batch has finished.
     assert min(t[0] for t in others) > first[-1]
-    # Two batches of 16 steps each: the four shared one batch.
-    assert metric(server, steps) - before == 32
+    # The blocker's 128 steps, then the four share one batch of 16.
+    assert metric(server, steps) - before == 128 + 16
