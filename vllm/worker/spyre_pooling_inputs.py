@@ -40,13 +40,18 @@ def first_fit(lengths: Sequence[int],
     fill = [0] * shape.batch_size
     placements = []
     for n in lengths:
-        row = next((r for r, used in enumerate(fill)
-                    if used + n <= shape.prompt_len), None)
+        row = _row_with_room(fill, n, shape.prompt_len)
         if row is None:
             return None
         placements.append(Placement(row, fill[row]))
         fill[row] += n
     return placements
+
+
+def _row_with_room(fill: list[int], n: int, slots: int) -> Optional[int]:
+    """The first row whose used slots (``fill``) leave room for ``n``."""
+    return next((r for r, used in enumerate(fill) if used + n <= slots),
+                None)
 
 
 def choose_pooling_shape(
@@ -82,8 +87,7 @@ def select_texts(waiting: Sequence[int], shapes: Sequence[WarmupShape],
         for i, n in enumerate(waiting):
             if len(taken) == max_texts:
                 break
-            row = next((r for r, used in enumerate(fill)
-                        if used + n <= shape.prompt_len), None)
+            row = _row_with_room(fill, n, shape.prompt_len)
             if row is not None:
                 fill[row] += n
                 taken.append(i)

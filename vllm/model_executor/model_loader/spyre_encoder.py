@@ -359,9 +359,6 @@ class SpyreEncoderModel(nn.Module):
         """Pooling models compile at every start (no graph cache)."""
         return {}
 
-    def require_precompiled(self) -> None:
-        """Nothing to check: the graph cache does not hold encoders."""
-
     # ---- run ------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 token_type_ids: torch.Tensor,
