@@ -45,6 +45,29 @@ def test_kernel_matches_torch_ops(B, L, H, kvh, D, T):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_cache_matches_torch_ops(query_dtype):
+    """A bfloat16 cache (under a float32 or bfloat16 query): the kernel
+    computes in float32 what the torch ops compute on the same values, and
+    returns the query's dtype."""
+    B, L, H, kvh, D, T = 2, 1, 9, 3, 64, 70
+    q, k, v, mask = _inputs(B, L, H, kvh, D, T, seed=3)
+    q, k, v = q.to(query_dtype), k.bfloat16(), v.bfloat16()
+    got = spyre_kv_cache._compute_decode_kernel(q, k, v, H, kvh, 0.0, None,
+                                                mask=mask)
+    assert got.dtype == query_dtype
+    ref = spyre_kv_cache._compute_decode(q.float(), k.float(), v.float(), H,
+                                         kvh, 0.0, None, mask=mask)
+    # bfloat16 output: within one rounding of the float32 result.
+    tol = 1e-5 if query_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+    # The torch ops take a bfloat16 cache under a float32 query too.
+    if query_dtype == torch.float32:
+        mixed = spyre_kv_cache._compute_decode(q, k, v, H, kvh, 0.0, None,
+                                               mask=mask)
+        torch.testing.assert_close(mixed, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_kernel_with_decode_masks():
     P, G, B, H, kvh, D = 8, 5, 3, 6, 3, 32
     shape = WarmupShape(prompt_len=P, new_tokens=G, batch_size=B)
@@ -84,7 +107,9 @@ def test_kernel_traced_by_dynamo():
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda a: a.update(q=a["q"].double()), "float32 only"),
+    (lambda a: a.update(q=a["q"].double()), "float32 or bfloat16 query"),
+    (lambda a: a.update(k=a["k"].bfloat16()), "keys and values of one "
+     "dtype"),
     (lambda a: a.update(mask=a["mask"].float()), "must be bool"),
     (lambda a: a.update(k=a["k"][:, :, :, :8]), "keys"),
     (lambda a: a.update(v=a["v"][:, :, :4]), "values"),

@@ -47,6 +47,70 @@ def test_matches_linear(rows, out_features, in_features, with_bias):
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
 
 
+def test_pack_weight_layout_bf16():
+    """Pairs of input features side by side, one 64-element row per pair."""
+    w = torch.randn(70, 6).bfloat16()
+    p = spyre_cpu_linear.pack_weight(w)
+    assert p.dtype == torch.bfloat16
+    assert p.shape == (3, 3, 2 * spyre_cpu_linear.BLOCK)
+    for n in (0, 31, 32, 69):
+        b, c = divmod(n, spyre_cpu_linear.BLOCK)
+        for k in range(6):
+            assert p[b, k // 2, 2 * c + k % 2] == w[n, k]
+    assert not p[2, :, 2 * (70 - 64):].any()
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    """Rounded to bfloat16, held as float32."""
+    return t.bfloat16().float()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 12, 13, 16, 64])
+@pytest.mark.parametrize("out_features,in_features", [(100, 70), (64, 576),
+                                                      (33, 2)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_weights_match_rounded_product(rows, out_features, in_features,
+                                            with_bias):
+    """float32 inputs, bfloat16 weights: the product of the inputs and the
+    weights rounded to bfloat16, summed in float32."""
+    g = torch.Generator().manual_seed(rows * 1000 + out_features + 1)
+    w = torch.randn(out_features, in_features, generator=g)
+    x = torch.randn(rows, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if with_bias else None
+    packed = spyre_cpu_linear.pack_weight(w.bfloat16())
+    got = _op(x, packed, out_features, b)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(_bf16(x), _bf16(w), b),
+                               rtol=1e-4, atol=1e-4)
+    # bfloat16 inputs give bfloat16 outputs, rounded once.
+    got16 = _op(x.bfloat16(), packed, out_features, b)
+    assert got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got16, got.bfloat16(), rtol=1e-2, atol=1e-2)
+
+
+def test_bf16_packed_linear_halves_the_bytes():
+    linear = nn.Linear(64, 96)
+    p32 = spyre_cpu_linear.PackedLinear(linear)
+    p16 = spyre_cpu_linear.PackedLinear(linear, dtype=torch.bfloat16)
+    assert p16.packed.nbytes * 2 == p32.packed.nbytes
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(
+        p16(x), F.linear(_bf16(x), _bf16(linear.weight), linear.bias),
+        rtol=1e-4, atol=1e-4)
+    # A weight update repacks in bfloat16.
+    new = torch.randn(96, 64)
+    p16.repack(new)
+    torch.testing.assert_close(p16(x), F.linear(_bf16(x), _bf16(new),
+                                                linear.bias),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_packs_only_even_input_widths():
+    model = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(3, 4))
+    assert spyre_cpu_linear.pack_linears(model, torch.bfloat16) == 2
+    assert type(model[2]) is nn.Linear
+
+
 def test_keeps_leading_dims_and_reads_strided_input():
     g = torch.Generator().manual_seed(7)
     w = torch.randn(96, 40, generator=g)
@@ -61,8 +125,11 @@ def test_errors_name_the_mismatch():
     with pytest.raises(RuntimeError, match="input has 9 features, the "
                        "weight 8"):
         _op(torch.randn(2, 9), packed, 40)
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="a float32 weight takes float32 "
+                       "inputs.*Double"):
         _op(torch.randn(2, 8, dtype=torch.float64), packed, 40)
+    with pytest.raises(RuntimeError, match="input BFloat16"):
+        _op(torch.randn(2, 8, dtype=torch.bfloat16), packed, 40)
     with pytest.raises(RuntimeError, match="65 outputs"):
         _op(torch.randn(2, 8), packed, 65)
 

@@ -245,6 +245,25 @@ def _poison_unread(pool_k, pool_v, step: PagedInputs):
 
 
 @needs_kernel
+def test_kernel_reads_bf16_pools():
+    """bfloat16 pools under a float32 query: the kernel and the torch ops
+    agree, and the store rounds what it writes to the pools' dtype."""
+    H, kvh, D = HEADS[0]
+    pool, _, _, step, q, new_k, new_v = _decode_case(H, kvh, D, D, seed=4)
+    pool.keys, pool.values = pool.keys.bfloat16(), pool.values.bfloat16()
+    _store(pool, new_k, new_v, step)
+    slots = step.cache_slots.flatten()
+    assert torch.equal(pool.keys[slots],
+                       new_k.flatten(0, 1).bfloat16())
+    ref = _attend(spyre_paged_kv.compute, q, pool.keys, pool.values, H, kvh,
+                  step, None)
+    got = _attend(spyre_paged_kv.compute_kernel, q, pool.keys, pool.values,
+                  H, kvh, step, None)
+    assert got.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
 @pytest.mark.parametrize("H, kvh, D", HEADS)
 def test_kernel_decode_matches_torch_ops(H, kvh, D):
     pool, _, _, step, q, new_k, new_v = _decode_case(H, kvh, D, D, seed=1)
@@ -345,9 +364,10 @@ def test_kernel_small_blocks_and_empty_context():
     (dict(ctx_lens=torch.tensor([[5]])), "ctx_lens"),
     (dict(ctx_lens=torch.zeros(2, 0, dtype=torch.long)), "ctx_lens"),
     (dict(query=torch.zeros(2, 2, 2, 16, dtype=torch.float64)),
-     "float32 only, got Double"),
+     "a float32 or bfloat16 query, and keys and values of one dtype, "
+     "float32 or bfloat16; got Double"),
     (dict(key_pool=torch.zeros(12, 2, 16, dtype=torch.bfloat16)),
-     "float32 only"),
+     "keys and values of one dtype"),
     (dict(block_table=torch.tensor([[0, 2], [1, 0]], dtype=torch.int32)),
      "must be int64"),
     (dict(ctx_lens=torch.tensor([[5], [8]], dtype=torch.int32)),

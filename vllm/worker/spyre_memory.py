@@ -92,10 +92,11 @@ class Geometry:
     intermediate: int  # this rank's
     vocab: int
     item: int  # bytes per element
+    kv_item: int = 0  # bytes per cached element, when not ``item``
 
     def kv_bytes(self, sequences: int, length: int) -> int:
         return (sequences * length * self.layers * 2 * self.kv_heads *
-                self.head_size * self.item)
+                self.head_size * (self.kv_item or self.item))
 
     def activation_bytes(self, rows: int, tokens: int, context: int) -> int:
         """Peak live tensors of one step over ``rows × tokens`` new tokens
@@ -220,7 +221,7 @@ def process_rss() -> int:
     return psutil.Process(os.getpid()).memory_info().rss
 
 
-def geometry_of(vllm_config, item: int) -> Geometry:
+def geometry_of(vllm_config, item: int, kv_item: int = 0) -> Geometry:
     """One rank's ``Geometry`` from vLLM's model config, which knows each
     family's field names (MQA, explicit head sizes, ...)."""
     model = vllm_config.model_config
@@ -235,7 +236,8 @@ def geometry_of(vllm_config, item: int) -> Geometry:
                     hidden=model.get_hidden_size(),
                     intermediate=-(-inner // parallel.tensor_parallel_size),
                     vocab=model.get_vocab_size(),
-                    item=item)
+                    item=item,
+                    kv_item=kv_item)
 
 
 def weights_of(vllm_config, item: int) -> int:

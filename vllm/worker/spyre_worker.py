@@ -26,7 +26,7 @@ from vllm.distributed import (ensure_model_parallel_initialized,
                               init_distributed_environment)
 from vllm.logger import init_logger
 from vllm.model_executor import set_random_seed
-from vllm.model_executor.model_loader.spyre import serving_dtype
+from vllm.model_executor.model_loader.spyre import precision_of
 from vllm.platforms import current_platform
 from vllm.platforms.spyre_config import SpyreConfig
 from vllm.sequence import ExecuteModelRequest
@@ -117,16 +117,21 @@ class SpyreWorker(LocalOrDistributedWorkerBase):
             self.spyre_config.warmup_shapes, self.spyre_config.dynamo_backend)
 
     def held_dtype(self) -> torch.dtype:
-        """The dtype the model's tensors are held in."""
-        return serving_dtype(self.model_config.dtype,
-                             self.spyre_config.dynamo_backend)
+        """The dtype the model's own tensors are held in."""
+        return precision_of(self.model_config.dtype,
+                            self.spyre_config.dynamo_backend).model
 
     def _memory_parts(self) -> tuple[int, spyre_memory.Geometry]:
         """This rank's weight bytes and cache geometry, at the dtype
-        served."""
+        served.  bfloat16 on the CPU holds the cache in bfloat16 and the
+        rest in float32; its weights are counted at float32 (an upper
+        bound: the linear layers' weights are held in bfloat16)."""
         item = torch.empty((), dtype=self.held_dtype()).element_size()
+        kv = precision_of(self.model_config.dtype,
+                          self.spyre_config.dynamo_backend).kv
+        kv_item = torch.empty((), dtype=kv).element_size()
         return (spyre_memory.weights_of(self.vllm_config, item),
-                spyre_memory.geometry_of(self.vllm_config, item))
+                spyre_memory.geometry_of(self.vllm_config, item, kv_item))
 
     def get_startup_timings(self) -> dict[str, float]:
         """Seconds per start-up phase (model load, warm-up of each shape)."""

@@ -14,6 +14,7 @@ same result).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -45,6 +46,30 @@ def serving_dtype(dtype: torch.dtype, backend: str) -> torch.dtype:
     return dtype
 
 
+@dataclass(frozen=True)
+class Precision:
+    """Where a served dtype is held."""
+
+    #: The model's own tensors: embeddings, norms, the residual stream and
+    #: every activation between matrix products.
+    model: torch.dtype
+    #: Linear-layer weights (and so the inputs of their products).
+    linear: torch.dtype
+    #: The key/value cache.
+    kv: torch.dtype
+
+
+def precision_of(dtype: torch.dtype, backend: str) -> Precision:
+    """bfloat16 on the CPU backends keeps the weights of the matrix
+    products and the key/value cache in bfloat16, the bytes a decode step
+    reads, and everything else in float32; a card holds all of it in the
+    dtype served."""
+    served = serving_dtype(dtype, backend)
+    if backend != "sendnn" and served == torch.bfloat16:
+        return Precision(torch.float32, torch.bfloat16, torch.bfloat16)
+    return Precision(served, served, served)
+
+
 class SpyreCausalLM(nn.Module):
     """FMS causal LM, compiled for the configured backend."""
 
@@ -57,9 +82,14 @@ class SpyreCausalLM(nn.Module):
         super().__init__()
         self.spyre_config = spyre_config
         model_config = vllm_config.model_config
-        self.dtype = serving_dtype(model_config.dtype,
-                                   spyre_config.dynamo_backend)
-        if self.dtype != model_config.dtype:
+        #: The dtype served, and where it is held.
+        self.served_dtype = serving_dtype(model_config.dtype,
+                                          spyre_config.dynamo_backend)
+        self.precision = precision_of(model_config.dtype,
+                                      spyre_config.dynamo_backend)
+        #: The dtype the FMS model is loaded in.
+        self.dtype = self.precision.model
+        if self.served_dtype != model_config.dtype:
             logger.warning(
                 "dtype %s is slow or unsupported on the CPU; using float32",
                 model_config.dtype)
@@ -79,6 +109,8 @@ class SpyreCausalLM(nn.Module):
         self.frozen = False
         if spyre_config.dynamo_backend == "inductor":
             self._use_cpu_kernels()
+        else:
+            self._bf16_products_without_kernels()
         self._register_attention()
         self.cache_layout = spyre_kv_cache.CacheLayout.of(self.fms_model)
         self.model = self._compile(self.fms_model)
@@ -107,17 +139,27 @@ class SpyreCausalLM(nn.Module):
         return model
 
     def _use_cpu_kernels(self) -> None:
-        """Float32 linear layers go to the packed CPU kernel
-        (``spyre_cpu_linear``) and decode attention to its companion
-        kernel; other dtypes, or a machine where they cannot be built,
-        keep MKL and the attention written in torch ops."""
-        if self.dtype != torch.float32 or not spyre_cpu_linear.available():
+        """Linear layers go to the packed CPU kernel (``spyre_cpu_linear``),
+        their weights packed in ``precision.linear``, and decode attention
+        to its companion kernel.  A machine where they cannot be built
+        keeps MKL/oneDNN and the attention written in torch ops; bfloat16
+        products then run as ``Bf16Linear``."""
+        if not spyre_cpu_linear.available():
+            self._bf16_products_without_kernels()
             return
         start = time.perf_counter()
-        n = spyre_cpu_linear.pack_linears(self.fms_model)
+        n = spyre_cpu_linear.pack_linears(self.fms_model,
+                                          self.precision.linear)
         self.attn_name = self.ATTN_NAMES[1]
-        logger.info("Packed the weights of %d linear layers in %.1f s", n,
+        logger.info("Packed the weights of %d linear layers in %s in %.1f s",
+                    n, str(self.precision.linear).removeprefix("torch."),
                     time.perf_counter() - start)
+
+    def _bf16_products_without_kernels(self) -> None:
+        """bfloat16 matrix products through PyTorch (oneDNN), the rest of
+        the model float32 (``eager``, or no C++ compiler)."""
+        if self.precision.linear == torch.bfloat16 != self.precision.model:
+            spyre_cpu_linear.bf16_linears(self.fms_model)
 
     @staticmethod
     def _register_attention() -> None:
@@ -196,7 +238,7 @@ class SpyreCausalLM(nn.Module):
             options={"freezing": False, "cpp_wrapper": backend == "inductor",
                      "attention": self.attn_name},
             tp_size=self.tp_size,
-            dtype=self.dtype)
+            dtype=self.served_dtype)
         return spyre_graph_cache.GraphCache(
             directory, parts, rank=get_tensor_model_parallel_rank())
 
@@ -282,12 +324,13 @@ class SpyreCausalLM(nn.Module):
         cache = self.kv_caches.get(key)
         if cache is None:
             cache = self.cache_layout.allocate(batch_size, cache_len,
-                                               self.dtype)
+                                               self.precision.kv)
             self.kv_caches[key] = cache
             logger.info(
                 "Allocated the key/value cache of batch size %d x %d slots "
                 "(%.1f MiB)", batch_size, cache_len,
-                self.cache_layout.nbytes(batch_size, cache_len, self.dtype) /
+                self.cache_layout.nbytes(batch_size, cache_len,
+                                         self.precision.kv) /
                 2**20)
         return cache
 

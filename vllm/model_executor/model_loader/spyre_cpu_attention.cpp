@@ -13,13 +13,22 @@
 // exactly zero in the softmax.  Both ops share `attend_group`; they differ
 // only in where the group's tokens are.
 //
+// The query (and so the output) is float32 or bfloat16, and so are the
+// keys and values, independently: a bfloat16 cache under a float32
+// residual stream is the CPU's bfloat16 mode.  Scores, softmax and the
+// weighted sum are float32 either way; a bfloat16 output is rounded once
+// at the end.
+//
 // Same conventions as spyre_cpu_linear.cpp (GCC vector extensions).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <c10/util/BFloat16.h>
+
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -28,26 +37,40 @@ namespace {
 constexpr int64_t kLanes = 16;
 typedef float vfloat_u
     __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+typedef uint16_t vhalf_u
+    __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(2)));
+typedef uint32_t vword
+    __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+using bf16 = c10::BFloat16;
 
-float dot(const float* a, const float* b, int64_t n) {
+// kLanes elements at p, as float32.
+inline vfloat_u load(const float* p) {
+  return *reinterpret_cast<const vfloat_u*>(p);
+}
+inline vfloat_u load(const bf16* p) {
+  const vword w = __builtin_convertvector(
+      *reinterpret_cast<const vhalf_u*>(p), vword);
+  return reinterpret_cast<vfloat_u>(w << 16);
+}
+
+template <typename T>
+float dot(const float* a, const T* b, int64_t n) {
   vfloat_u acc{};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    acc += *reinterpret_cast<const vfloat_u*>(a + i) *
-           *reinterpret_cast<const vfloat_u*>(b + i);
+  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
   float s = 0.f;
   for (int l = 0; l < kLanes; ++l) s += acc[l];
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
   return s;
 }
 
 // y[0:n] += p * x[0:n]
-void axpy(float p, const float* x, float* y, int64_t n) {
+template <typename T>
+void axpy(float p, const T* x, float* y, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
-    *reinterpret_cast<vfloat_u*>(y + i) +=
-        p * *reinterpret_cast<const vfloat_u*>(x + i);
-  for (; i < n; ++i) y[i] += p * x[i];
+    *reinterpret_cast<vfloat_u*>(y + i) += p * load(x + i);
+  for (; i < n; ++i) y[i] += p * static_cast<float>(x[i]);
 }
 
 // Attention of `group` query rows (the query heads sharing one key/value
@@ -55,13 +78,13 @@ void axpy(float p, const float* x, float* y, int64_t n) {
 // point at token i's key and value.  q: group rows of D floats; out: group
 // rows of Dv floats; scores: scratch of at least group * n floats.  With
 // n == 0 the rows get zeros.
-template <typename KeyAt, typename ValueAt>
+template <typename T, typename KeyAt, typename ValueAt>
 void attend_group(const float* q, int64_t group, int64_t D, int64_t Dv,
                   int64_t n, KeyAt key_at, ValueAt value_at, float scale,
                   float* scores, float* out) {
   // Scores of the group's rows, token by token: each key read once.
   for (int64_t i = 0; i < n; ++i) {
-    const float* key = key_at(i);
+    const T* key = key_at(i);
     for (int64_t g = 0; g < group; ++g)
       scores[g * n + i] = dot(q + g * D, key, D) * scale;
   }
@@ -78,19 +101,50 @@ void attend_group(const float* q, int64_t group, int64_t D, int64_t Dv,
   }
   for (int64_t j = 0; j < group * Dv; ++j) out[j] = 0.f;
   for (int64_t i = 0; i < n; ++i) {
-    const float* value = value_at(i);
+    const T* value = value_at(i);
     for (int64_t g = 0; g < group; ++g)
       axpy(scores[g * n + i], value, out + g * Dv, Dv);
   }
 }
 
-void check_float_query(const at::Tensor& query, const at::Tensor& keys,
-                       const at::Tensor& values, const char* op) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat &&
-                  keys.scalar_type() == at::kFloat &&
-                  values.scalar_type() == at::kFloat,
-              op, ": float32 only, got ", query.scalar_type());
+void check_dtypes(const at::Tensor& query, const at::Tensor& keys,
+                  const at::Tensor& values, const char* op) {
+  auto supported = [](at::ScalarType t) {
+    return t == at::kFloat || t == at::kBFloat16;
+  };
+  TORCH_CHECK(supported(query.scalar_type()) &&
+                  supported(keys.scalar_type()) &&
+                  keys.scalar_type() == values.scalar_type(),
+              op, ": a float32 or bfloat16 query, and keys and values of "
+              "one dtype, float32 or bfloat16; got ", query.scalar_type(),
+              ", ", keys.scalar_type(), " and ", values.scalar_type());
 }
+
+// Calls f(T{}) with T the C++ type of float32 or bfloat16 elements.
+template <typename F>
+void with_element_type(at::ScalarType dtype, F&& f) {
+  if (dtype == at::kBFloat16)
+    f(bf16{});
+  else
+    f(float{});
+}
+
+// One work item's query rows in float32, and its output rows written back
+// from float32 (rounded once for bfloat16).
+struct Rows {
+  std::vector<float> q, out;
+  Rows(int64_t group, int64_t D, int64_t Dv) : q(group * D), out(group * Dv) {}
+
+  template <typename T>
+  const float* query(const T* src) {
+    for (size_t j = 0; j < q.size(); ++j) q[j] = static_cast<float>(src[j]);
+    return q.data();
+  }
+  template <typename T>
+  void write(T* dst) const {
+    for (size_t j = 0; j < out.size(); ++j) dst[j] = static_cast<T>(out[j]);
+  }
+};
 
 // query: [B, KVH, R, D], R = L * group rows per key/value head (row r is
 // query position r / group); keys: [B, KVH, T, D]; values: [B, KVH, T, Dv];
@@ -99,7 +153,7 @@ void check_float_query(const at::Tensor& query, const at::Tensor& keys,
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys,
                             const at::Tensor& values, const at::Tensor& mask,
                             double scale) {
-  check_float_query(query, keys, values, "decode_attention");
+  check_dtypes(query, keys, values, "decode_attention");
   TORCH_CHECK(mask.scalar_type() == at::kBool,
               "decode_attention: the mask must be bool, got ",
               mask.scalar_type());
@@ -125,31 +179,39 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys,
   at::Tensor out = at::empty({B, KVH, R, Dv}, q.options());
   const int64_t group = R / L;
   const float fscale = static_cast<float>(scale);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  with_element_type(q.scalar_type(), [&](auto q_zero) {
+  with_element_type(k.scalar_type(), [&](auto kv_zero) {
+  using scalar_t = decltype(q_zero);
+  using cache_t = decltype(kv_zero);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const cache_t* kp = k.data_ptr<cache_t>();
+  const cache_t* vp = v.data_ptr<cache_t>();
   const bool* mp = m.data_ptr<bool>();
-  float* op = out.data_ptr<float>();
+  scalar_t* op = out.data_ptr<scalar_t>();
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> slots(T);
     std::vector<float> scores(group * T);
+    Rows rows(group, D, Dv);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / KVH;
-      const float* kh = kp + bh * T * D;
-      const float* vh = vp + bh * T * Dv;
+      const cache_t* kh = kp + bh * T * D;
+      const cache_t* vh = vp + bh * T * Dv;
       for (int64_t pos = 0; pos < L; ++pos) {
         const bool* visible = mp + (b * L + pos) * T;
         int64_t n = 0;
         for (int64_t t = 0; t < T; ++t)
           if (visible[t]) slots[n++] = t;
         const int64_t r0 = bh * R + pos * group;
-        attend_group(
-            qp + r0 * D, group, D, Dv, n,
+        attend_group<cache_t>(
+            rows.query(qp + r0 * D), group, D, Dv, n,
             [&](int64_t i) { return kh + slots[i] * D; },
             [&](int64_t i) { return vh + slots[i] * Dv; }, fscale,
-            scores.data(), op + r0 * Dv);
+            scores.data(), rows.out.data());
+        rows.write(op + r0 * Dv);
       }
     }
+  });
+  });
   });
   return out;
 }
@@ -173,7 +235,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool,
                            const at::Tensor& block_table,
                            const at::Tensor& ctx_lens, int64_t block_size,
                            double scale) {
-  check_float_query(query, key_pool, value_pool, "paged_attention");
+  check_dtypes(query, key_pool, value_pool, "paged_attention");
   TORCH_CHECK(block_table.scalar_type() == at::kLong &&
                   ctx_lens.scalar_type() == at::kLong,
               "paged_attention: block_table and ctx_lens must be int64, got ",
@@ -215,13 +277,18 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool,
   at::Tensor out = at::empty({B, KVH, R, Dv}, q.options());
   const int64_t group = R / L;
   const float fscale = static_cast<float>(scale);
-  const float* qp = q.data_ptr<float>();
-  const float* kbase = kp.data_ptr<float>();
-  const float* vbase = vp.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  with_element_type(q.scalar_type(), [&](auto q_zero) {
+  with_element_type(kp.scalar_type(), [&](auto kv_zero) {
+  using scalar_t = decltype(q_zero);
+  using cache_t = decltype(kv_zero);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const cache_t* kbase = kp.data_ptr<cache_t>();
+  const cache_t* vbase = vp.data_ptr<cache_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
   // One work item per (sequence, key/value head, query position).
   at::parallel_for(0, B * KVH * L, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(group * MB * block_size);
+    Rows rows(group, D, Dv);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t pos = item % L, bh = item / L;
       const int64_t b = bh / KVH, h = bh % KVH;
@@ -231,12 +298,15 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool,
         return table[i / block_size] * block_size + i % block_size;
       };
       const int64_t r0 = bh * R + pos * group;
-      attend_group(
-          qp + r0 * D, group, D, Dv, n,
+      attend_group<cache_t>(
+          rows.query(qp + r0 * D), group, D, Dv, n,
           [&](int64_t i) { return kbase + (slot(i) * KVH + h) * D; },
           [&](int64_t i) { return vbase + (slot(i) * KVH + h) * Dv; },
-          fscale, scores.data(), op + r0 * Dv);
+          fscale, scores.data(), rows.out.data());
+      rows.write(op + r0 * Dv);
     }
+  });
+  });
   });
   return out;
 }

@@ -7,6 +7,16 @@
 // [kBlock], so that one block is read as a single contiguous stream, and
 // each step computes up to kMaxRows rows against it from registers.
 //
+// bfloat16 weights halve the bytes a step reads.  They are packed in pairs
+// of input features, [N / kBlock][K / 2][kBlock][2], so that one 32-bit
+// lane holds the weights of one output for features k and k + 1: where the
+// CPU has AVX512_BF16 one `vdpbf16ps` multiplies a lane pair by the pair of
+// inputs and adds both products in float32; elsewhere the halves are
+// widened to float32 by shifts and multiplied as above.  The inputs are
+// rounded to bfloat16 (float32 inputs once per call), sums are float32,
+// and the output has the input's dtype: float32, or bfloat16 rounded once
+// with the bias added before rounding.
+//
 // Written with GCC vector extensions, so the same source builds for AVX-512
 // or AVX2 (x86), VSX (Power) and the z/Architecture vector facility.
 
@@ -15,7 +25,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -29,6 +44,10 @@ typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
 // The same vector, loadable from any float address.
 typedef float vfloat_u
     __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+typedef uint32_t vpair_u
+    __attribute__((vector_size(kLanes * sizeof(uint32_t)), aligned(4)));
+typedef uint32_t vpair
+    __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
 // y[r, 0:cols] = x[r, :] . block (+ bias), for the R rows of x.
 template <int R>
@@ -68,16 +87,134 @@ constexpr TileFn kTiles[kMaxRows + 1] = {
     nullptr, tile<1>, tile<2>, tile<3>,  tile<4>,  tile<5>, tile<6>,
     tile<7>, tile<8>, tile<9>, tile<10>, tile<11>, tile<12>};
 
+// Row tiles of near-equal height: 16 rows run as 8 + 8, not 12 + 4.
+int64_t tile_height(int64_t M) {
+  const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
+  return tiles ? (M + tiles - 1) / tiles : 0;
+}
+
+// The bfloat16 pair in the upper and lower half of each lane, widened.
+inline vfloat low_half(vpair w) {
+  return reinterpret_cast<vfloat>(w << 16);
+}
+inline vfloat high_half(vpair w) {
+  return reinterpret_cast<vfloat>(w & 0xFFFF0000u);
+}
+
+// Rounds to bfloat16, nearest even (the float is finite or infinite here;
+// a NaN stays a NaN).
+inline uint16_t to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (bits >> 16) | 0x40;
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline void store(float* y, float v) { *y = v; }
+inline void store(uint16_t* y, float v) { *y = to_bf16(v); }
+
+// The bfloat16 tile: x holds R rows of K / 2 input pairs, block K / 2 rows
+// of kBlock output pairs; Out is float (float32) or uint16_t (bfloat16).
+template <typename Out, int R>
+void tile_bf16(const uint32_t* x, int64_t ldx, const uint32_t* block,
+               int64_t K2, Out* y, int64_t ldy, int64_t cols,
+               const float* bias) {
+  vfloat acc[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs; ++v) acc[r][v] = vfloat{};
+  for (int64_t k = 0; k < K2; ++k) {
+    const uint32_t* row = block + k * kBlock;
+    __builtin_prefetch(row + kPrefetch * kBlock);
+    __builtin_prefetch(row + kPrefetch * kBlock + kLanes);
+    vpair w[kVecs];
+    for (int v = 0; v < kVecs; ++v)
+      w[v] = *reinterpret_cast<const vpair_u*>(row + v * kLanes);
+#if defined(__AVX512BF16__)
+    for (int r = 0; r < R; ++r) {
+      const __m512i xs = _mm512_set1_epi32(x[r * ldx + k]);
+      for (int v = 0; v < kVecs; ++v)
+        acc[r][v] = reinterpret_cast<vfloat>(_mm512_dpbf16_ps(
+            reinterpret_cast<__m512>(acc[r][v]),
+            reinterpret_cast<__m512bh>(xs),
+            reinterpret_cast<__m512bh>(w[v])));
+    }
+#else
+    vfloat lo[kVecs], hi[kVecs];
+    for (int v = 0; v < kVecs; ++v) {
+      lo[v] = low_half(w[v]);
+      hi[v] = high_half(w[v]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint32_t pair = x[r * ldx + k];
+      float x0, x1;
+      const uint32_t b0 = pair << 16, b1 = pair & 0xFFFF0000u;
+      std::memcpy(&x0, &b0, sizeof x0);
+      std::memcpy(&x1, &b1, sizeof x1);
+      for (int v = 0; v < kVecs; ++v)
+        acc[r][v] += x0 * lo[v] + x1 * hi[v];
+    }
+#endif
+  }
+  float out[kBlock];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kVecs; ++v)
+      *reinterpret_cast<vfloat_u*>(out + v * kLanes) = acc[r][v];
+    Out* yr = y + r * ldy;
+    for (int64_t c = 0; c < cols; ++c)
+      store(yr + c, bias ? out[c] + bias[c] : out[c]);
+  }
+}
+
+template <typename Out>
+using TileBf16Fn = void (*)(const uint32_t*, int64_t, const uint32_t*,
+                            int64_t, Out*, int64_t, int64_t, const float*);
+template <typename Out>
+constexpr TileBf16Fn<Out> kTilesBf16[kMaxRows + 1] = {
+    nullptr,           tile_bf16<Out, 1>,  tile_bf16<Out, 2>,
+    tile_bf16<Out, 3>, tile_bf16<Out, 4>,  tile_bf16<Out, 5>,
+    tile_bf16<Out, 6>, tile_bf16<Out, 7>,  tile_bf16<Out, 8>,
+    tile_bf16<Out, 9>, tile_bf16<Out, 10>, tile_bf16<Out, 11>,
+    tile_bf16<Out, 12>};
+
+// y = x . W for bfloat16 W packed in pairs; x as [M][K / 2] input pairs.
+template <typename Out>
+void run_bf16(const uint32_t* xp, const uint32_t* wp, Out* yp, int64_t M,
+              int64_t K2, int64_t blocks, int64_t out_features,
+              const float* bp) {
+  const int64_t height = tile_height(M);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t c0 = blk * kBlock;
+      const int64_t cols = std::min(kBlock, out_features - c0);
+      for (int64_t m0 = 0; m0 < M; m0 += height) {
+        const int64_t rows = std::min(height, M - m0);
+        kTilesBf16<Out>[rows](xp + m0 * K2, K2, wp + blk * K2 * kBlock, K2,
+                              yp + m0 * out_features + c0, out_features,
+                              cols, bp ? bp + c0 : nullptr);
+      }
+    }
+  });
+}
+
+
 at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed,
                          int64_t out_features,
                          const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(input.scalar_type() == at::kFloat &&
-                  packed.scalar_type() == at::kFloat,
-              "packed_linear: float32 only, got ", input.scalar_type());
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock &&
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
+  const bool float_input = input.scalar_type() == at::kFloat;
+  TORCH_CHECK((packed.scalar_type() == at::kFloat && float_input) ||
+                  (bf16 && (float_input ||
+                            input.scalar_type() == at::kBFloat16)),
+              "packed_linear: a float32 weight takes float32 inputs, a "
+              "bfloat16 weight float32 or bfloat16 inputs; got weight ",
+              packed.scalar_type(), " and input ", input.scalar_type());
+  // float32: [blocks][K][kBlock]; bfloat16: [blocks][K / 2][kBlock * 2].
+  const int64_t width = bf16 ? 2 * kBlock : kBlock;
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == width &&
                   packed.is_contiguous(),
               "packed_linear: the weight must come from pack_weight");
-  const int64_t K = packed.size(1);
+  const int64_t K = bf16 ? 2 * packed.size(1) : packed.size(1);
   const int64_t blocks = packed.size(0);
   TORCH_CHECK(input.size(-1) == K, "packed_linear: the input has ",
               input.size(-1), " features, the weight ", K);
@@ -89,7 +226,7 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed,
   // Rows are read in place when the input is contiguous, and the output
   // is allocated at its final shape: a decode step makes ~120 of these
   // calls, so each tensor op saved here counts.
-  const at::Tensor x = input.is_contiguous() ? input : input.contiguous();
+  at::Tensor x = input.is_contiguous() ? input : input.contiguous();
   const int64_t M = K ? x.numel() / K : 0;
   auto out_sizes = input.sizes().vec();
   out_sizes.back() = out_features;
@@ -101,13 +238,29 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed,
                 out_features, " outputs");
     b = bias->to(at::kFloat).contiguous();
   }
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  if (bf16) {
+    // The inputs as bfloat16 pairs, read 32 bits at a time.
+    if (float_input) {
+      x = x.to(at::kBFloat16);
+    } else if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 4) {
+      x = x.clone();
+    }
+    const auto* xp = static_cast<const uint32_t*>(x.data_ptr());
+    const auto* wp = static_cast<const uint32_t*>(packed.data_ptr());
+    if (float_input) {
+      run_bf16(xp, wp, y.data_ptr<float>(), M, K / 2, blocks, out_features,
+               bp);
+    } else {
+      run_bf16(xp, wp, static_cast<uint16_t*>(y.data_ptr()), M, K / 2,
+               blocks, out_features, bp);
+    }
+    return y;
+  }
+  const int64_t height = tile_height(M);
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  // Row tiles of near-equal height: 16 rows run as 8 + 8, not 12 + 4.
-  const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
-  const int64_t height = tiles ? (M + tiles - 1) / tiles : 0;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t c0 = blk * kBlock;

@@ -98,30 +98,47 @@ def _fake_paged_attention(query: torch.Tensor, key_pool: torch.Tensor,
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N / BLOCK), K, BLOCK], zero-padded: block b holds
-    output columns b * BLOCK ... b * BLOCK + BLOCK - 1, one row per input
-    feature."""
+    """float32 [N, K] -> [ceil(N / BLOCK), K, BLOCK], zero-padded: block b
+    holds output columns b * BLOCK ... b * BLOCK + BLOCK - 1, one row per
+    input feature.  bfloat16 (K even) -> [ceil(N / BLOCK), K / 2, 2 *
+    BLOCK]: one row per pair of input features, the pair's two weights of
+    each output side by side."""
     n, k = weight.shape
     blocks = -(-n // BLOCK)
     padded = weight.new_zeros(blocks * BLOCK, k)
     padded[:n] = weight
+    if weight.dtype == torch.bfloat16:
+        return padded.view(blocks, BLOCK, k // 2, 2).permute(
+            0, 2, 1, 3).reshape(blocks, k // 2, 2 * BLOCK)
     return padded.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
 
 
-class PackedLinear(nn.Module):
-    """Drop-in for a float32 ``nn.Linear`` (no autograd).  ``tied_to``
-    names the model parameter the weight was tied to (an embedding), if
-    any: the packed copy is refreshed from it when weights are updated in
-    place (``spyre_weight_update``)."""
+def packable(linear: nn.Linear, dtype: torch.dtype) -> bool:
+    """Whether the kernel takes this float32 layer with its weight held in
+    ``dtype``: float32, or bfloat16 with an even number of input
+    features."""
+    return linear.weight.dtype == torch.float32 and (
+        dtype == torch.float32 or
+        (dtype == torch.bfloat16 and linear.in_features % 2 == 0))
 
-    def __init__(self, linear: nn.Linear,
-                 tied_to: Optional[str] = None) -> None:
+
+class PackedLinear(nn.Module):
+    """Drop-in for a float32 ``nn.Linear`` (no autograd), its weight packed
+    in float32 or, with ``dtype=torch.bfloat16``, in bfloat16: then the
+    inputs are rounded to bfloat16 and the products summed in float32, the
+    output staying float32.  ``tied_to`` names the model parameter the
+    weight was tied to (an embedding), if any: the packed copy is refreshed
+    from it when weights are updated in place (``spyre_weight_update``)."""
+
+    def __init__(self, linear: nn.Linear, tied_to: Optional[str] = None,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.tied_to = tied_to
         with torch.no_grad():
-            self.register_buffer("packed", pack_weight(linear.weight.detach()))
+            self.register_buffer(
+                "packed", pack_weight(linear.weight.detach().to(dtype)))
             bias = linear.bias
             self.register_buffer(
                 "bias", None if bias is None else bias.detach().clone())
@@ -153,22 +170,25 @@ def _plain_linear_types() -> tuple[type, ...]:
     return (nn.Linear, LinearClassificationHead)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replaces every plain float32 linear layer of ``model`` with a
-    ``PackedLinear``; returns how many.  A weight tied to an embedding stays
-    in place for the embedding, and the layer gets its own packed copy,
-    which remembers the parameter it was tied to."""
+def pack_linears(model: nn.Module,
+                 dtype: torch.dtype = torch.float32) -> int:
+    """Replaces every plain float32 linear layer of ``model`` that the
+    kernel takes in ``dtype`` (``packable``) with a ``PackedLinear`` holding
+    its weight in ``dtype``; returns how many.  A weight tied to an
+    embedding stays in place for the embedding, and the layer gets its own
+    packed copy, which remembers the parameter it was tied to."""
     plain = _plain_linear_types()
     swaps = [(f"{prefix}.{name}" if prefix else name, parent, name, child)
              for prefix, parent in model.named_modules()
              for name, child in parent.named_children()
-             if type(child) in plain and child.weight.dtype == torch.float32]
+             if type(child) in plain and packable(child, dtype)]
     owners = _parameter_owners(model)
     for qualified, parent, name, child in swaps:
         others = [n for n in owners.get(id(child.weight), [])
                   if not n.startswith(qualified + ".")]
         setattr(parent, name,
-                PackedLinear(child, tied_to=others[0] if others else None))
+                PackedLinear(child, tied_to=others[0] if others else None,
+                             dtype=dtype))
     return len(swaps)
 
 

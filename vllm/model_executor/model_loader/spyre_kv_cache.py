@@ -27,8 +27,8 @@ from torch import nn
 #: Name under which the op is registered with FMS.
 ATTN_NAME = "spyre_static_kv"
 #: The same op, with decode steps on the C++ kernel
-#: ``spyre_cpu::decode_attention`` (float32, CPU ``inductor`` path; the
-#: kernel must be loaded, see ``spyre_cpu_linear.available``).
+#: ``spyre_cpu::decode_attention`` (float32 or bfloat16, CPU ``inductor``
+#: path; the kernel must be loaded, see ``spyre_cpu_linear.available``).
 ATTN_NAME_CPU_KERNEL = "spyre_static_kv_cpu_kernel"
 
 
@@ -41,8 +41,9 @@ def _store(keys: torch.Tensor, values: torch.Tensor,
     keys = keys.transpose(1, 2)
     values = values.transpose(1, 2)
     slots = attn_kwargs["cache_slots"]  # [L] int64
-    key_cache.index_copy_(2, slots, keys)
-    value_cache.index_copy_(2, slots, values)
+    # A bfloat16 cache under a float32 model rounds what it keeps.
+    key_cache.index_copy_(2, slots, keys.to(key_cache.dtype))
+    value_cache.index_copy_(2, slots, values.to(value_cache.dtype))
     if _is_prefill(**attn_kwargs):
         return keys, values, key_cache, value_cache
     return key_cache, value_cache, key_cache, value_cache
@@ -102,6 +103,7 @@ def attend_matmul(q: torch.Tensor, keys: torch.Tensor,
     query row)."""
     B, kvheads, rows, _ = q.shape
     L, T = mask.shape[1], keys.shape[2]
+    keys, values = keys.to(q.dtype), values.to(q.dtype)
     scores = torch.matmul(q, keys.transpose(2, 3)) * scale
     visible = mask[:, None, :, None, :]  # [B, 1, L, 1, T]
     scores = scores.view(B, kvheads, L, rows // L, T).masked_fill(

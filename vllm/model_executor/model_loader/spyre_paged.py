@@ -51,13 +51,14 @@ class SpyrePagedCausalLM(SpyreCausalLM):
 
     def block_bytes(self) -> int:
         """Bytes one block of the pool takes on this rank."""
-        return self.pool_layout.block_bytes(self.dtype)
+        return self.pool_layout.block_bytes(self.precision.kv)
 
     def allocate_pool(self, num_blocks: int) -> None:
         """Allocates the pools once; they are written in place ever after."""
         if self.kv_pool is not None:
             raise RuntimeError("the key/value pool is allocated already")
-        self.kv_pool = self.pool_layout.allocate(num_blocks, self.dtype)
+        self.kv_pool = self.pool_layout.allocate(num_blocks,
+                                                self.precision.kv)
         self.num_blocks = num_blocks
         logger.info(
             "Allocated the key/value pool: %d blocks of %d tokens (%.1f MiB)",

@@ -35,7 +35,8 @@ from vllm.platforms.spyre_config import CB_BLOCK_SIZE
 
 #: Name under which the op is registered with FMS.
 ATTN_NAME = "spyre_paged"
-#: The same op on the C++ kernel (float32, CPU ``inductor`` path).
+#: The same op on the C++ kernel (float32 or bfloat16 pools, CPU
+#: ``inductor`` path).
 ATTN_NAME_CPU_KERNEL = "spyre_paged_cpu_kernel"
 
 
@@ -45,8 +46,9 @@ def _store(keys: torch.Tensor, values: torch.Tensor, key_pool: torch.Tensor,
     head_dim]; ``cache_slots``: [B, L] int64.  The compute op reads the
     pools, so they are returned in place of this step's keys/values."""
     slots = attn_kwargs["cache_slots"].flatten()
-    key_pool.index_copy_(0, slots, keys.flatten(0, 1))
-    value_pool.index_copy_(0, slots, values.flatten(0, 1))
+    key_pool.index_copy_(0, slots, keys.flatten(0, 1).to(key_pool.dtype))
+    value_pool.index_copy_(0, slots,
+                           values.flatten(0, 1).to(value_pool.dtype))
     return key_pool, value_pool, key_pool, value_pool
 
 
