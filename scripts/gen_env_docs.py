@@ -126,9 +126,13 @@ With the example above: `max_model_len` = 320, `max_num_seqs` = 4,
 
 `dtype="auto"` follows vLLM's rule of taking the platform's first supported
 dtype for a float32 checkpoint: float32 on the CPU, float16 where
-`torch_sendnn` is importable. Checkpoints stored in bfloat16 or float16 keep
-their dtype; on the CPU backends (`inductor`, `eager`) the model falls back
-to float32, with a warning, for any dtype other than float32 or bfloat16.
+`torch_sendnn` is importable. A checkpoint stored in bfloat16 keeps its
+dtype. The CPU backends (`inductor`, `eager`) serve float32 and bfloat16:
+`auto` takes float32 for a float16 checkpoint (vLLM warns), and
+`--dtype float16` is refused at start-up. `--dtype bfloat16` on the CPU
+holds the weights of every matrix product and the key/value cache in
+bfloat16 and the rest in float32 (see
+[performance.md](performance.md#bfloat16)).
 
 ## What the platform sets under continuous batching
 

@@ -1,8 +1,7 @@
 """``--dtype bfloat16`` on the CPU path: the weights of every matrix
 product and the key/value cache in bfloat16 (the bytes a decode step
-reads), the products on the packed bfloat16 kernel (``inductor``) or
-oneDNN (``eager``), and the residual stream, norms, softmax and sums in
-float32.
+reads), the products on the packed bfloat16 kernel, and the residual
+stream, norms, softmax and sums in float32.
 
 bfloat16 keeps 8 bits of mantissa, so two correct bfloat16 engines may
 pick different tokens wherever the top two logits are close.  The checks,
@@ -82,10 +81,11 @@ def tiny_prompts(vocab: int) -> list[list[int]]:
             for n in PROMPT_LENS]
 
 
-def generate(llm, prompts: list[list[int]]) -> list[list[int]]:
+def generate(llm, prompts: list[list[int]],
+             new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     from vllm import SamplingParams, TokensPrompt
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                        SamplingParams(temperature=0, max_tokens=new_tokens,
                                        ignore_eos=True),
                         use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -155,10 +155,10 @@ def test_tiny_bf16_equals_transformers_bf16_where_stable(
     env, kwargs = mode_env(mode, backend)
     with spyre_llm(tiny_llama, env, dtype="bfloat16", **kwargs) as llm:
         held = bf16_layers(llm)
-        # Every linear layer: 2 layers x (fused qkv, output, fused
-        # gate/up, down), and the head; the norms stay float32.
-        kind = "packed" if backend == "inductor" else "onednn"
-        assert held[kind] == 9 and held["float32_linear"] == 0, held
+        # Every linear layer on the packed kernel, eager too: 2 layers x
+        # (fused qkv, output, fused gate/up, down), and the head; the norms
+        # stay float32.
+        assert held["packed"] == 9 and held["float32_linear"] == 0, held
         assert held["others"] == ["torch.float32"]
         assert held["kv"] == "torch.bfloat16"
         prompts = tiny_prompts(llm.llm_engine.model_config.get_vocab_size())
@@ -181,23 +181,28 @@ def test_tiny_bf16_tp3_equals_transformers_bf16_where_stable(
 
 @pytest.mark.smollm2
 def test_smollm2_bf16_agrees_with_float32(smollm2):
-    """Teacher-forced top-1 agreement with transformers' float32 on at
-    least 99 % of positions, and transformers' bfloat16 wherever it is
-    stable (eager: the real model's inductor compile is a benchmark's job,
-    ``benchmarks/bf16_quality.py``)."""
+    """The prompts of ``benchmarks/bf16_quality.py`` (16 windows of 64
+    tokens spread over the benchmark text, 64 new tokens each), on
+    ``eager`` (the real model's inductor compile is the benchmark's job):
+    teacher-forced top-1 agreement with transformers' float32 on at least
+    99 % of positions, and transformers' bfloat16 wherever it is
+    stable."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(smollm2)
     text = (Path(__file__).resolve().parents[2] / "benchmarks" / "data" /
             "text.txt").read_text()
-    ids = tok(text)["input_ids"]
-    prompts = [ids[i * 97:i * 97 + 48] for i in range(6)]
-    with spyre_llm(smollm2, spyre_env("eager", [64], [NEW_TOKENS], [4]),
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    count, length = 16, 64
+    stride = (len(ids) - length) // (count - 1)
+    prompts = [ids[i * stride:i * stride + length] for i in range(count)]
+    with spyre_llm(smollm2, spyre_env("eager", [64], [64], [8]),
                    dtype="bfloat16") as llm:
-        generated = generate(llm, prompts)
+        generated = generate(llm, prompts, new_tokens=64)
     judge = TeacherForced(smollm2)
     judged = [judge.judge(p, g) for p, g in zip(prompts, generated)]
     positions = sum(len(j.ours) for j in judged)
     agree = sum(a == b for j in judged for a, b in zip(j.ours, j.fp32))
+    assert positions == count * 64
     assert agree / positions >= 0.99, f"{agree} of {positions}"
     assert sum(sum(j.stable) for j in judged) >= positions // 2
     assert not [j.stable_mismatches() for j in judged

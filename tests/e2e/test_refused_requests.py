@@ -5,6 +5,7 @@ prompts withdraws the others, so the next call returns only its own."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import spyre_env, spyre_llm
 
@@ -156,6 +157,26 @@ def test_unsupported_features_are_refused_at_start_up(tiny_llama, env, kwargs,
     with mock.patch.dict(os.environ, env):
         with pytest.raises(NotImplementedError, match=feature):
             EngineArgs(model=str(tiny_llama), **kwargs).create_engine_config()
+
+
+@pytest.mark.parametrize("env", [STATIC_ENV, CB_ENV])
+def test_float16_is_refused_on_the_cpu_backends(tiny_llama, env):
+    import os
+    from unittest import mock
+
+    from vllm import EngineArgs
+    with mock.patch.dict(os.environ, env):
+        with pytest.raises(ValueError, match=r"--dtype float16 is not "
+                           r"supported with VLLM_SPYRE_DYNAMO_BACKEND=eager.*"
+                           r"float32 and bfloat16"):
+            EngineArgs(model=str(tiny_llama),
+                       dtype="float16").create_engine_config()
+        # auto never picks float16 here, and bfloat16 is accepted.
+        assert EngineArgs(model=str(tiny_llama)).create_engine_config(
+        ).model_config.dtype == torch.float32
+        assert EngineArgs(model=str(tiny_llama), dtype="bfloat16"
+                          ).create_engine_config().model_config.dtype == \
+            torch.bfloat16
 
 
 @pytest.mark.parametrize("env", [STATIC_ENV, CB_ENV])

@@ -58,10 +58,12 @@ class SpyrePlatform(Platform):
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
         """The first entry is what ``dtype="auto"`` picks for a float32
-        checkpoint: float16 on Spyre cards, float32 on the CPU stand-in."""
+        checkpoint: float16 on Spyre cards, float32 on the CPU stand-in,
+        which has no float16 path (``auto`` takes float32 for a float16
+        checkpoint; ``--dtype float16`` is refused)."""
         if sendnn_available():
             return [torch.float16, torch.float32, torch.bfloat16]
-        return [torch.float32, torch.bfloat16, torch.float16]
+        return [torch.float32, torch.bfloat16]
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
@@ -118,6 +120,13 @@ class SpyrePlatform(Platform):
                 f"The {model_config.runner_type!r} runner is not supported on "
                 "Spyre; text generation and pooling (embeddings, scores) "
                 "are.")
+        if spyre.dynamo_backend != "sendnn" and \
+                model_config.dtype == torch.float16:
+            raise ValueError(
+                f"--dtype float16 is not supported with "
+                f"VLLM_SPYRE_DYNAMO_BACKEND={spyre.dynamo_backend}: the CPU "
+                "backends serve float32 and bfloat16 (--dtype bfloat16 "
+                "halves the bytes a decode step reads).")
         if model_config.enable_prompt_embeds:
             # The compiled graphs take token ids: embeddings would be
             # replaced by the placeholder ids vLLM stores for them.

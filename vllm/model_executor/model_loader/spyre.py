@@ -110,7 +110,7 @@ class SpyreCausalLM(nn.Module):
         if spyre_config.dynamo_backend == "inductor":
             self._use_cpu_kernels()
         else:
-            self._bf16_products_without_kernels()
+            self._bf16_products()
         self._register_attention()
         self.cache_layout = spyre_kv_cache.CacheLayout.of(self.fms_model)
         self.model = self._compile(self.fms_model)
@@ -139,13 +139,13 @@ class SpyreCausalLM(nn.Module):
         return model
 
     def _use_cpu_kernels(self) -> None:
-        """Linear layers go to the packed CPU kernel (``spyre_cpu_linear``),
-        their weights packed in ``precision.linear``, and decode attention
-        to its companion kernel.  A machine where they cannot be built
-        keeps MKL/oneDNN and the attention written in torch ops; bfloat16
-        products then run as ``Bf16Linear``."""
+        """``inductor``: linear layers go to the packed CPU kernel
+        (``spyre_cpu_linear``), their weights packed in
+        ``precision.linear``, and decode attention to its companion kernel.
+        A machine where they cannot be built keeps MKL/oneDNN and the
+        attention written in torch ops."""
         if not spyre_cpu_linear.available():
-            self._bf16_products_without_kernels()
+            self._bf16_products()
             return
         start = time.perf_counter()
         n = spyre_cpu_linear.pack_linears(self.fms_model,
@@ -155,10 +155,18 @@ class SpyreCausalLM(nn.Module):
                     n, str(self.precision.linear).removeprefix("torch."),
                     time.perf_counter() - start)
 
-    def _bf16_products_without_kernels(self) -> None:
-        """bfloat16 matrix products through PyTorch (oneDNN), the rest of
-        the model float32 (``eager``, or no C++ compiler)."""
-        if self.precision.linear == torch.bfloat16 != self.precision.model:
+    def _bf16_products(self) -> None:
+        """bfloat16 products under a float32 model where the kernels are
+        not otherwise used (``eager``, or no C++ compiler): on the packed
+        kernel if it builds, which keeps the products' sums float32, else
+        through oneDNN (``Bf16Linear``, whose outputs are rounded to
+        bfloat16)."""
+        if self.precision.linear != torch.bfloat16 or \
+                self.precision.model == torch.bfloat16:
+            return
+        if spyre_cpu_linear.available():
+            spyre_cpu_linear.pack_linears(self.fms_model, torch.bfloat16)
+        else:
             spyre_cpu_linear.bf16_linears(self.fms_model)
 
     @staticmethod
