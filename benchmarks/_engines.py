@@ -2,8 +2,9 @@
 each with one interface, ``run(prompts) -> Run``: our Spyre engine stepped
 by hand, under static batching (``SpyreDriver``) or continuous batching
 (``SpyreCBDriver``), Hugging Face ``generate`` (``HFDriver``) and FMS
-``generate`` on a compiled FMS model (``FMSDriver``); ``ENGINES`` names
-them.  ``start_engines`` starts one per child process (``_common.Child``),
+``generate`` on a compiled FMS model (``FMSDriver``), and llama.cpp at
+three precisions (``_peers.LlamaCppDriver``); ``ENGINES`` names them.
+``start_engines`` starts one per child process (``_common.Child``),
 ``measure`` alternates their timed runs.
 
 Nothing here imports torch, transformers or vLLM at module level: a child
@@ -15,23 +16,27 @@ import itertools
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
 from _common import (Child, Run, Timings, Workload, cb_max_model_len,
                      compile_count, spyre_cb_env, spyre_env)
+from _peers import LlamaCppDriver
+
 
 class SpyreDriver:
     """Our vLLM engine (V0 ``LLMEngine``, Spyre platform), stepped by hand,
     with one warm-up shape per batch size; start-up compiles them all."""
 
-    def __init__(self, work: Workload, backend: str) -> None:
+    def __init__(self, work: Workload, backend: str,
+                 dtype: str = "float32") -> None:
         # Before vLLM is first imported (the platform reads it at start-up).
         os.environ.update(self.env(work, backend))
         from vllm import EngineArgs, LLMEngine
         self.work = work
         # No periodic stats logging inside timed steps (vllm.LLM's default).
         self.engine = LLMEngine.from_engine_args(
-            EngineArgs(model=work.model, disable_log_stats=True,
+            EngineArgs(model=work.model, disable_log_stats=True, dtype=dtype,
                        **self.engine_args(work)))
         self.next_id = 0
 
@@ -116,12 +121,12 @@ class _FirstTokenTimer:
 class HFDriver:
     """Hugging Face transformers ``generate``, greedy, sdpa attention."""
 
-    def __init__(self, work: Workload) -> None:
+    def __init__(self, work: Workload, dtype: str = "float32") -> None:
         import torch
         from transformers import AutoModelForCausalLM, GenerationConfig
         self.work = work
         self.model = AutoModelForCausalLM.from_pretrained(
-            work.model, dtype=torch.float32,
+            work.model, dtype=getattr(torch, dtype),
             attn_implementation="sdpa").eval()
         pad = self.model.generation_config.pad_token_id
         # No EOS at all: it neither stops generation nor is suppressed.
@@ -236,6 +241,8 @@ class Engine:
     ours: bool = False
     # continuous batching: the static-batching engine it is compared with
     static_peer: Optional[str] = None
+    # the weights' precision: ours/peer ratios compare equal precisions
+    precision: str = "fp32"
 
 
 ENGINES: dict[str, Engine] = {
@@ -250,11 +257,28 @@ ENGINES: dict[str, Engine] = {
     "hf": Engine(HFDriver),
     "fms": Engine(FMSDriver, "inductor"),
     "fms-eager": Engine(FMSDriver, "eager"),
+    "llamacpp-f32": Engine(partial(LlamaCppDriver, precision="f32")),
+    "llamacpp-bf16": Engine(partial(LlamaCppDriver, precision="bf16"),
+                            precision="bf16"),
+    "llamacpp-q4_1": Engine(partial(LlamaCppDriver, precision="q4_1"),
+                            precision="q4_1"),
+    "spyre-inductor-bf16": Engine(partial(SpyreDriver, dtype="bfloat16"),
+                                  "inductor", ours=True, precision="bf16"),
+    "spyre-cb-inductor-bf16": Engine(
+        partial(SpyreCBDriver, dtype="bfloat16"), "inductor", ours=True,
+        static_peer="spyre-inductor-bf16", precision="bf16"),
+    "hf-bf16": Engine(partial(HFDriver, dtype="bfloat16"), precision="bf16"),
 }
 
 
 def is_ours(engine: str) -> bool:
     return ENGINES[engine].ours
+
+
+def is_cb(engine: str) -> bool:
+    """Whether the engine is ours under continuous batching."""
+    driver = ENGINES[engine].driver
+    return issubclass(getattr(driver, "func", driver), SpyreCBDriver)
 
 
 class EngineWorker:

@@ -1,5 +1,5 @@
 """Offline generation throughput: our Spyre engine against Hugging Face
-transformers and IBM FMS, on one fixed workload.
+transformers, IBM FMS and llama.cpp, on one fixed workload.
 
 For each batch size B: B prompts of exactly P tokens cut from
 benchmarks/data/text.txt (row i starts at token 13*i), G new tokens each,
@@ -21,15 +21,24 @@ VLLM_SPYRE_USE_CB=1, max_num_seqs the largest B, max_model_len P+G rounded
 up to 64; the B prefills run one by one, then every decode step runs the
 whole batch), hf (transformers generate, sdpa), fms (FMS generate on the
 FMS model compiled with inductor), fms-eager (the same with the eager
-backend: a cheap check of the FMS path).  TTFT is the time until every row
-has its first token.  A CB engine run next to its static counterpart gets
-the column cbstep/static: static decode tok/s over CB decode tok/s, the
-cost of a CB decode step relative to a static one (> 1: CB slower).
+backend: a cheap check of the FMS path), llamacpp-f32, llamacpp-bf16,
+llamacpp-q4_1 (llama.cpp through its C API on GGUF files of the model, B
+sequences in one context, one decode call per step; set up once with
+``bash benchmarks/peers/setup_llamacpp.sh``).  TTFT is the time until every
+row has its first token.  Ratios are shown against the peers at our
+precision, float32 (not llamacpp-bf16 or llamacpp-q4_1).  llama.cpp's
+kernels round differently from torch's: its ids agree with ours for some
+leading tokens (the ids column says how many), then may part; pass
+``--allow-mismatch`` to accept that.  A CB engine run next to its static
+counterpart gets the column cbstep/static: static decode tok/s over CB
+decode tok/s, the cost of a CB decode step relative to a static one (> 1:
+CB slower).
 
     python benchmarks/offline.py [--model DIR] [--batch-sizes 1,4,8,16]
         [--prompt-len 64] [--new-tokens 64] [--repetitions 3]
         [--engines spyre-inductor,spyre-eager,hf,fms]
-        (add spyre-cb-inductor,spyre-cb-eager for continuous batching)
+        (add spyre-cb-inductor,spyre-cb-eager for continuous batching,
+        llamacpp-f32,llamacpp-bf16,llamacpp-q4_1 for llama.cpp)
         [--json PATH] [--plot PATH] [--allow-mismatch]
 """
 from __future__ import annotations
@@ -42,7 +51,7 @@ from pathlib import Path
 from _common import (DEFAULT_MODEL, REPO, RESULTS, STRIDE, TEXT, Workload,
                      cores, leading_matches, machine_info, parse_ints, table,
                      write_json)
-from _engines import (ENGINES, SpyreCBDriver, is_ours, measure, start_engines,
+from _engines import (ENGINES, is_cb, is_ours, measure, start_engines,
                       stop_engines)
 
 
@@ -97,6 +106,18 @@ def print_agreement(engines: list[str], work: Workload, ids: dict,
 CB_STEP = "cbstep/static"
 
 
+def same_precision(a: str, b: str) -> bool:
+    return ENGINES[a].precision == ENGINES[b].precision
+
+
+def ratio_peers(engines: list[str]) -> list[str]:
+    """The engines ours are divided by in the ratio columns: each peer at
+    the precision of at least one of ours."""
+    ours = [e for e in engines if is_ours(e)]
+    return [e for e in engines if not is_ours(e)
+            and any(same_precision(e, o) for o in ours)]
+
+
 def ratios(engines: list[str], summaries: dict, batch: int,
            engine: str) -> dict[str, float]:
     """Ours / each peer: decode tokens/s (>1: ours faster) and TTFT
@@ -107,7 +128,9 @@ def ratios(engines: list[str], summaries: dict, batch: int,
         return {}
     mine = summaries[engine, batch]
     out = {}
-    for peer in (e for e in engines if not is_ours(e)):
+    for peer in ratio_peers(engines):
+        if not same_precision(peer, engine):
+            continue
         theirs = summaries[peer, batch]
         out[f"decode/{peer}"] = mine["decode_tok_s"] / theirs["decode_tok_s"]
         out[f"ttft/{peer}"] = mine["ttft_s"] / theirs["ttft_s"]
@@ -221,12 +244,12 @@ def ids_cell(found: list[dict], ref: str, engine: str, batch: int,
 def print_table(engines, work, summaries, found, repetitions) -> None:
     """The result table, printed last."""
     ref = engines[0]
-    peers = [e for e in engines if not is_ours(e)]
+    peers = ratio_peers(engines)
     ratio_cols = [f"{m}/{p}" for p in peers for m in ("decode", "ttft")] \
         if any(is_ours(e) for e in engines) else []
     if any(ENGINES[e].static_peer in engines for e in engines):
         ratio_cols.append(CB_STEP)
-    cb = [e for e in engines if ENGINES[e].driver is SpyreCBDriver]
+    cb = [e for e in engines if is_cb(e)]
     rows = []
     for engine, batch in itertools.product(engines, work.batch_sizes):
         s = summaries[engine, batch]
