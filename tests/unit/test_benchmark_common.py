@@ -149,3 +149,20 @@ def test_cb_static_ratios():
     assert r == pytest.approx(dict(output_tok_s=1.5, ttft_p50=0.25,
                                    itl_p50=1.25))
     assert serving_load.ratios({"cb": mode(1.0, 1.0, 1.0)}) == {}
+
+
+def test_offline_ratios_compare_equal_precisions():
+    import offline
+    engines = ["spyre-inductor", "spyre-inductor-bf16", "llamacpp-f32",
+               "llamacpp-bf16", "llamacpp-q4_1", "hf"]
+    # q4_1 has no engine of ours at its precision: no ratio column.
+    assert offline.ratio_peers(engines) == ["llamacpp-f32", "llamacpp-bf16",
+                                            "hf"]
+    summaries = {(e, 1): dict(decode_tok_s=10.0 * (i + 1), ttft_s=1.0)
+                 for i, e in enumerate(engines)}
+    assert offline.ratios(engines, summaries, 1, "spyre-inductor-bf16") == {
+        "decode/llamacpp-bf16": 20.0 / 40.0, "ttft/llamacpp-bf16": 1.0}
+    assert set(offline.ratios(engines, summaries, 1, "spyre-inductor")) == {
+        "decode/llamacpp-f32", "ttft/llamacpp-f32", "decode/hf", "ttft/hf"}
+    assert offline.is_cb("spyre-cb-inductor-bf16")
+    assert not offline.is_cb("spyre-inductor-bf16")
