@@ -177,11 +177,14 @@ constexpr TileBf16Fn<Out> kTilesBf16[kMaxRows + 1] = {
     tile_bf16<Out, 9>, tile_bf16<Out, 10>, tile_bf16<Out, 11>,
     tile_bf16<Out, 12>};
 
-// y = x . W for bfloat16 W packed in pairs; x as [M][K / 2] input pairs.
-template <typename Out>
-void run_bf16(const uint32_t* xp, const uint32_t* wp, Out* yp, int64_t M,
-              int64_t K2, int64_t blocks, int64_t out_features,
-              const float* bp) {
+// y = x . W over every column block, in row tiles of near-equal height:
+// x has M rows of L elements (float32 inputs, or bfloat16 input pairs), a
+// block of W L rows of kBlock elements of the same kind.
+template <typename In, typename Out>
+void run_tiles(void (*const* tiles)(const In*, int64_t, const In*, int64_t,
+                                    Out*, int64_t, int64_t, const float*),
+               const In* xp, const In* wp, Out* yp, int64_t M, int64_t L,
+               int64_t blocks, int64_t out_features, const float* bp) {
   const int64_t height = tile_height(M);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
@@ -189,14 +192,13 @@ void run_bf16(const uint32_t* xp, const uint32_t* wp, Out* yp, int64_t M,
       const int64_t cols = std::min(kBlock, out_features - c0);
       for (int64_t m0 = 0; m0 < M; m0 += height) {
         const int64_t rows = std::min(height, M - m0);
-        kTilesBf16<Out>[rows](xp + m0 * K2, K2, wp + blk * K2 * kBlock, K2,
-                              yp + m0 * out_features + c0, out_features,
-                              cols, bp ? bp + c0 : nullptr);
+        tiles[rows](xp + m0 * L, L, wp + blk * L * kBlock, L,
+                    yp + m0 * out_features + c0, out_features, cols,
+                    bp ? bp + c0 : nullptr);
       }
     }
   });
 }
-
 
 at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed,
                          int64_t out_features,
@@ -249,30 +251,17 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed,
     const auto* xp = static_cast<const uint32_t*>(x.data_ptr());
     const auto* wp = static_cast<const uint32_t*>(packed.data_ptr());
     if (float_input) {
-      run_bf16(xp, wp, y.data_ptr<float>(), M, K / 2, blocks, out_features,
-               bp);
+      run_tiles(kTilesBf16<float>, xp, wp, y.data_ptr<float>(), M, K / 2,
+                blocks, out_features, bp);
     } else {
-      run_bf16(xp, wp, static_cast<uint16_t*>(y.data_ptr()), M, K / 2,
-               blocks, out_features, bp);
+      run_tiles(kTilesBf16<uint16_t>, xp, wp,
+                static_cast<uint16_t*>(y.data_ptr()), M, K / 2, blocks,
+                out_features, bp);
     }
     return y;
   }
-  const int64_t height = tile_height(M);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t c0 = blk * kBlock;
-      const int64_t cols = std::min(kBlock, out_features - c0);
-      const float* block = wp + blk * K * kBlock;
-      for (int64_t m0 = 0; m0 < M; m0 += height) {
-        const int64_t rows = std::min(height, M - m0);
-        kTiles[rows](xp + m0 * K, K, block, K, yp + m0 * out_features + c0,
-                     out_features, cols, bp ? bp + c0 : nullptr);
-      }
-    }
-  });
+  run_tiles(kTiles, x.data_ptr<float>(), packed.data_ptr<float>(),
+            y.data_ptr<float>(), M, K, blocks, out_features, bp);
   return y;
 }
 
