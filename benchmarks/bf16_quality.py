@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 
 from _common import (DEFAULT_MODEL, RESULTS, build_prompts, compile_count,
                      machine_info, spyre_env, table, text_ids, write_json)
@@ -46,33 +47,61 @@ def generate(model: str, backend: str, prompts: list[list[int]],
                                                           before)
 
 
-def judge(model: str, prompts: list[list[int]],
-          generated: list[list[int]]) -> dict:
-    """Counts over every generated position (see the module docstring)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    refs = {d: AutoModelForCausalLM.from_pretrained(
-        model, dtype=d, attn_implementation="sdpa").eval()
-        for d in (torch.float32, torch.bfloat16)}
-    counts = dict(positions=0, ours_fp32=0, hf_bf16_fp32=0, stable=0,
-                  stable_ours_hf_bf16=0)
-    for prompt, ours in zip(prompts, generated):
+@dataclass
+class Judgement:
+    """One sequence, per generated position: our token, transformers'
+    bfloat16 and float32 argmax on our prefix, and whether its bfloat16 is
+    stable there."""
+
+    ours: list[int]
+    bf16: list[int]
+    fp32: list[int]
+    stable: list[bool]
+
+    def stable_mismatches(self) -> list[int]:
+        return [i for i, (s, a, b) in enumerate(
+            zip(self.stable, self.ours, self.bf16)) if s and a != b]
+
+
+class TeacherForced:
+    """transformers in float32 and in bfloat16, one sequence at a time, no
+    padding (also used by tests/e2e/test_bf16.py)."""
+
+    def __init__(self, model: str):
+        import torch
+        from transformers import AutoModelForCausalLM
+        self.models = {d: AutoModelForCausalLM.from_pretrained(
+            model, dtype=d, attn_implementation="sdpa").eval()
+            for d in (torch.float32, torch.bfloat16)}
+
+    def judge(self, prompt: list[int], ours: list[int]) -> Judgement:
+        import torch
         seq = torch.tensor([prompt + ours[:-1]])
         n = len(prompt)
         with torch.no_grad():
-            l32, l16 = (refs[d](seq).logits[0, n - 1:].float()
+            l32, l16 = (self.models[d](seq).logits[0, n - 1:].float()
                         for d in (torch.float32, torch.bfloat16))
-        ours_t = torch.tensor(ours)
-        top32, top16 = l32.argmax(-1), l16.argmax(-1)
         error = (l16 - l32).abs().amax(-1)
         lead = l16.topk(2, dim=-1).values
         stable = (lead[:, 0] - lead[:, 1]) > 2 * error
+        return Judgement(ours, l16.argmax(-1).tolist(),
+                         l32.argmax(-1).tolist(), stable.tolist())
+
+
+def judge(model: str, prompts: list[list[int]],
+          generated: list[list[int]]) -> dict:
+    """Counts over every generated position (see the module docstring)."""
+    reference = TeacherForced(model)
+    counts = dict(positions=0, ours_fp32=0, hf_bf16_fp32=0, stable=0,
+                  stable_ours_hf_bf16=0)
+    for prompt, ours in zip(prompts, generated):
+        j = reference.judge(prompt, ours)
         counts["positions"] += len(ours)
-        counts["ours_fp32"] += int((ours_t == top32).sum())
-        counts["hf_bf16_fp32"] += int((top16 == top32).sum())
-        counts["stable"] += int(stable.sum())
-        counts["stable_ours_hf_bf16"] += int(
-            ((ours_t == top16) & stable).sum())
+        counts["ours_fp32"] += sum(a == b for a, b in zip(j.ours, j.fp32))
+        counts["hf_bf16_fp32"] += sum(a == b for a, b in zip(j.bf16, j.fp32))
+        counts["stable"] += sum(j.stable)
+        counts["stable_ours_hf_bf16"] += sum(
+            s and a == b for s, a, b in zip(j.stable, j.ours, j.bf16))
     return counts
 
 

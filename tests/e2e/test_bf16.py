@@ -20,59 +20,22 @@ Static and continuous batching, ``eager`` and ``inductor``, and tensor
 parallel over 3 ranks."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import compile_count, spyre_env, spyre_llm
+from conftest import REPO, compile_count, spyre_env, spyre_llm
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from bf16_quality import TeacherForced  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
 SHAPES = dict(prompt_lens=[64], new_tokens=[24], batch_sizes=[4])
 NEW_TOKENS = 24
 PROMPT_LENS = [5, 12, 30, 41, 60, 64, 17, 50]
-
-
-@dataclass
-class Judgement:
-    """Per generated position: our token, transformers' bfloat16 and
-    float32 argmax on our prefix, and whether bfloat16 is stable there."""
-
-    ours: list[int]
-    bf16: list[int]
-    fp32: list[int]
-    stable: list[bool]
-
-    def stable_mismatches(self) -> list[int]:
-        return [i for i, (s, a, b) in enumerate(
-            zip(self.stable, self.ours, self.bf16)) if s and a != b]
-
-
-class TeacherForced:
-    """transformers in bfloat16 and in float32 over one sequence at a
-    time, no padding."""
-
-    def __init__(self, model_dir: Path):
-        from transformers import AutoModelForCausalLM
-        self.models = {
-            dtype: AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=dtype, attn_implementation="sdpa").eval()
-            for dtype in (torch.bfloat16, torch.float32)
-        }
-
-    def judge(self, prompt: list[int], ours: list[int]) -> Judgement:
-        seq = torch.tensor([prompt + ours[:-1]])
-        n = len(prompt)
-        with torch.no_grad():
-            l16, l32 = (self.models[d](seq).logits[0, n - 1:].float()
-                        for d in (torch.bfloat16, torch.float32))
-        error = (l16 - l32).abs().amax(-1)
-        top2 = l16.topk(2, dim=-1).values
-        stable = (top2[:, 0] - top2[:, 1]) > 2 * error
-        return Judgement(ours, l16.argmax(-1).tolist(),
-                         l32.argmax(-1).tolist(), stable.tolist())
 
 
 def tiny_prompts(vocab: int) -> list[list[int]]:
