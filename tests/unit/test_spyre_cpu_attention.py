@@ -33,6 +33,9 @@ def _inputs(B, L, H, kvh, D, T, seed=0):
     (3, 1, 4, 2, 16, 20),
     (2, 1, 4, 4, 20, 7),  # no grouping; 20 = 16 + a scalar tail
     (2, 3, 6, 2, 8, 11),  # several query positions
+    # groups of 5 rows (a tile of 4 and one), 96 = 64 + 2 x 16 columns,
+    # 300 tokens = 18 x 16 + a tail
+    (2, 2, 10, 2, 96, 300),
 ])
 def test_kernel_matches_torch_ops(B, L, H, kvh, D, T):
     q, k, v, mask = _inputs(B, L, H, kvh, D, T)
@@ -43,6 +46,19 @@ def test_kernel_matches_torch_ops(B, L, H, kvh, D, T):
                                                     scale, mask=mask)
         assert got.shape == (B, L, H, D)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_softmax_over_a_wide_range_of_scores():
+    """Scores hundreds apart: the kernel's exponential, which clamps far
+    below the maximum, still gives the softmax of the torch ops (to the
+    float32 rounding of scores this large, about 1e-5 of them)."""
+    B, L, H, kvh, D, T = 2, 1, 8, 2, 64, 200
+    q, k, v, mask = _inputs(B, L, H, kvh, D, T, seed=5)
+    ref = spyre_kv_cache._compute_decode(q, k, v, H, kvh, 0.0, 12.0,
+                                         mask=mask)
+    got = spyre_kv_cache._compute_decode_kernel(q, k, v, H, kvh, 0.0, 12.0,
+                                                mask=mask)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])

@@ -53,58 +53,219 @@ inline vfloat_u load(const bf16* p) {
   return reinterpret_cast<vfloat_u>(w << 16);
 }
 
+typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// Asks for the `bytes` at p to be brought into cache ahead of use: a
+// thread streaming the cache on its own waits on memory otherwise (a
+// sequence's blocks are scattered over the pool, too far apart for the
+// hardware prefetcher to run ahead).
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
+}
+
+// The sum of the lanes of v, as a tree (the lanes are independent, so the
+// adds need not wait on one another).
+inline float lane_sum(vfloat_u v) {
+  float s8[8], s4[4];
+  for (int l = 0; l < 8; ++l) s8[l] = v[l] + v[l + 8];
+  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
 template <typename T>
 float dot(const float* a, const T* b, int64_t n) {
   vfloat_u acc{};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
-  float s = 0.f;
-  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  float s = lane_sum(acc);
   for (; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
   return s;
 }
 
-// y[0:n] += p * x[0:n]
-template <typename T>
-void axpy(float p, const T* x, float* y, int64_t n) {
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    *reinterpret_cast<vfloat_u*>(y + i) += p * load(x + i);
-  for (; i < n; ++i) y[i] += p * static_cast<float>(x[i]);
+// One step of a transposed lane sum.  a and b hold partial sums of W-lane
+// groups of some tokens each, laid out in blocks of W lanes; the result
+// holds the tokens of both, each token's partials halved in number.
+template <int W>
+[[gnu::always_inline]] inline vfloat_u fold(vfloat_u a, vfloat_u b) {
+  vint take_low, take_high;
+  for (int l = 0; l < kLanes; ++l) {
+    const int j = l % (2 * W);
+    take_low[l] = j < W ? l : kLanes + l - W;
+    take_high[l] = j < W ? l + W : kLanes + l;
+  }
+  return __builtin_shuffle(a, b, take_low) +
+         __builtin_shuffle(a, b, take_high);
 }
 
-// Attention of `group` query rows (the query heads sharing one key/value
-// head, at one position) over `n` cached tokens: key_at(i) / value_at(i)
-// point at token i's key and value.  q: group rows of D floats; out: group
-// rows of Dv floats; scores: scratch of at least group * n floats.  With
-// n == 0 the rows get zeros.
-template <typename T, typename KeyAt, typename ValueAt>
-void attend_group(const float* q, int64_t group, int64_t D, int64_t Dv,
-                  int64_t n, KeyAt key_at, ValueAt value_at, float scale,
-                  float* scores, float* out) {
-  // Scores of the group's rows, token by token: each key read once.
-  for (int64_t i = 0; i < n; ++i) {
-    const T* key = key_at(i);
-    for (int64_t g = 0; g < group; ++g)
-      scores[g * n + i] = dot(q + g * D, key, D) * scale;
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * n;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
-    float sum = 0.f;
-    for (int64_t i = 0; i < n; ++i) {
-      s[i] = std::exp(s[i] - mx);
-      sum += s[i];
+// Lane t of the result is the sum of the lanes of acc[t], t < 16.
+[[gnu::always_inline]] inline vfloat_u transpose_sum(const vfloat_u* acc) {
+  vfloat_u l1[8], l2[4], l3[2];
+  for (int t = 0; t < 8; ++t) l1[t] = fold<1>(acc[2 * t], acc[2 * t + 1]);
+  for (int t = 0; t < 4; ++t) l2[t] = fold<2>(l1[2 * t], l1[2 * t + 1]);
+  for (int t = 0; t < 2; ++t) l3[t] = fold<4>(l2[2 * t], l2[2 * t + 1]);
+  return fold<8>(l3[0], l3[1]);
+}
+
+// exp(x) for x <= 0 (a softmax after subtracting the maximum), to about
+// one unit in the last place; below -87 (where exp leaves float32's normal
+// range) it gives exp(-87), which no softmax sum that holds a 1 can see.
+[[gnu::always_inline]] inline vfloat_u exp_nonpositive(vfloat_u x) {
+  const vfloat_u lowest = x * 0.f - 87.f;
+  x = x < lowest ? lowest : x;
+  // x = n ln2 + f, |f| <= ln2 / 2; n rounded by the 1.5 * 2^23 trick.
+  const float shifter = 12582912.f;
+  const vfloat_u t = x * 1.44269504f + shifter;
+  const vfloat_u n = t - shifter;
+  vfloat_u f = x - n * 0.693359375f;  // ln2, high bits (exact product)
+  f = f - n * -2.12194440e-4f;  // ln2, the rest
+  vfloat_u p = f * (1.f / 5040) + (1.f / 720);
+  p = p * f + (1.f / 120);
+  p = p * f + (1.f / 24);
+  p = p * f + (1.f / 6);
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  // 2^n: n + 127 in the exponent field.
+  const vint bits = (reinterpret_cast<vint>(t) -
+                     reinterpret_cast<vint>(t * 0.f + shifter) + 127) << 23;
+  return p * reinterpret_cast<vfloat_u>(bits);
+}
+
+// scores[r * n + i] = scale * q_r . key of token i, for `rows` query rows,
+// `group` rows per key/value head: row r reads head r / group, whose keys
+// of token i are at keys[i] + (r / group) * key_stride.  16 tokens at a
+// time where the head size allows: each token's products stay in lanes,
+// and one transposed sum turns 16 of them into 16 scores.  Every row of a
+// 16-token tile runs before the next tile, so the tile's keys (of every
+// head) are read from memory once.
+template <typename T>
+void row_scores(const float* q, int64_t rows, int64_t group, int64_t D,
+                int64_t n, const T* const* keys, int64_t key_stride,
+                float scale, float* scores) {
+  const int64_t row_bytes = ((rows / group - 1) * key_stride + D) * sizeof(T);
+  int64_t i = 0;
+  if (D % kLanes == 0) {
+    vfloat_u acc[kLanes];
+    for (; i + kLanes <= n; i += kLanes) {
+      for (int64_t t = i + 2 * kLanes; t < std::min(n, i + 3 * kLanes); ++t)
+        prefetch(keys[t], row_bytes);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* qr = q + r * D;
+        const int64_t offset = (r / group) * key_stride;
+        for (int t = 0; t < kLanes; ++t) acc[t] = vfloat_u{};
+        for (int64_t d = 0; d < D; d += kLanes) {
+          const vfloat_u qd = load(qr + d);
+          for (int t = 0; t < kLanes; ++t)
+            acc[t] += qd * load(keys[i + t] + offset + d);
+        }
+        *reinterpret_cast<vfloat_u*>(scores + r * n + i) =
+            transpose_sum(acc) * scale;
+      }
     }
-    for (int64_t i = 0; i < n; ++i) s[i] /= sum;
   }
-  for (int64_t j = 0; j < group * Dv; ++j) out[j] = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    const T* value = value_at(i);
-    for (int64_t g = 0; g < group; ++g)
-      axpy(scores[g * n + i], value, out + g * Dv, Dv);
+  for (; i < n; ++i)
+    for (int64_t r = 0; r < rows; ++r)
+      scores[r * n + i] =
+          dot(q + r * D, keys[i] + (r / group) * key_stride, D) * scale;
+}
+
+// out[r] = sum_i p[r * n + i] * (values[i] + offset)[0:Dv] for Rows rows:
+// the sums of a tile of columns stay in registers while the tokens stream
+// by, each token's values loaded once for every row.
+template <int Rows, typename T>
+void weigh_values(const float* p, int64_t n, const T* const* values,
+                  int64_t offset, int64_t Dv, float* out,
+                  int64_t prefetch_bytes) {
+  constexpr int kTile = 4, kAhead = 8;
+  int64_t c0 = 0;
+  for (; c0 + kTile * kLanes <= Dv; c0 += kTile * kLanes) {
+    vfloat_u acc[Rows][kTile] = {};
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + kAhead < n) prefetch(values[i + kAhead], prefetch_bytes);
+      vfloat_u x[kTile];
+      for (int c = 0; c < kTile; ++c) x[c] = load(values[i] + offset + c0 + c * kLanes);
+      for (int r = 0; r < Rows; ++r) {
+        const float w = p[r * n + i];
+        for (int c = 0; c < kTile; ++c) acc[r][c] += w * x[c];
+      }
+    }
+    for (int r = 0; r < Rows; ++r)
+      for (int c = 0; c < kTile; ++c)
+        *reinterpret_cast<vfloat_u*>(out + r * Dv + c0 + c * kLanes) =
+            acc[r][c];
   }
+  for (; c0 + kLanes <= Dv; c0 += kLanes) {
+    vfloat_u acc[Rows] = {};
+    for (int64_t i = 0; i < n; ++i) {
+      const vfloat_u x = load(values[i] + offset + c0);
+      for (int r = 0; r < Rows; ++r) acc[r] += p[r * n + i] * x;
+    }
+    for (int r = 0; r < Rows; ++r)
+      *reinterpret_cast<vfloat_u*>(out + r * Dv + c0) = acc[r];
+  }
+  for (int64_t j = c0; j < Dv; ++j)
+    for (int r = 0; r < Rows; ++r) {
+      float sum = 0.f;
+      for (int64_t i = 0; i < n; ++i)
+        sum += p[r * n + i] * static_cast<float>(values[i][offset + j]);
+      out[r * Dv + j] = sum;
+    }
+}
+
+// s[0:n] = exp(s - max(s)); returns their sum.
+inline float exp_shifted(float* s, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+  vfloat_u sums{};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    vfloat_u* v = reinterpret_cast<vfloat_u*>(s + i);
+    *v = exp_nonpositive(*v - mx);
+    sums += *v;
+  }
+  float sum = lane_sum(sums);
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - mx);
+    sum += s[i];
+  }
+  return sum;
+}
+
+// Attention of the query rows of `heads` key/value heads at one position,
+// `group` rows per head (the query heads that share it), over `n` cached
+// tokens: token i's keys of head h are at keys[i] + h * key_stride, its
+// values at values[i] + h * value_stride.  q: heads * group rows of D
+// floats; out: as many rows of Dv floats; scores: scratch of at least
+// heads * group * n floats.  With n == 0 the rows get zeros.
+template <typename T>
+void attend(const float* q, int64_t heads, int64_t group, int64_t D,
+            int64_t Dv, int64_t n, const T* const* keys, int64_t key_stride,
+            const T* const* values, int64_t value_stride, float scale,
+            float* scores, float* out) {
+  const int64_t rows = heads * group;
+  const int64_t value_bytes = ((heads - 1) * value_stride + Dv) * sizeof(T);
+  row_scores<T>(q, rows, group, D, n, keys, key_stride, scale, scores);
+  for (int64_t r = 0; r < rows && n > 0; ++r) {
+    float* s = scores + r * n;
+    const float inverse = 1.f / exp_shifted(s, n);
+    for (int64_t i = 0; i < n; ++i) s[i] *= inverse;
+  }
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t g = 0; g < group; g += 4) {
+      const int64_t r = h * group + g;
+      const float* p = scores + r * n;
+      const int64_t offset = h * value_stride;
+      float* o = out + r * Dv;
+      // The first pass brings every head's values in.
+      const int64_t ahead = r == 0 ? value_bytes : 0;
+      switch (std::min<int64_t>(group - g, 4)) {
+        case 1: weigh_values<1>(p, n, values, offset, Dv, o, ahead); break;
+        case 2: weigh_values<2>(p, n, values, offset, Dv, o, ahead); break;
+        case 3: weigh_values<3>(p, n, values, offset, Dv, o, ahead); break;
+        default: weigh_values<4>(p, n, values, offset, Dv, o, ahead); break;
+      }
+    }
 }
 
 void check_dtypes(const at::Tensor& query, const at::Tensor& keys,
@@ -129,20 +290,26 @@ void with_element_type(at::ScalarType dtype, F&& f) {
     f(float{});
 }
 
-// One work item's query rows in float32, and its output rows written back
-// from float32 (rounded once for bfloat16).
+// One work item's query rows in float32, `rows` per key/value head, and
+// its output rows written back from float32 (rounded once for bfloat16).
 struct Rows {
+  int64_t rows, D, Dv;
   std::vector<float> q, out;
-  Rows(int64_t group, int64_t D, int64_t Dv) : q(group * D), out(group * Dv) {}
+  Rows(int64_t heads, int64_t rows, int64_t D, int64_t Dv)
+      : rows(rows), D(D), Dv(Dv), q(heads * rows * D),
+        out(heads * rows * Dv) {}
 
+  // Head h's rows from src.
   template <typename T>
-  const float* query(const T* src) {
-    for (size_t j = 0; j < q.size(); ++j) q[j] = static_cast<float>(src[j]);
-    return q.data();
+  void read(int64_t h, const T* src) {
+    float* dst = q.data() + h * rows * D;
+    for (int64_t j = 0; j < rows * D; ++j) dst[j] = static_cast<float>(src[j]);
   }
+  // Head h's output rows to dst.
   template <typename T>
-  void write(T* dst) const {
-    for (size_t j = 0; j < out.size(); ++j) dst[j] = static_cast<T>(out[j]);
+  void write(int64_t h, T* dst) const {
+    const float* src = out.data() + h * rows * Dv;
+    for (int64_t j = 0; j < rows * Dv; ++j) dst[j] = static_cast<T>(src[j]);
   }
 };
 
@@ -189,9 +356,9 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys,
   const bool* mp = m.data_ptr<bool>();
   scalar_t* op = out.data_ptr<scalar_t>();
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> slots(T);
+    std::vector<const cache_t*> keys(T), values(T);
     std::vector<float> scores(group * T);
-    Rows rows(group, D, Dv);
+    Rows rows(1, group, D, Dv);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / KVH;
       const cache_t* kh = kp + bh * T * D;
@@ -200,14 +367,16 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys,
         const bool* visible = mp + (b * L + pos) * T;
         int64_t n = 0;
         for (int64_t t = 0; t < T; ++t)
-          if (visible[t]) slots[n++] = t;
+          if (visible[t]) {
+            keys[n] = kh + t * D;
+            values[n++] = vh + t * Dv;
+          }
         const int64_t r0 = bh * R + pos * group;
-        attend_group<cache_t>(
-            rows.query(qp + r0 * D), group, D, Dv, n,
-            [&](int64_t i) { return kh + slots[i] * D; },
-            [&](int64_t i) { return vh + slots[i] * Dv; }, fscale,
-            scores.data(), rows.out.data());
-        rows.write(op + r0 * Dv);
+        rows.read(0, qp + r0 * D);
+        attend<cache_t>(rows.q.data(), 1, group, D, Dv, n, keys.data(), 0,
+                        values.data(), 0, fscale, scores.data(),
+                        rows.out.data());
+        rows.write(0, op + r0 * Dv);
       }
     }
   });
@@ -285,25 +454,36 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool,
   const cache_t* kbase = kp.data_ptr<cache_t>();
   const cache_t* vbase = vp.data_ptr<cache_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
-  // One work item per (sequence, key/value head, query position).
-  at::parallel_for(0, B * KVH * L, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * MB * block_size);
-    Rows rows(group, D, Dv);
+  // One work item per (sequence, query position), all key/value heads
+  // together: a token's keys (and values) of every head are adjacent in
+  // the pool, so a pass over the tokens reads them in one stream.
+  at::parallel_for(0, B * L, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(KVH * group * MB * block_size);
+    // Where each token of the current sequence is (its first head's keys
+    // and values), filled as far as a query position needs: the positions
+    // of one sequence share them.
+    std::vector<const cache_t*> keys(MB * block_size),
+        values(MB * block_size);
+    int64_t located_b = -1, located = 0;
+    Rows rows(KVH, group, D, Dv);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t pos = item % L, bh = item / L;
-      const int64_t b = bh / KVH, h = bh % KVH;
+      const int64_t pos = item % L, b = item / L;
       const int64_t* table = btp + b * MB;
       const int64_t n = clp[b * L + pos];
-      auto slot = [&](int64_t i) {
-        return table[i / block_size] * block_size + i % block_size;
-      };
-      const int64_t r0 = bh * R + pos * group;
-      attend_group<cache_t>(
-          rows.query(qp + r0 * D), group, D, Dv, n,
-          [&](int64_t i) { return kbase + (slot(i) * KVH + h) * D; },
-          [&](int64_t i) { return vbase + (slot(i) * KVH + h) * Dv; },
-          fscale, scores.data(), rows.out.data());
-      rows.write(op + r0 * Dv);
+      if (b != located_b) located_b = b, located = 0;
+      for (; located < n; ++located) {
+        const int64_t slot = table[located / block_size] * block_size +
+                             located % block_size;
+        keys[located] = kbase + slot * KVH * D;
+        values[located] = vbase + slot * KVH * Dv;
+      }
+      for (int64_t h = 0; h < KVH; ++h)
+        rows.read(h, qp + ((b * KVH + h) * R + pos * group) * D);
+      attend<cache_t>(rows.q.data(), KVH, group, D, Dv, n, keys.data(), D,
+                      values.data(), Dv, fscale, scores.data(),
+                      rows.out.data());
+      for (int64_t h = 0; h < KVH; ++h)
+        rows.write(h, op + ((b * KVH + h) * R + pos * group) * Dv);
     }
   });
   });
