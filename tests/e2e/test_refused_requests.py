@@ -179,6 +179,32 @@ def test_float16_is_refused_on_the_cpu_backends(tiny_llama, env):
             torch.bfloat16
 
 
+@pytest.mark.parametrize("chosen", [None, "0", "1"])
+def test_usage_statistics_off_unless_the_user_chose(tiny_llama, chosen):
+    """vLLM's usage-statistics thread would compete with the first batch
+    and call out to the network: the platform turns it off when no switch
+    is set, and keeps the user's choice when one is."""
+    import os
+    from unittest import mock
+
+    from vllm import EngineArgs
+    from vllm.usage import usage_lib
+    env = dict(CB_ENV)
+    if chosen is not None:
+        env["VLLM_NO_USAGE_STATS"] = chosen
+    with mock.patch.dict(os.environ, env):
+        for name in ("VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK",
+                     "DO_NOT_TRACK"):
+            if name not in env:
+                os.environ.pop(name, None)
+        EngineArgs(model=str(tiny_llama)).create_engine_config()
+        assert os.environ["VLLM_NO_USAGE_STATS"] == (chosen or "1")
+        with mock.patch.object(usage_lib, "_USAGE_STATS_ENABLED", None), \
+                mock.patch.object(usage_lib, "_USAGE_STATS_DO_NOT_TRACK_PATH",
+                                  "/nonexistent/do_not_track"):
+            assert usage_lib.is_usage_stats_enabled() is (chosen == "0")
+
+
 @pytest.mark.parametrize("env", [STATIC_ENV, CB_ENV])
 def test_configuration_too_large_is_refused_before_loading(tiny_llama, env):
     """--gpu-memory-utilization 0.01 leaves less than the process itself

@@ -494,3 +494,17 @@ def test_tensor_parallel_reconciliation(no_sendnn):
     plain = SpyreConfig.from_env(environ={})
     assert plain.validate_tensor_parallel(3, tp_given=True) == 3
 
+
+
+# ---------------------------------------------------------- usage statistics
+
+@pytest.mark.parametrize("env, unset", [
+    ({}, True),
+    ({"VLLM_SPYRE_USE_CB": "1"}, True),
+    ({"VLLM_NO_USAGE_STATS": "0"}, False),
+    ({"VLLM_NO_USAGE_STATS": "1"}, False),
+    ({"VLLM_DO_NOT_TRACK": "1"}, False),
+    ({"DO_NOT_TRACK": "1"}, False),
+])
+def test_usage_stats_unset_only_without_any_switch(env, unset):
+    assert spyre_config.usage_stats_unset(env) is unset

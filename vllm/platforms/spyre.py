@@ -14,6 +14,7 @@ settings in ``vllm_config.additional_config`` for every other process.
 from __future__ import annotations
 
 import functools
+import os
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -21,7 +22,8 @@ import torch
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 from vllm.platforms.spyre_config import (ADDITIONAL_CONFIG_KEY, CB_BLOCK_SIZE,
-                                         SpyreConfig, sendnn_available)
+                                         SpyreConfig, sendnn_available,
+                                         usage_stats_unset)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -101,6 +103,13 @@ class SpyrePlatform(Platform):
         spyre = SpyreConfig.from_env(pooling=pooling)
         logger.info("Spyre torch.compile backend: %s (%s)",
                     spyre.dynamo_backend, spyre.backend_reason)
+        if usage_stats_unset():
+            # Before the engine (and its process) exists, so it reads this.
+            os.environ["VLLM_NO_USAGE_STATS"] = "1"
+            logger.info(
+                "vLLM usage statistics are off on Spyre: collecting them "
+                "takes a core while the first batch runs, and the server "
+                "makes no network calls (VLLM_NO_USAGE_STATS=0 keeps them).")
 
         parallel_config = vllm_config.parallel_config
 

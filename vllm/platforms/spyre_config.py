@@ -28,6 +28,10 @@ WARMUP_ENV_VARS = ("VLLM_SPYRE_WARMUP_PROMPT_LENS",
 POOLING_IGNORED_ENV_VARS = ("VLLM_SPYRE_WARMUP_NEW_TOKENS",
                             "VLLM_SPYRE_USE_CB")
 ADDITIONAL_CONFIG_KEY = "spyre"
+#: vLLM's own switches for its usage statistics; any one of them set is the
+#: user's choice, which the platform keeps.
+USAGE_STATS_ENV_VARS = ("VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK",
+                        "DO_NOT_TRACK")
 
 
 @dataclass(frozen=True)
@@ -444,3 +448,18 @@ def render_env_var_table() -> str:
     for var in SPYRE_ENV_VARS:
         rows.append(f"| `{var.name}` | {var.default_doc} | {var.help} |")
     return "\n".join(rows) + "\n"
+
+
+def usage_stats_unset(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """True when none of vLLM's usage-statistics switches is set.
+
+    vLLM collects its usage statistics in a thread that starts when the
+    engine is ready: it runs a Python subprocess to identify the CPU and
+    then posts the result to a server.  On Spyre's CPU path that takes a
+    core for about a second, just as the first batch runs, which made the
+    first batch after start-up up to twice as slow as the next; and a
+    Spyre server makes no network calls at run time.  So the platform turns
+    the statistics off unless the user has chosen (``VLLM_NO_USAGE_STATS=0``
+    keeps them on)."""
+    env = os.environ if environ is None else environ
+    return not any(name in env for name in USAGE_STATS_ENV_VARS)
