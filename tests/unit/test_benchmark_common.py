@@ -1,6 +1,6 @@
 """The arithmetic and workloads of the benchmarks (benchmarks/_common.py,
-the pure parts of benchmarks/serving_load.py): what the printed tables are
-computed from."""
+the pure parts of benchmarks/serving_load.py) and roofline.py's read of
+the memory bandwidth: what the printed tables are computed from."""
 from __future__ import annotations
 
 import sys
@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import _common  # noqa: E402
+import roofline  # noqa: E402
 import serving_load  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -166,3 +167,38 @@ def test_offline_ratios_compare_equal_precisions():
         "decode/llamacpp-f32", "ttft/llamacpp-f32", "decode/hf", "ttft/hf"}
     assert offline.is_cb("spyre-cb-inductor-bf16")
     assert not offline.is_cb("spyre-inductor-bf16")
+
+
+def test_stream_read_sums_every_element_once():
+    """The roofline's bandwidth is timed on stream_read.cpp's sum: it reads
+    each element once with any number of threads, whatever the length and
+    alignment (x[1:] starts 4 bytes past a vector boundary)."""
+    import torch
+    stream_sum = roofline.stream_read()
+    if stream_sum is None:
+        pytest.skip("stream_read.cpp could not be built (no C++ compiler)")
+    n = 2**18 + 7
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    for threads in (1, 2, 3):
+        assert stream_sum(torch.ones(n), threads) == n
+        for part in (x, x[1:], x[:5], x[:0]):
+            tol = 1e-6 * part.abs().sum().item() + 1e-6
+            assert stream_sum(part, threads) == pytest.approx(
+                part.double().sum().item(), abs=tol)
+    with pytest.raises(ValueError, match="not torch.float64"):
+        stream_sum(x.double(), 1)
+    with pytest.raises(ValueError, match="contiguous: False"):
+        stream_sum(x[::2], 1)
+    with pytest.raises(ValueError, match="threads >= 1"):
+        stream_sum(x, 0)
+
+
+def test_read_bandwidth_is_stream_reads_or_else_torch_sums(monkeypatch):
+    rates = roofline.read_bandwidths(1 / 64, repeats=2)
+    built = roofline.stream_read() is not None
+    assert set(rates) == ({"stream_read", "torch.sum"} if built else
+                          {"torch.sum"})
+    assert all(0 < rate < float("inf") for rate in rates.values())
+    assert roofline.read_bandwidth(1 / 64, repeats=1) > 0
+    monkeypatch.setattr(roofline, "stream_read", lambda: None)
+    assert set(roofline.read_bandwidths(1 / 64, repeats=1)) == {"torch.sum"}
