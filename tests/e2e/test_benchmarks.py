@@ -83,3 +83,27 @@ def test_linear_benchmark_small(smollm2, tmp_path):
     header = next(i for i, line in enumerate(lines)
                   if line.startswith("kernel "))
     assert len(lines) - header == 2 + 6
+
+
+def test_attention_benchmark_small(smollm2, tmp_path):
+    """benchmarks/attention.py: the C++ attention kernels against the torch
+    ops on SmolLM2's cache geometry; every case agrees, JSON and table."""
+    out = tmp_path / "attention.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "attention.py"),
+         "--model", str(smollm2), "--batch-sizes", "2", "--contexts",
+         "70", "--repeats", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["geometry"] == dict(layers=30, heads=9, kv_heads=3,
+                                      head_dim=64)
+    cases = [(r["case"], r["batch"], r["ctx"]) for r in result["results"]]
+    assert cases == [("paged decode", 2, 70), ("paged prefill", 1, 70),
+                     ("static decode", 2, 70)]
+    assert all(r["same"] and r["kernel_s"] > 0 and r["torch_ops_s"] > 0
+               for r in result["results"])
+    lines = proc.stdout.strip().splitlines()
+    header = next(i for i, line in enumerate(lines)
+                  if line.startswith("case "))
+    assert len(lines) - header == 2 + 3
