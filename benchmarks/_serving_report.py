@@ -7,15 +7,21 @@ from pathlib import Path
 from _common import table
 
 
-def ratios(modes: dict) -> dict[str, float]:
-    """CB / static: output tokens/s (>1: CB faster), TTFT and ITL p50
-    (<1: CB faster)."""
-    if not {"cb", "static"} <= modes.keys():
+def ratios(modes: dict) -> dict[str, dict[str, float]]:
+    """Each continuous-batching server (``cb``, or ``cb-N`` per
+    ``--max-num-seqs`` N) over static: output tokens/s (>1: CB faster),
+    TTFT and ITL p50 (<1: CB faster)."""
+    if "static" not in modes:
         return {}
-    cb, st = modes["cb"]["result"], modes["static"]["result"]
-    return {"output_tok_s": cb["tok_per_s"] / st["tok_per_s"],
-            "ttft_p50": cb["ttft_p50_ms"] / st["ttft_p50_ms"],
-            "itl_p50": cb["itl_p50_ms"] / st["itl_p50_ms"]}
+    st = modes["static"]["result"]
+    out = {}
+    for name, m in modes.items():
+        if name.startswith("cb"):
+            cb = m["result"]
+            out[name] = {"output_tok_s": cb["tok_per_s"] / st["tok_per_s"],
+                         "ttft_p50": cb["ttft_p50_ms"] / st["ttft_p50_ms"],
+                         "itl_p50": cb["itl_p50_ms"] / st["itl_p50_ms"]}
+    return out
 
 
 def print_comparison(modes: dict, workload: dict) -> None:
@@ -36,10 +42,9 @@ def print_comparison(modes: dict, workload: dict) -> None:
     print(table(["mode", "req/s", "output tok/s", "TTFT p50 ms",
                  "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "errors",
                  "preempted", "wall s", "warm-up s"], rows))
-    r = ratios(modes)
-    if r:
-        print(f"CB/static: output tok/s {r['output_tok_s']:.2f}x, TTFT p50 "
-              f"{r['ttft_p50']:.2f}x, ITL p50 {r['itl_p50']:.2f}x")
+    for name, r in ratios(modes).items():
+        print(f"{name}/static: output tok/s {r['output_tok_s']:.2f}x, TTFT "
+              f"p50 {r['ttft_p50']:.2f}x, ITL p50 {r['itl_p50']:.2f}x")
 
 
 def plot(path: str, modes: dict, workload: dict) -> None:
@@ -49,7 +54,9 @@ def plot(path: str, modes: dict, workload: dict) -> None:
     import matplotlib.pyplot as plt
     names = list(modes)
     res = [modes[m]["result"] for m in names]
-    colors = ["tab:blue" if m == "cb" else "tab:orange" for m in names]
+    blues = iter(["tab:blue", "tab:cyan", "tab:purple", "tab:green"])
+    colors = [next(blues, "tab:blue") if m.startswith("cb") else
+              "tab:orange" for m in names]
     x = range(len(names))
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 4))
     width = 0.38

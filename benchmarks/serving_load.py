@@ -26,7 +26,9 @@ it:
   about half of them also the 256 one, with twice the batch);
 * ``cb``: continuous batching (``VLLM_SPYRE_USE_CB=1``) with
   ``--max-num-seqs`` (16) and ``--max-model-len`` (default: the longest
-  prompt plus the most tokens, in whole 64-token blocks: 640).
+  prompt plus the most tokens, in whole 64-token blocks: 640).  Several
+  ``--max-num-seqs`` values (``16,8``) start one CB server each, named
+  ``cb-16``, ``cb-8``, every one compared with static.
 
 The default workload runs ``static`` with ``eager``, as before; the mixed
 workload runs ``cb,static`` with ``inductor`` and prints one side-by-side
@@ -37,7 +39,7 @@ line, JSON and a plot.
         [--requests 200] [--concurrency 16] [--max-tokens 16] [--json FILE]
     python benchmarks/serving_load.py --workload mixed [--modes cb,static]
         [--backend inductor] [--static-shapes 256:128:8,512:128:4]
-        [--max-num-seqs 16] [--max-model-len 640] [--json FILE]
+        [--max-num-seqs 16[,8]] [--max-model-len 640] [--json FILE]
         [--plot docs/images/continuous-batching.png] [--start-timeout 3600]
 """
 from __future__ import annotations
@@ -56,7 +58,7 @@ from typing import Optional
 import httpx
 
 from _common import (RESULTS, cb_max_model_len, machine_info, mixed_requests,
-                     text_ids, write_json)
+                     parse_ints, text_ids, write_json)
 from _serving_report import plot, print_comparison, ratios
 
 REPO = Path(__file__).resolve().parent.parent
@@ -197,17 +199,20 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return shapes
 
 
-def server_setup(mode: str, args) -> tuple[dict, tuple, str]:
+def server_setup(mode: str, args,
+                 max_num_seqs: Optional[int] = None) -> tuple[dict, tuple,
+                                                               str]:
     """Environment, extra ``vllm serve`` arguments and a description of
-    the server of ``mode``."""
+    the server of ``mode`` (``cb``: with ``max_num_seqs``, by default the
+    first of ``--max-num-seqs``)."""
     if mode == "cb":
+        seqs = max_num_seqs or args.max_num_seqs[0]
         env = {"VLLM_SPYRE_DYNAMO_BACKEND": args.backend,
                "VLLM_SPYRE_USE_CB": "1"}
-        cli = ("--max-num-seqs", str(args.max_num_seqs),
+        cli = ("--max-num-seqs", str(seqs),
                "--max-model-len", str(args.max_model_len))
-        return env, cli, (f"continuous batching, --max-num-seqs "
-                          f"{args.max_num_seqs} --max-model-len "
-                          f"{args.max_model_len}")
+        return env, cli, (f"continuous batching, --max-num-seqs {seqs} "
+                          f"--max-model-len {args.max_model_len}")
     shapes = parse_shapes(args.static_shapes)
     env = {"VLLM_SPYRE_DYNAMO_BACKEND": args.backend,
            "VLLM_SPYRE_USE_CB": "0"}
@@ -244,12 +249,29 @@ def startup_from_log(log: str) -> dict[str, float]:
     return found
 
 
-def run_mode(mode: str, args, make_bodies) -> dict:
+def runs(args) -> list[tuple[str, str, Optional[int]]]:
+    """(name, mode, max_num_seqs) of every server to start: one per mode,
+    and under ``cb`` one per ``--max-num-seqs`` value (named ``cb-N`` when
+    there are several)."""
+    out = []
+    for mode in args.modes:
+        if mode != "cb":
+            out.append((mode, mode, None))
+        elif len(args.max_num_seqs) == 1:
+            out.append(("cb", "cb", args.max_num_seqs[0]))
+        else:
+            out.extend((f"cb-{n}", "cb", n) for n in args.max_num_seqs)
+    return out
+
+
+def run_mode(mode: str, args, make_bodies, max_num_seqs: Optional[int] = None,
+             name: Optional[str] = None) -> dict:
     """Starts the server of ``mode``, sends the workload, stops it."""
     if str(REPO / "tests") not in sys.path:
         sys.path.insert(0, str(REPO / "tests"))
     from server import Server, metric
-    env, cli, what = server_setup(mode, args)
+    env, cli, what = server_setup(mode, args, max_num_seqs)
+    mode = name or mode
     print(f"[{mode}] starting vllm serve {args.model}: {what}, backend "
           f"{args.backend} (warm-up takes a while)", flush=True)
     print(f"[{mode}] environment: " + " ".join(
@@ -314,8 +336,9 @@ def parse_args() -> argparse.Namespace:
                     "server, prompt_len:new_tokens:batch_size,... (default "
                     f"workload: 64:<max-tokens>:<batch-size>; mixed: "
                     f"{MIXED_SHAPES})")
-    ap.add_argument("--max-num-seqs", type=int, default=16,
-                    help="--max-num-seqs of the CB server")
+    ap.add_argument("--max-num-seqs", type=parse_ints, default=[16],
+                    help="--max-num-seqs of the CB server; several "
+                    "(16,8) start one CB server each")
     ap.add_argument("--max-model-len", type=int, help="--max-model-len of "
                     "the CB server (default: the longest request, in whole "
                     "64-token blocks)")
@@ -426,12 +449,12 @@ def compare(args, reqs: Optional[list], make_bodies) -> int:
     fails to start is reported and the other modes still run."""
     workload = describe(args, reqs)
     modes, failed = {}, {}
-    for mode in args.modes:
+    for name, mode, seqs in runs(args):
         try:
-            modes[mode] = run_mode(mode, args, make_bodies)
+            modes[name] = run_mode(mode, args, make_bodies, seqs, name)
         except (RuntimeError, OSError, httpx.HTTPError) as exc:
-            failed[mode] = f"{type(exc).__name__}: {exc}"
-            print(f"[{mode}] FAILED: {failed[mode][-3000:]}", flush=True)
+            failed[name] = f"{type(exc).__name__}: {exc}"
+            print(f"[{name}] FAILED: {failed[name][-3000:]}", flush=True)
     if args.json:
         write_json(args.json, dict(
             args=vars(args), machine=machine_info(), workload=workload,

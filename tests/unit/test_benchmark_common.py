@@ -147,9 +147,31 @@ def test_cb_static_ratios():
                                 itl_p50_ms=itl))
     r = serving_load.ratios({"cb": mode(30.0, 100.0, 50.0),
                              "static": mode(20.0, 400.0, 40.0)})
-    assert r == pytest.approx(dict(output_tok_s=1.5, ttft_p50=0.25,
-                                   itl_p50=1.25))
+    assert r.keys() == {"cb"}
+    assert r["cb"] == pytest.approx(dict(output_tok_s=1.5, ttft_p50=0.25,
+                                         itl_p50=1.25))
     assert serving_load.ratios({"cb": mode(1.0, 1.0, 1.0)}) == {}
+    # One CB server per --max-num-seqs value, each against static.
+    r = serving_load.ratios({"cb-16": mode(30.0, 100.0, 50.0),
+                             "cb-8": mode(25.0, 200.0, 40.0),
+                             "static": mode(20.0, 400.0, 40.0)})
+    assert r.keys() == {"cb-16", "cb-8"}
+    assert r["cb-8"] == pytest.approx(dict(output_tok_s=1.25, ttft_p50=0.5,
+                                           itl_p50=1.0))
+
+
+def test_one_cb_server_per_max_num_seqs():
+    args = SimpleNamespace(modes=["cb", "static"], max_num_seqs=[16],
+                           backend="inductor", max_model_len=640)
+    assert serving_load.runs(args) == [("cb", "cb", 16),
+                                       ("static", "static", None)]
+    args.max_num_seqs = [16, 8]
+    assert serving_load.runs(args) == [("cb-16", "cb", 16), ("cb-8", "cb", 8),
+                                       ("static", "static", None)]
+    env, cli, what = serving_load.server_setup("cb", args, 8)
+    assert env["VLLM_SPYRE_USE_CB"] == "1"
+    assert cli == ("--max-num-seqs", "8", "--max-model-len", "640")
+    assert serving_load.server_setup("cb", args)[1][1] == "16"
 
 
 def test_offline_ratios_compare_equal_precisions():
