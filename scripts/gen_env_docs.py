@@ -167,6 +167,18 @@ log prints the limits ("Spyre pooling: ..."); see
 | chunked prefill, prefix caching | off | a text runs whole, in one pass |
 | `--dtype bfloat16` | matrix products in bfloat16, the rest float32 (CPU backends) | within cosine 0.9999 of float32 |
 | executor, worker, scheduler | the same executors, `SpyrePoolingWorker`, `SpyrePoolingScheduler` | texts packed into one shape per step |
+
+## vLLM's usage statistics
+
+vLLM collects usage statistics in a thread that starts when the engine is
+ready: it runs a Python subprocess to identify the CPU and posts the result
+to a server. On the CPU path that took a core for about a second while the
+first batch ran (the first batch after start-up was up to twice as slow as
+the next), and a Spyre server makes no network calls at run time. So when
+none of vLLM's switches (`VLLM_NO_USAGE_STATS`, `VLLM_DO_NOT_TRACK`,
+`DO_NOT_TRACK`) is set, the platform sets `VLLM_NO_USAGE_STATS=1` before
+the engine starts, and logs it. Any switch set by the user is kept:
+`VLLM_NO_USAGE_STATS=0` turns the statistics back on.
 """
 
 
