@@ -10,8 +10,16 @@
 // key/value head: scores, softmax and the weighted sum of values, with the
 // query heads that share the key/value head computed together so the
 // cache is read once.  Masked slots are skipped: their probability is
-// exactly zero in the softmax.  Both ops share `attend_group`; they differ
-// only in where the group's tokens are.
+// exactly zero in the softmax.  Both ops share `attend`; they differ only
+// in where the tokens are (the paged op runs every key/value head of a
+// position in one pass, since a token's heads are adjacent in the pool).
+// A continuous-batching prefill chunk is the paged op with 64 positions.
+//
+// What makes it fast on a vector unit: scores are computed 16 tokens at a
+// time (each token's products stay in lanes until one transposed sum turns
+// 16 of them into 16 scores), the exponential is a vectorised polynomial,
+// and the weighted sum of values keeps a tile of output rows in registers
+// while the tokens stream by.
 //
 // The query (and so the output) is float32 or bfloat16, and so are the
 // keys and values, independently: a bfloat16 cache under a float32
