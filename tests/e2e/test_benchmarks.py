@@ -107,3 +107,24 @@ def test_attention_benchmark_small(smollm2, tmp_path):
     header = next(i for i, line in enumerate(lines)
                   if line.startswith("case "))
     assert len(lines) - header == 2 + 3
+
+
+def test_first_batch_benchmark_small(smollm2, tmp_path):
+    """benchmarks/first_batch.py: both settings in fresh processes, every
+    call timed, nothing compiled after warm-up, JSON and table."""
+    out = tmp_path / "first-batch.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "first_batch.py"),
+         "--model", str(smollm2), "--backend", "eager", "--batch-size", "2",
+         "--new-tokens", "4", "--batches", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())["results"]
+    assert set(result) == {"default", "usage stats on"}
+    for r in result.values():
+        assert len(r["seconds"]) == 2 and min(r["seconds"]) > 0
+        assert r["first_over_rest"] > 0 and r["compilations"] == [0, 0]
+    lines = proc.stdout.strip().splitlines()
+    header = next(i for i, line in enumerate(lines)
+                  if line.startswith("setting "))
+    assert len(lines) - header == 2 + 2
