@@ -63,15 +63,6 @@ inline vfloat_u load(const bf16* p) {
 
 typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
-// Asks for the `bytes` at p to be brought into cache ahead of use: a
-// thread streaming the cache on its own waits on memory otherwise (a
-// sequence's blocks are scattered over the pool, too far apart for the
-// hardware prefetcher to run ahead).
-inline void prefetch(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
-}
-
 // The sum of the lanes of v, as a tree (the lanes are independent, so the
 // adds need not wait on one another).
 inline float lane_sum(vfloat_u v) {
@@ -151,13 +142,10 @@ template <typename T>
 void row_scores(const float* q, int64_t rows, int64_t group, int64_t D,
                 int64_t n, const T* const* keys, int64_t key_stride,
                 float scale, float* scores) {
-  const int64_t row_bytes = ((rows / group - 1) * key_stride + D) * sizeof(T);
   int64_t i = 0;
   if (D % kLanes == 0) {
     vfloat_u acc[kLanes];
     for (; i + kLanes <= n; i += kLanes) {
-      for (int64_t t = i + 2 * kLanes; t < std::min(n, i + 3 * kLanes); ++t)
-        prefetch(keys[t], row_bytes);
       for (int64_t r = 0; r < rows; ++r) {
         const float* qr = q + r * D;
         const int64_t offset = (r / group) * key_stride;
@@ -183,16 +171,15 @@ void row_scores(const float* q, int64_t rows, int64_t group, int64_t D,
 // by, each token's values loaded once for every row.
 template <int Rows, typename T>
 void weigh_values(const float* p, int64_t n, const T* const* values,
-                  int64_t offset, int64_t Dv, float* out,
-                  int64_t prefetch_bytes) {
-  constexpr int kTile = 4, kAhead = 8;
+                  int64_t offset, int64_t Dv, float* out) {
+  constexpr int kTile = 4;
   int64_t c0 = 0;
   for (; c0 + kTile * kLanes <= Dv; c0 += kTile * kLanes) {
     vfloat_u acc[Rows][kTile] = {};
     for (int64_t i = 0; i < n; ++i) {
-      if (i + kAhead < n) prefetch(values[i + kAhead], prefetch_bytes);
+      const T* v = values[i] + offset + c0;
       vfloat_u x[kTile];
-      for (int c = 0; c < kTile; ++c) x[c] = load(values[i] + offset + c0 + c * kLanes);
+      for (int c = 0; c < kTile; ++c) x[c] = load(v + c * kLanes);
       for (int r = 0; r < Rows; ++r) {
         const float w = p[r * n + i];
         for (int c = 0; c < kTile; ++c) acc[r][c] += w * x[c];
@@ -252,7 +239,6 @@ void attend(const float* q, int64_t heads, int64_t group, int64_t D,
             const T* const* values, int64_t value_stride, float scale,
             float* scores, float* out) {
   const int64_t rows = heads * group;
-  const int64_t value_bytes = ((heads - 1) * value_stride + Dv) * sizeof(T);
   row_scores<T>(q, rows, group, D, n, keys, key_stride, scale, scores);
   for (int64_t r = 0; r < rows && n > 0; ++r) {
     float* s = scores + r * n;
@@ -265,13 +251,11 @@ void attend(const float* q, int64_t heads, int64_t group, int64_t D,
       const float* p = scores + r * n;
       const int64_t offset = h * value_stride;
       float* o = out + r * Dv;
-      // The first pass brings every head's values in.
-      const int64_t ahead = r == 0 ? value_bytes : 0;
       switch (std::min<int64_t>(group - g, 4)) {
-        case 1: weigh_values<1>(p, n, values, offset, Dv, o, ahead); break;
-        case 2: weigh_values<2>(p, n, values, offset, Dv, o, ahead); break;
-        case 3: weigh_values<3>(p, n, values, offset, Dv, o, ahead); break;
-        default: weigh_values<4>(p, n, values, offset, Dv, o, ahead); break;
+        case 1: weigh_values<1>(p, n, values, offset, Dv, o); break;
+        case 2: weigh_values<2>(p, n, values, offset, Dv, o); break;
+        case 3: weigh_values<3>(p, n, values, offset, Dv, o); break;
+        default: weigh_values<4>(p, n, values, offset, Dv, o); break;
       }
     }
 }
