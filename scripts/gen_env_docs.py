@@ -179,6 +179,18 @@ none of vLLM's switches (`VLLM_NO_USAGE_STATS`, `VLLM_DO_NOT_TRACK`,
 `DO_NOT_TRACK`) is set, the platform sets `VLLM_NO_USAGE_STATS=1` before
 the engine starts, and logs it. Any switch set by the user is kept:
 `VLLM_NO_USAGE_STATS=0` turns the statistics back on.
+
+## Large buffers and glibc's malloc
+
+glibc serves each allocation above its mmap threshold (32 MiB at most
+unless set) with a mapping of its own and unmaps it on free, so every pass
+of a large shape would fault in and zero its big activations again (a
+quarter of a 256-token, 32-text embedding pass). Each Spyre worker raises
+glibc's mmap and trim thresholds at start-up (`mallopt`), so those buffers
+stay in the heap and are reused; the memory held is a pass's peak, which
+the start-up memory check already counts. A user who has tuned the
+threshold (`MALLOC_MMAP_THRESHOLD_`, or `mmap_threshold` in
+`GLIBC_TUNABLES`) keeps that choice.
 """
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import MINILM_DIR, compile_count, spyre_llm
+from vllm.model_executor.model_loader import spyre_encoder
 from tiny_encoders import (build_tiny_encoder, hf_embeddings, hf_scores,
                            random_texts)
 
@@ -56,6 +57,12 @@ def encoders(tmp_path_factory):
     }
 
 
+def encoder_of(llm):
+    """The driver's FMS encoder module."""
+    return llm.llm_engine.model_executor.driver_worker.worker \
+        .model_runner.model.encoder
+
+
 def embed_checked(llm, model_dir, texts, pooling) -> None:
     """Embeds ``texts`` (token ids), none compiling, each within cosine
     0.9999 of the reference."""
@@ -74,6 +81,10 @@ def test_tiny_embeddings_match_transformers(encoders, name, backend):
     path, pooling = encoders[name]
     texts = random_texts(50, 256, **TINY_TOKENS)
     with spyre_llm(path, env(backend), task="embed") as llm:
+        # inductor runs attention on the C++ kernel, eager on SDPA.
+        assert encoder_of(llm).attn_name == (
+            spyre_encoder.ATTN_NAME_CPU if backend == "inductor" else
+            spyre_encoder.ATTN_NAME)
         embed_checked(llm, path, texts, pooling)
 
 
@@ -108,6 +119,7 @@ def test_bfloat16_matrix_products_stay_within_cosine_0_9999(encoders, name):
         model = llm.llm_engine.model_executor.driver_worker.worker \
             .model_runner.model
         assert model.bf16_matmuls
+        assert model.encoder.attn_name == spyre_encoder.ATTN_NAME_CPU_BF16
         embed_checked(llm, path, texts, pooling)
 
 

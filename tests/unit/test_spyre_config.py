@@ -508,3 +508,13 @@ def test_tensor_parallel_reconciliation(no_sendnn):
 ])
 def test_usage_stats_unset_only_without_any_switch(env, unset):
     assert spyre_config.usage_stats_unset(env) is unset
+
+
+@pytest.mark.parametrize("env, unset", [
+    ({}, True),
+    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, True),
+    ({"MALLOC_MMAP_THRESHOLD_": "1048576"}, False),
+    ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1048576"}, False),
+])
+def test_malloc_threshold_unset_unless_the_user_tuned_it(env, unset):
+    assert spyre_config.malloc_threshold_unset(env) is unset

@@ -1,6 +1,8 @@
 """The up-front memory estimate (``spyre_memory``) without an engine: the
 checkpoint count, the cache and activation sizes against the caches the
 model really allocates, the cgroup limit, and the refusal message."""
+import sys
+
 import pytest
 import torch
 
@@ -92,3 +94,41 @@ def test_check_names_the_parts_and_what_is_available():
         "key/value caches 0.50" in message
     assert "but 1.33 GiB are available to each of 3 ranks " \
         "(--gpu-memory-utilization 0.5 of 8.00 GiB)" in message
+
+
+_FAULTS = """
+import resource, sys, torch
+from vllm.worker import spyre_memory
+if sys.argv[1] == "keep":
+    assert spyre_memory.keep_large_buffers(True)
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+counts = []
+for _ in range(3):
+    before = faults()
+    torch.ones(64 << 18)  # 64 MiB, freed at once
+    counts.append(faults() - before)
+print(counts[-1])
+"""
+
+
+def _page_faults_of_a_repeated_64mib_tensor(mode: str) -> int:
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _FAULTS, mode],
+                         capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
+def test_large_buffers_are_reused_instead_of_faulted_in_again():
+    """Past glibc's default mmap threshold every 64 MiB tensor is mapped
+    and faulted in anew (16384 pages); kept in the heap, the third one
+    reuses the memory of the first."""
+    pages = (64 << 20) // 4096
+    assert _page_faults_of_a_repeated_64mib_tensor("default") > pages // 2
+    assert _page_faults_of_a_repeated_64mib_tensor("keep") < pages // 20
+
+
+def test_large_buffers_left_alone_when_the_user_tuned_malloc():
+    assert sm.keep_large_buffers(False) is False

@@ -154,6 +154,12 @@ def test_packed_inputs_lay_out_texts_positions_types_and_mask():
     assert mask[0, 5].nonzero().flatten().tolist() == [5]
     assert mask[1, 3, :5].tolist() == [True, True, True, True, False]
     assert mask.sum(-1).min() >= 1  # no row attends to nothing
+    # The same texts as first slots, for the C++ kernel.
+    assert inputs.text_starts[0, :6].tolist() == [0, 0, 0, 3, 3, 5]
+    assert inputs.text_starts[1, :6].tolist() == [0, 0, 0, 0, 4, 5]
+    starts = inputs.text_starts
+    same_text = starts[:, :, None] == starts[:, None, :]
+    assert torch.equal(same_text, mask)
 
 
 def test_packing_changes_no_text_result():

@@ -450,6 +450,16 @@ def render_env_var_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def malloc_threshold_unset(
+        environ: Optional[Mapping[str, str]] = None) -> bool:
+    """True when the user has not tuned glibc's mmap threshold
+    (``MALLOC_MMAP_THRESHOLD_``, or ``mmap_threshold`` in
+    ``GLIBC_TUNABLES``); see ``spyre_memory.keep_large_buffers``."""
+    env = os.environ if environ is None else environ
+    return "MALLOC_MMAP_THRESHOLD_" not in env and \
+        "mmap_threshold" not in env.get("GLIBC_TUNABLES", "")
+
+
 def usage_stats_unset(environ: Optional[Mapping[str, str]] = None) -> bool:
     """True when none of vLLM's usage-statistics switches is set.
 

@@ -266,3 +266,39 @@ def ranks_on_this_machine(world_size: int) -> int:
     dist.all_gather_object(names, socket.gethostname(),
                            group=get_world_group().cpu_group)
     return names.count(socket.gethostname())
+
+
+#: glibc's mallopt parameters.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+#: Allocations up to this size come from the heap once large buffers are
+#: kept there (the most mallopt accepts as an int).
+HEAP_THRESHOLD = 2**31 - 1
+
+
+def keep_large_buffers(threshold_unset: bool) -> bool:
+    """Serves large tensors from the heap, reused from pass to pass.
+
+    glibc gives every allocation above its mmap threshold (at most 32 MiB
+    unless set) a mapping of its own and returns it to the system on free,
+    so each pass of a large shape faults in, zeroes and unmaps its big
+    activations anew: a 256-token, 32-text pass of all-MiniLM spent about
+    a quarter of its time there (benchmarks/embeddings.py, docs/
+    embeddings.md).  Raising the mmap and trim thresholds keeps those
+    buffers in the heap, where the next pass finds them; the memory held
+    is the peak of a pass, which the start-up check already counts.  Only
+    on glibc, and only when the user has not tuned the threshold
+    (``threshold_unset``); returns whether it was done."""
+    if not threshold_unset:
+        return False
+    import ctypes
+    import ctypes.util
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False  # not glibc
+    return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_THRESHOLD)) and \
+        bool(mallopt(_M_TRIM_THRESHOLD, HEAP_THRESHOLD))
+

@@ -140,6 +140,9 @@ class EncoderInputs:
     position_ids: torch.Tensor  # [B, L] int64
     token_type_ids: torch.Tensor  # [B, L] int64
     mask: torch.Tensor  # [B, L, L] bool: True = may attend
+    #: [B, L] int64: the first slot of each slot's text (padding: itself),
+    #: the same texts as the mask for the C++ attention kernel.
+    text_starts: torch.Tensor
     gather: torch.Tensor  # [T] int64: flat slot of each text token, in order
 
 
@@ -162,6 +165,7 @@ def packed_inputs(texts: Sequence[Sequence[int]],
     token_type_ids = torch.zeros((B, L), dtype=torch.long)
     # Padding attends to itself only; each text to its own block.
     mask = torch.eye(L, dtype=torch.bool).repeat(B, 1, 1)  # [B, L, L]
+    text_starts = torch.arange(L).repeat(B, 1)  # [B, L]
     gather = []
     for i, (ids, types, at) in enumerate(zip(texts, token_types,
                                              placements)):
@@ -176,6 +180,8 @@ def packed_inputs(texts: Sequence[Sequence[int]],
         if types:
             token_type_ids[at.row, at.offset:end] = torch.tensor(types)
         mask[at.row, at.offset:end, at.offset:end] = True
+        text_starts[at.row, at.offset:end] = at.offset
         gather.append(torch.arange(at.row * L + at.offset, at.row * L + end))
     flat = torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long)
-    return EncoderInputs(input_ids, position_ids, token_type_ids, mask, flat)
+    return EncoderInputs(input_ids, position_ids, token_type_ids, mask,
+                         text_starts, flat)

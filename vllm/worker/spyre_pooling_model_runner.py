@@ -31,7 +31,8 @@ from vllm.worker.spyre_pooling_inputs import (EncoderInputs, Placement,
 
 logger = init_logger(__name__)
 
-_FIELDS = ("input_ids", "position_ids", "token_type_ids", "mask", "gather")
+_FIELDS = ("input_ids", "position_ids", "token_type_ids", "mask",
+           "text_starts", "gather")
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,8 @@ class SpyrePoolingModelRunner(SpyreRunnerBase[SpyrePoolingModelInput]):
         ``[tokens, H]``."""
         assert self.model is not None
         hidden = self.model(inputs.input_ids, inputs.position_ids,
-                            inputs.token_type_ids, inputs.mask)
+                            inputs.token_type_ids, inputs.mask,
+                            inputs.text_starts)
         return hidden[inputs.gather]
 
 

@@ -28,7 +28,8 @@ from vllm.logger import init_logger
 from vllm.model_executor import set_random_seed
 from vllm.model_executor.model_loader.spyre import precision_of
 from vllm.platforms import current_platform
-from vllm.platforms.spyre_config import SpyreConfig
+from vllm.platforms.spyre_config import (SpyreConfig,
+                                         malloc_threshold_unset)
 from vllm.sequence import ExecuteModelRequest
 from vllm.worker import spyre_memory
 from vllm.worker.spyre_model_runner import SpyreModelRunner
@@ -69,6 +70,10 @@ class SpyreWorker(LocalOrDistributedWorkerBase):
         torch.set_num_threads(threads)
         logger.info("Spyre worker %d: %d intra-op threads", self.rank,
                     threads)
+        if spyre_memory.keep_large_buffers(malloc_threshold_unset()):
+            logger.info("Spyre worker %d: large buffers stay in the heap "
+                        "between passes (glibc mmap threshold %d MiB)",
+                        self.rank, spyre_memory.HEAP_THRESHOLD >> 20)
         init_distributed_environment(
             world_size=self.parallel_config.world_size,
             rank=self.rank,

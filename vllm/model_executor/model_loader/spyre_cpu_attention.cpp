@@ -35,6 +35,11 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <array>
+#include <type_traits>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -208,10 +213,25 @@ void weigh_values(const float* p, int64_t n, const T* const* values,
     }
 }
 
+// The largest of s[0:n] (-inf for n == 0), 16 lanes at a time.
+inline float row_max(const float* s, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  if (n >= kLanes) {
+    vfloat_u m = load(s);
+    for (i = kLanes; i + kLanes <= n; i += kLanes) {
+      const vfloat_u x = load(s + i);
+      m = m > x ? m : x;
+    }
+    for (int l = 0; l < kLanes; ++l) mx = std::max(mx, m[l]);
+  }
+  for (; i < n; ++i) mx = std::max(mx, s[i]);
+  return mx;
+}
+
 // s[0:n] = exp(s - max(s)); returns their sum.
 inline float exp_shifted(float* s, int64_t n) {
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+  const float mx = row_max(s, n);
   vfloat_u sums{};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
@@ -483,6 +503,490 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool,
   return out;
 }
 
+// ---- Encoder attention ---------------------------------------------------
+//
+// An encoder pass packs several texts into each row of a [B, L] batch, and
+// every token attends to all the tokens of its own text and to nothing
+// else: the attention of a text is a small dense problem of its own.  Each
+// (text, head) is one work item: the text's keys are transposed once into
+// a [D, n] panel, then its queries run 16 at a time through the two
+// products, each computed in register tiles (up to 4 query rows by 64 key
+// columns for the scores, up to 16 output vectors for the weighted sum),
+// with the softmax in between on the 16 rows' scores, which stay in the
+// first-level cache.
+
+// s[r * lds + c0 + j] = scale * q[r] . kt[:, c0 + j], j < Cols * 16, for
+// Rows query rows of D floats (q, row stride D) against a key panel kt
+// ([D, ld] floats, token j of the text in column j).
+template <int Rows, int Cols>
+void score_tile(const float* q, int64_t D, const float* kt, int64_t ld,
+                int64_t c0, float scale, float* s, int64_t lds) {
+  vfloat_u acc[Rows][Cols] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    vfloat_u k[Cols];
+    for (int c = 0; c < Cols; ++c) k[c] = load(kt + d * ld + c0 + c * kLanes);
+    for (int r = 0; r < Rows; ++r) {
+      const float x = q[r * D + d];
+      for (int c = 0; c < Cols; ++c) acc[r][c] += x * k[c];
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int c = 0; c < Cols; ++c)
+      *reinterpret_cast<vfloat_u*>(s + r * lds + c0 + c * kLanes) =
+          acc[r][c] * scale;
+}
+
+template <int Rows>
+void score_rows(const float* q, int64_t D, const float* kt, int64_t ld,
+                float scale, float* s) {
+  int64_t c0 = 0;
+  for (; c0 + 4 * kLanes <= ld; c0 += 4 * kLanes)
+    score_tile<Rows, 4>(q, D, kt, ld, c0, scale, s, ld);
+  switch ((ld - c0) / kLanes) {
+    case 3: score_tile<Rows, 3>(q, D, kt, ld, c0, scale, s, ld); break;
+    case 2: score_tile<Rows, 2>(q, D, kt, ld, c0, scale, s, ld); break;
+    case 1: score_tile<Rows, 1>(q, D, kt, ld, c0, scale, s, ld); break;
+    default: break;
+  }
+}
+
+// out[r * Dv + c0 + j] = inv[r] * sum_t p[r * ldp + t] * v[t][c0 + j],
+// j < Cols * 16, for Rows rows.
+template <int Rows, int Cols, typename T>
+void weigh_tile(const float* p, int64_t ldp, int64_t n, const T* const* v,
+                int64_t c0, const float* inv, float* out, int64_t Dv) {
+  vfloat_u acc[Rows][Cols] = {};
+  for (int64_t t = 0; t < n; ++t) {
+    vfloat_u x[Cols];
+    for (int c = 0; c < Cols; ++c) x[c] = load(v[t] + c0 + c * kLanes);
+    for (int r = 0; r < Rows; ++r) {
+      const float w = p[r * ldp + t];
+      for (int c = 0; c < Cols; ++c) acc[r][c] += w * x[c];
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int c = 0; c < Cols; ++c)
+      *reinterpret_cast<vfloat_u*>(out + r * Dv + c0 + c * kLanes) =
+          acc[r][c] * inv[r];
+}
+
+// The weighted sums of `rows` (at most 16) rows, over every column: tiles
+// of 4 rows by 64 columns, or of 8 rows by 32 for a 32-column head.
+template <typename T>
+void weigh_rows(const float* p, int64_t ldp, int64_t rows, int64_t n,
+                const T* const* v, int64_t Dv, const float* inv,
+                float* out) {
+  int64_t c0 = 0;
+  for (; c0 + 4 * kLanes <= Dv; c0 += 4 * kLanes) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4)
+      weigh_tile<4, 4, T>(p + r * ldp, ldp, n, v, c0, inv + r, out + r * Dv,
+                          Dv);
+    for (; r < rows; ++r)
+      weigh_tile<1, 4, T>(p + r * ldp, ldp, n, v, c0, inv + r, out + r * Dv,
+                          Dv);
+  }
+  for (; c0 + 2 * kLanes <= Dv; c0 += 2 * kLanes) {
+    int64_t r = 0;
+    for (; r + 8 <= rows; r += 8)
+      weigh_tile<8, 2, T>(p + r * ldp, ldp, n, v, c0, inv + r, out + r * Dv,
+                          Dv);
+    for (; r < rows; ++r)
+      weigh_tile<1, 2, T>(p + r * ldp, ldp, n, v, c0, inv + r, out + r * Dv,
+                          Dv);
+  }
+  for (; c0 + kLanes <= Dv; c0 += kLanes) {
+    int64_t r = 0;
+    for (; r + 8 <= rows; r += 8)
+      weigh_tile<8, 1, T>(p + r * ldp, ldp, n, v, c0, inv + r, out + r * Dv,
+                          Dv);
+    for (; r < rows; ++r)
+      weigh_tile<1, 1, T>(p + r * ldp, ldp, n, v, c0, inv + r, out + r * Dv,
+                          Dv);
+  }
+  for (int64_t j = c0; j < Dv; ++j)
+    for (int64_t r = 0; r < rows; ++r) {
+      float sum = 0.f;
+      for (int64_t t = 0; t < n; ++t)
+        sum += p[r * ldp + t] * static_cast<float>(v[t][j]);
+      out[r * Dv + j] = sum * inv[r];
+    }
+}
+
+#if defined(__AVX512BF16__)
+// The same two products on the CPU's bfloat16 dot-product instruction,
+// which multiplies pairs of bfloat16 and adds both products to a float32
+// lane: twice the multiply-adds of a float32 instruction.  Operands are
+// packed as 32-bit lanes holding two bfloat16, the pair a lane sums over:
+// for the scores, two adjacent head dimensions; for the weighted sum, two
+// adjacent tokens.
+constexpr bool kBf16Dot = true;
+
+inline __m512bh pairs(const uint32_t* p) {
+  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
+}
+inline __m512bh broadcast_pair(uint32_t pair) {
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+}
+
+// s[r * ld + c0 + j] = scale * q[r] . kt[:, c0 + j]: q holds D2 pairs of
+// head dimensions per row, kt [D2, ld] the same pairs of each token.
+template <int Rows, int Cols>
+void score_tile_bf16(const uint32_t* q, int64_t D2, const uint32_t* kt,
+                     int64_t ld, int64_t c0, float scale, float* s) {
+  __m512 acc[Rows][Cols];
+  for (int r = 0; r < Rows; ++r)
+    for (int c = 0; c < Cols; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < D2; ++j) {
+    __m512bh k[Cols];
+    for (int c = 0; c < Cols; ++c) k[c] = pairs(kt + j * ld + c0 + c * kLanes);
+    for (int r = 0; r < Rows; ++r) {
+      const __m512bh x = broadcast_pair(q[r * D2 + j]);
+      for (int c = 0; c < Cols; ++c)
+        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x, k[c]);
+    }
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int r = 0; r < Rows; ++r)
+    for (int c = 0; c < Cols; ++c)
+      _mm512_storeu_ps(s + r * ld + c0 + c * kLanes,
+                       _mm512_mul_ps(acc[r][c], vscale));
+}
+
+template <int Rows>
+void score_rows_bf16(const uint32_t* q, int64_t D2, const uint32_t* kt,
+                     int64_t ld, float scale, float* s) {
+  int64_t c0 = 0;
+  for (; c0 + 4 * kLanes <= ld; c0 += 4 * kLanes)
+    score_tile_bf16<Rows, 4>(q, D2, kt, ld, c0, scale, s);
+  switch ((ld - c0) / kLanes) {
+    case 3: score_tile_bf16<Rows, 3>(q, D2, kt, ld, c0, scale, s); break;
+    case 2: score_tile_bf16<Rows, 2>(q, D2, kt, ld, c0, scale, s); break;
+    case 1: score_tile_bf16<Rows, 1>(q, D2, kt, ld, c0, scale, s); break;
+    default: break;
+  }
+}
+
+// out[r * Dv + c0 + j] = inv[r] * sum_t p[r][t] * v[t][c0 + j]: p holds
+// rows of n2 pairs of adjacent tokens' probabilities (row stride ldp
+// pairs), v [n2, Dv] the same tokens' values, paired column by column.
+template <int Rows, int Cols>
+void weigh_tile_bf16(const uint32_t* p, int64_t ldp, int64_t n2,
+                     const uint32_t* v, int64_t Dv, int64_t c0,
+                     const float* inv, float* out) {
+  __m512 acc[Rows][Cols];
+  for (int r = 0; r < Rows; ++r)
+    for (int c = 0; c < Cols; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n2; ++t) {
+    __m512bh x[Cols];
+    for (int c = 0; c < Cols; ++c) x[c] = pairs(v + t * Dv + c0 + c * kLanes);
+    for (int r = 0; r < Rows; ++r) {
+      const __m512bh w = broadcast_pair(p[r * ldp + t]);
+      for (int c = 0; c < Cols; ++c)
+        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, x[c]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int c = 0; c < Cols; ++c)
+      _mm512_storeu_ps(out + r * Dv + c0 + c * kLanes,
+                       _mm512_mul_ps(acc[r][c], _mm512_set1_ps(inv[r])));
+}
+
+// The weighted sums of `rows` rows (at most 16) over the columns that fill
+// whole 16-lane vectors; returns the first column left (done in float32 by
+// the caller).
+int64_t weigh_rows_bf16(const uint32_t* p, int64_t ldp, int64_t rows,
+                        int64_t n2, const uint32_t* v, int64_t Dv,
+                        const float* inv, float* out) {
+  int64_t c0 = 0;
+  auto tiles = [&](auto rows_per_tile, auto cols) {
+    constexpr int R = decltype(rows_per_tile)::value;
+    constexpr int C = decltype(cols)::value;
+    for (; c0 + C * kLanes <= Dv; c0 += C * kLanes) {
+      int64_t r = 0;
+      for (; r + R <= rows; r += R)
+        weigh_tile_bf16<R, C>(p + r * ldp, ldp, n2, v, Dv, c0, inv + r,
+                              out + r * Dv);
+      for (; r < rows; ++r)
+        weigh_tile_bf16<1, C>(p + r * ldp, ldp, n2, v, Dv, c0, inv + r,
+                              out + r * Dv);
+    }
+  };
+  tiles(std::integral_constant<int, 4>{}, std::integral_constant<int, 4>{});
+  tiles(std::integral_constant<int, 8>{}, std::integral_constant<int, 2>{});
+  tiles(std::integral_constant<int, 8>{}, std::integral_constant<int, 1>{});
+  return c0;
+}
+
+// Rounds n floats (n a multiple of 16) to bfloat16, in order.
+inline void round_to_bf16(const float* src, int64_t n, uint16_t* dst) {
+  for (int64_t i = 0; i < n; i += kLanes)
+    _mm256_storeu_si256(
+        reinterpret_cast<__m256i*>(dst + i),
+        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i))));
+}
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+// Tokens ahead that encoder_attention fetches rows for.
+constexpr int64_t kAhead = 8;
+
+// Asks for the cache lines of a row of n elements at p.
+template <typename T>
+inline void prefetch_row(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64)
+    __builtin_prefetch(c + off);
+}
+
+// The texts of a packed batch: runs of slots sharing a text_starts value,
+// which must be the run's first slot.  Returns (row, first slot, length).
+std::vector<std::array<int64_t, 3>> texts_of(const at::Tensor& text_starts) {
+  const int64_t B = text_starts.size(0), L = text_starts.size(1);
+  const int64_t* ts = text_starts.data_ptr<int64_t>();
+  std::vector<std::array<int64_t, 3>> texts;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t start = ts[b * L + l];
+      if (start == l) {
+        texts.push_back({b, l, 1});
+      } else {
+        TORCH_CHECK(l > 0 && start == ts[b * L + l - 1],
+                    "encoder_attention: slot ", l, " of row ", b,
+                    " has text start ", start, ", neither itself nor the "
+                    "start of the slot before it");
+        ++texts.back()[2];
+      }
+    }
+  return texts;
+}
+
+// One (text, head) work item's scratch, and the float32 products.
+template <typename T>
+struct EncoderItem {
+  static constexpr int64_t kBlock = 16;  // query rows per pass
+  int64_t D, Dv, ld = 0, n = 0;
+  std::vector<float> kt, qb, s, ob, inv;
+  std::vector<const T*> vrows;
+#if defined(__AVX512BF16__)
+  int64_t D2;
+  std::vector<uint32_t> kt2, q2, v2, p2;
+  std::vector<uint16_t> row;
+#endif
+
+  EncoderItem(int64_t D, int64_t Dv, int64_t longest, int64_t panel,
+              bool bf16)
+      : D(D), Dv(Dv), s(kBlock * panel), ob(kBlock * Dv), inv(kBlock),
+        vrows(longest) {
+#if defined(__AVX512BF16__)
+    D2 = (D + 1) / 2;
+    if (bf16) {
+      kt2.resize(D2 * panel);
+      q2.resize(kBlock * D2);
+      v2.resize(panel / 2 * Dv);
+      p2.resize(kBlock * panel / 2);
+      row.resize(std::max(2 * D2, Dv));
+      return;
+    }
+#endif
+    kt.resize(D * panel);
+    qb.resize(kBlock * D);
+  }
+
+  // Float32: keys transposed into [D, ld].
+  void pack(const T* const* keys) {
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t d = 0; d < D; ++d)
+        kt[d * ld + t] = static_cast<float>(keys[t][d]);
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t t = n; t < ld; ++t) kt[d * ld + t] = 0.f;
+  }
+
+  // Float32: `rows` query rows from r0 into out.
+  void run(const T* const* queries, int64_t rows, float scale) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t d = 0; d < D; ++d)
+        qb[r * D + d] = static_cast<float>(queries[r][d]);
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4)
+      score_rows<4>(qb.data() + r * D, D, kt.data(), ld, scale,
+                    s.data() + r * ld);
+    switch (rows - r) {
+      case 3: score_rows<3>(qb.data() + r * D, D, kt.data(), ld, scale,
+                            s.data() + r * ld); break;
+      case 2: score_rows<2>(qb.data() + r * D, D, kt.data(), ld, scale,
+                            s.data() + r * ld); break;
+      case 1: score_rows<1>(qb.data() + r * D, D, kt.data(), ld, scale,
+                            s.data() + r * ld); break;
+      default: break;
+    }
+    for (int64_t i = 0; i < rows; ++i)
+      inv[i] = 1.f / exp_shifted(s.data() + i * ld, n);
+    weigh_rows<T>(s.data(), ld, rows, n, vrows.data(), Dv, inv.data(),
+                  ob.data());
+  }
+
+#if defined(__AVX512BF16__)
+  // bfloat16 pairs of a row of m elements (zero past m) into 2 * pairs.
+  const uint32_t* paired(const T* src, int64_t m, int64_t count) {
+    for (int64_t d = 0; d < 2 * count; ++d)
+      row[d] = c10::BFloat16(d < m ? static_cast<float>(src[d]) : 0.f).x;
+    return reinterpret_cast<const uint32_t*>(row.data());
+  }
+
+  // bfloat16: keys as [D2, ld] pairs of head dimensions, values as
+  // [ld / 2, Dv] pairs of tokens.
+  void pack_bf16(const T* const* keys) {
+    for (int64_t t = 0; t < ld; ++t) {
+      if (t < n) {
+        const uint32_t* k = paired(keys[t], D, D2);
+        for (int64_t j = 0; j < D2; ++j) kt2[j * ld + t] = k[j];
+      } else {
+        for (int64_t j = 0; j < D2; ++j) kt2[j * ld + t] = 0;
+      }
+    }
+    auto bits = [&](int64_t t, int64_t c) -> uint32_t {
+      return t < n ? c10::BFloat16(static_cast<float>(vrows[t][c])).x : 0;
+    };
+    for (int64_t t2 = 0; t2 < ld / 2; ++t2)
+      for (int64_t c = 0; c < Dv; ++c)
+        v2[t2 * Dv + c] = bits(2 * t2, c) | bits(2 * t2 + 1, c) << 16;
+  }
+
+  void run_bf16(const T* const* queries, int64_t rows, float scale) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint32_t* q = paired(queries[r], D, D2);
+      std::copy(q, q + D2, q2.data() + r * D2);
+    }
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4)
+      score_rows_bf16<4>(q2.data() + r * D2, D2, kt2.data(), ld, scale,
+                         s.data() + r * ld);
+    switch (rows - r) {
+      case 3: score_rows_bf16<3>(q2.data() + r * D2, D2, kt2.data(), ld,
+                                 scale, s.data() + r * ld); break;
+      case 2: score_rows_bf16<2>(q2.data() + r * D2, D2, kt2.data(), ld,
+                                 scale, s.data() + r * ld); break;
+      case 1: score_rows_bf16<1>(q2.data() + r * D2, D2, kt2.data(), ld,
+                                 scale, s.data() + r * ld); break;
+      default: break;
+    }
+    const int64_t half = ld / 2;
+    for (int64_t i = 0; i < rows; ++i) {
+      float* si = s.data() + i * ld;
+      inv[i] = 1.f / exp_shifted(si, n);
+      std::fill(si + n, si + ld, 0.f);
+      round_to_bf16(si, ld, reinterpret_cast<uint16_t*>(p2.data() + i * half));
+    }
+    const int64_t c0 = weigh_rows_bf16(p2.data(), half, rows, half,
+                                       v2.data(), Dv, inv.data(), ob.data());
+    for (int64_t c = c0; c < Dv; ++c)
+      for (int64_t i = 0; i < rows; ++i) {
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; ++t)
+          sum += s[i * ld + t] * static_cast<float>(vrows[t][c]);
+        ob[i * Dv + c] = sum * inv[i];
+      }
+  }
+#endif
+};
+
+// query, keys: [B, L, H, D]; values: [B, L, H, Dv] (any strides with the
+// last one 1, as FMS's fused projection leaves them); text_starts: [B, L]
+// int64, the first slot of each slot's text (a slot alone: itself).
+// Returns [B, L, H, Dv], every slot attending to the slots of its text.
+// With bf16_products (and a CPU that has the instruction) both products
+// take bfloat16 operands (the probabilities rounded to bfloat16, float32
+// accumulation); otherwise they run in float32.
+at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& keys,
+                             const at::Tensor& values,
+                             const at::Tensor& text_starts, double scale,
+                             bool bf16_products) {
+  check_dtypes(query, keys, values, "encoder_attention");
+  TORCH_CHECK(query.scalar_type() == keys.scalar_type(),
+              "encoder_attention: query and keys of one dtype, got ",
+              query.scalar_type(), " and ", keys.scalar_type());
+  TORCH_CHECK(query.dim() == 4 && keys.dim() == 4 && values.dim() == 4 &&
+                  text_starts.dim() == 2 &&
+                  text_starts.scalar_type() == at::kLong,
+              "encoder_attention: expected 4-d query/keys/values and 2-d "
+              "int64 text_starts");
+  const int64_t B = query.size(0), L = query.size(1), H = query.size(2),
+                D = query.size(3), Dv = values.size(3);
+  TORCH_CHECK(keys.size(0) == B && keys.size(1) == L && keys.size(2) == H &&
+                  keys.size(3) == D && values.size(0) == B &&
+                  values.size(1) == L && values.size(2) == H &&
+                  text_starts.size(0) == B && text_starts.size(1) == L,
+              "encoder_attention: query ", query.sizes(), ", keys ",
+              keys.sizes(), ", values ", values.sizes(), " and text_starts ",
+              text_starts.sizes(), " do not match");
+  auto last_dense = [](const at::Tensor& t) {
+    return t.stride(3) == 1 ? t : t.contiguous();
+  };
+  const at::Tensor q = last_dense(query), k = last_dense(keys),
+                   v = last_dense(values);
+  const auto texts = texts_of(text_starts.contiguous());
+  int64_t longest = 0;
+  for (const auto& t : texts) longest = std::max(longest, t[2]);
+  const int64_t panel = (longest + kLanes - 1) / kLanes * kLanes;
+  const bool bf16 = bf16_products && kBf16Dot;
+  at::Tensor out = at::empty({B, L, H, Dv}, q.options());
+  const float fscale = static_cast<float>(scale);
+  with_element_type(q.scalar_type(), [&](auto zero) {
+  using T = decltype(zero);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  auto at_slot = [](const at::Tensor& t, const T* base, int64_t b, int64_t l,
+                    int64_t h) {
+    return base + b * t.stride(0) + l * t.stride(1) + h * t.stride(2);
+  };
+  const int64_t items = static_cast<int64_t>(texts.size()) * H;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    using Item = EncoderItem<T>;
+    Item work(D, Dv, longest, panel, bf16);
+    std::vector<const T*> krows(longest), qrows(longest);
+    for (int64_t item = begin; item < end; ++item) {
+      const auto& text = texts[item / H];
+      const int64_t h = item % H, b = text[0], first = text[1], n = text[2];
+      work.n = n;
+      work.ld = (n + kLanes - 1) / kLanes * kLanes;
+      for (int64_t t = 0; t < n; ++t) {
+        if (t + kAhead < n) {
+          // The rows are a stride apart in memory: fetch ahead what this
+          // item reads next (this token's query and values included).
+          prefetch_row(at_slot(k, kp, b, first + t + kAhead, h), D);
+          prefetch_row(at_slot(v, vp, b, first + t + kAhead, h), Dv);
+          prefetch_row(at_slot(q, qp, b, first + t + kAhead, h), D);
+        }
+        krows[t] = at_slot(k, kp, b, first + t, h);
+        work.vrows[t] = at_slot(v, vp, b, first + t, h);
+        qrows[t] = at_slot(q, qp, b, first + t, h);
+      }
+#if defined(__AVX512BF16__)
+      if (bf16) work.pack_bf16(krows.data()); else
+#endif
+      work.pack(krows.data());
+      for (int64_t r0 = 0; r0 < n; r0 += Item::kBlock) {
+        const int64_t rows = std::min(Item::kBlock, n - r0);
+#if defined(__AVX512BF16__)
+        if (bf16) work.run_bf16(qrows.data() + r0, rows, fscale); else
+#endif
+        work.run(qrows.data() + r0, rows, fscale);
+        for (int64_t i = 0; i < rows; ++i) {
+          T* dst = op + ((b * L + first + r0 + i) * H + h) * Dv;
+          for (int64_t j = 0; j < Dv; ++j)
+            dst[j] = static_cast<T>(work.ob[i * Dv + j]);
+        }
+      }
+    }
+  });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(spyre_cpu, m) {
@@ -493,9 +997,13 @@ TORCH_LIBRARY_FRAGMENT(spyre_cpu, m) {
       "paged_attention(Tensor query, Tensor key_pool, Tensor value_pool, "
       "Tensor block_table, Tensor ctx_lens, int block_size, float scale) "
       "-> Tensor");
+  m.def(
+      "encoder_attention(Tensor query, Tensor keys, Tensor values, "
+      "Tensor text_starts, float scale, bool bf16_products) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(spyre_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("paged_attention", &paged_attention);
+  m.impl("encoder_attention", &encoder_attention);
 }

@@ -14,10 +14,11 @@ inductor needs anyway) and cached in ``TORCH_EXTENSIONS_DIR``.  Inductor
 calls it like any other external kernel, so one packed copy of the weights
 serves the graphs of every warm-up shape.
 
-The same build holds ``spyre_cpu::decode_attention`` and
-``spyre_cpu::paged_attention`` (``spyre_cpu_attention.cpp``), which
-``spyre_kv_cache`` (static batching) and ``spyre_paged_kv`` (continuous
-batching) use for attention on this path.
+The same build holds ``spyre_cpu::decode_attention``,
+``spyre_cpu::paged_attention`` and ``spyre_cpu::encoder_attention``
+(``spyre_cpu_attention.cpp``), which ``spyre_kv_cache`` (static batching),
+``spyre_paged_kv`` (continuous batching) and ``spyre_encoder`` (pooling
+models) use for attention on this path.
 """
 from __future__ import annotations
 
@@ -74,6 +75,8 @@ def _load() -> bool:
         _fake_attention)
     torch.library.register_fake("spyre_cpu::paged_attention")(
         _fake_paged_attention)
+    torch.library.register_fake("spyre_cpu::encoder_attention")(
+        _fake_encoder_attention)
     logger.info("Loaded the packed CPU linear kernel in %.1f s",
                 time.perf_counter() - start)
     return True
@@ -95,6 +98,13 @@ def _fake_paged_attention(query: torch.Tensor, key_pool: torch.Tensor,
                           ctx_lens: torch.Tensor, block_size: int,
                           scale: float) -> torch.Tensor:
     return query.new_empty((*query.shape[:3], value_pool.shape[-1]))
+
+
+def _fake_encoder_attention(query: torch.Tensor, keys: torch.Tensor,
+                            values: torch.Tensor, text_starts: torch.Tensor,
+                            scale: float,
+                            bf16_products: bool) -> torch.Tensor:
+    return query.new_empty((*query.shape[:3], values.shape[-1]))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

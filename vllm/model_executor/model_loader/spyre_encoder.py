@@ -20,6 +20,7 @@ tensor parallelism, shards the weights.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,10 @@ logger = init_logger(__name__)
 ATTN_NAME = "sdpa_bidirectional"
 #: The same in bfloat16 (``--dtype bfloat16`` on the CPU backends).
 ATTN_NAME_BF16 = "spyre_encoder_bf16"
+#: The C++ kernel (``spyre_cpu::encoder_attention``) of the CPU ``inductor``
+#: path, float32 and with bfloat16 products.
+ATTN_NAME_CPU = "spyre_encoder_cpu"
+ATTN_NAME_CPU_BF16 = "spyre_encoder_cpu_bf16"
 
 
 def _store(keys: torch.Tensor, values: torch.Tensor, key_cache, value_cache,
@@ -65,14 +70,36 @@ def _compute_bf16(query: torch.Tensor, keys: torch.Tensor,
     return out.transpose(2, 1).contiguous().to(query.dtype)
 
 
+def _compute_kernel(query: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor, nheads: int, kvheads: int,
+                    p_dropout: float, scale_factor, *, bf16_products: bool,
+                    **attn_kwargs):
+    """The C++ kernel: each text of a packed row attends to its own
+    tokens only (``text_starts``), read straight from FMS's ``[B, L, H,
+    D]`` projections, so the masked-out pairs cost nothing.  SDPA with the
+    block-diagonal mask computes every pair of slots of a row, and in
+    bfloat16 it runs no faster than in float32 here."""
+    scale = query.shape[-1]**-0.5 if scale_factor is None else scale_factor
+    return torch.ops.spyre_cpu.encoder_attention(
+        query, keys, values, attn_kwargs["text_starts"], scale,
+        bf16_products)
+
+
 def register_attention() -> None:
-    """Registers the bfloat16 encoder attention with FMS once per
-    process."""
+    """Registers the encoder attention ops with FMS once per process."""
     from fms.modules import attention
-    try:
-        attention.get_attention_type(attn_name=ATTN_NAME_BF16)
-    except KeyError:
-        attention.register_attention_op(ATTN_NAME_BF16, _store, _compute_bf16)
+    ops = {
+        ATTN_NAME_BF16: _compute_bf16,
+        ATTN_NAME_CPU: functools.partial(_compute_kernel,
+                                         bf16_products=False),
+        ATTN_NAME_CPU_BF16: functools.partial(_compute_kernel,
+                                              bf16_products=True),
+    }
+    for name, compute in ops.items():
+        try:
+            attention.get_attention_type(attn_name=name)
+        except KeyError:
+            attention.register_attention_op(name, _store, compute)
 
 
 @dataclass(frozen=True)
@@ -176,13 +203,16 @@ class _Encoder(nn.Module):
                     config.classifier_activation_fn))
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                token_type_ids: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
+                token_type_ids: torch.Tensor, mask: torch.Tensor,
+                text_starts: torch.Tensor) -> torch.Tensor:
+        # SDPA reads the mask, the C++ kernel the texts' first slots.
+        layout = ({"text_starts": text_starts} if self.attn_name
+                  in (ATTN_NAME_CPU, ATTN_NAME_CPU_BF16) else {"mask": mask})
         return self.base_model(input_ids,
                                position_ids=position_ids,
                                token_type_ids=token_type_ids,
-                               mask=mask,
-                               attn_name=self.attn_name)
+                               attn_name=self.attn_name,
+                               **layout)
 
 
 class SpyreEncoderModel(nn.Module):
@@ -206,12 +236,16 @@ class SpyreEncoderModel(nn.Module):
         #: Position of each text's first token (``packed_inputs``).
         self.first_position = self.family.first_position(self.hf_config)
         self.encoder = self._load(model_config.model)
+        register_attention()
         if self.bf16_matmuls:
             n = spyre_cpu_linear.bf16_linears(self.encoder.base_model)
-            register_attention()
             self.encoder.attn_name = ATTN_NAME_BF16
             logger.info("Matrix products of %d linear layers and of "
                         "attention in bfloat16", n)
+        if spyre_config.dynamo_backend == "inductor" and \
+                spyre_cpu_linear.available():
+            self.encoder.attn_name = (ATTN_NAME_CPU_BF16 if self.bf16_matmuls
+                                      else ATTN_NAME_CPU)
         self.pooler = self._build_pooler(model_config)
         self.model = self._compile(self.encoder)
 
@@ -361,13 +395,14 @@ class SpyreEncoderModel(nn.Module):
 
     # ---- run ------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                token_type_ids: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        """One packed pass: ``[B, L]`` inputs, ``[B, L, L]`` mask ->
-        the hidden state of every slot, ``[B * L, H]``."""
+                token_type_ids: torch.Tensor, mask: torch.Tensor,
+                text_starts: torch.Tensor) -> torch.Tensor:
+        """One packed pass: ``[B, L]`` inputs, ``[B, L, L]`` mask and
+        ``[B, L]`` first slot of each slot's text -> the hidden state of
+        every slot, ``[B * L, H]``."""
         B, L = input_ids.shape
         hidden = self.model(self.graph_name(B, L), input_ids, position_ids,
-                            token_type_ids, mask)
+                            token_type_ids, mask, text_starts)
         return hidden.reshape(B * L, -1)
 
 
