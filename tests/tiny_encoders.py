@@ -1,5 +1,6 @@
 """Tiny random encoder checkpoints for the pooling tests: BERT and RoBERTa
-embedders and cross-encoders, built at test-session start.
+embedders and cross-encoders, and a ModernBERT cross-encoder, built at
+test-session start.
 
 Each has 6 heads of 16 (splits over 3 ranks), 2 layers and the suite's
 offline-trained BPE tokenizer, made to frame a text as BERT's and
@@ -26,6 +27,7 @@ ARCHITECTURES = {
     "roberta": "RobertaModel",
     "bert-cross": "BertForSequenceClassification",
     "roberta-cross": "RobertaForSequenceClassification",
+    "modernbert-cross": "ModernBertForSequenceClassification",
 }
 
 
@@ -56,20 +58,34 @@ def build_tiny_encoder(kind: str, out_dir: Path, seed: int = 0,
     trained for truncated embeddings (``dimensions``)."""
     import torch
     import transformers
-    roberta = kind.startswith("roberta")
+    modern = kind.startswith("modernbert")
+    # ModernBERT takes no token types: RoBERTa's framing.
+    roberta = kind.startswith("roberta") or modern
     tokenizer = _tokenizer(roberta, seed)
     pad = tokenizer.pad_token_id
     common = dict(vocab_size=len(tokenizer), hidden_size=96,
                   intermediate_size=192, num_hidden_layers=2,
-                  num_attention_heads=6, max_position_embeddings=514,
-                  type_vocab_size=1 if roberta else 2,
-                  pad_token_id=pad, initializer_range=0.2,
-                  num_labels=1, torch_dtype="float32")
-    config_cls = (transformers.RobertaConfig
-                  if roberta else transformers.BertConfig)
+                  num_attention_heads=6, pad_token_id=pad,
+                  initializer_range=0.2, num_labels=1,
+                  torch_dtype="float32")
+    if modern:
+        # Three layers: one global, two local with a 16-token window, so
+        # texts longer than the window tell the two apart.
+        bos, eos = tokenizer.convert_tokens_to_ids(["<s>", "</s>"])
+        config = transformers.ModernBertConfig(
+            **common | dict(num_hidden_layers=3), max_position_embeddings=512,
+            local_attention=16, global_attn_every_n_layers=3,
+            bos_token_id=bos, eos_token_id=eos, cls_token_id=bos,
+            sep_token_id=eos, classifier_pooling="mean",
+            reference_compile=False)
+    else:
+        config_cls = (transformers.RobertaConfig
+                      if roberta else transformers.BertConfig)
+        config = config_cls(**common, max_position_embeddings=514,
+                            type_vocab_size=1 if roberta else 2)
     model_cls = getattr(transformers, ARCHITECTURES[kind])
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**common)).eval()
+    model = model_cls(config).eval()
     if matryoshka:
         model.config.is_matryoshka = True
     out_dir.mkdir(parents=True, exist_ok=True)

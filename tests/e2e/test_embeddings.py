@@ -27,7 +27,9 @@ MINILM_TOKENS = dict(frame=(101, 102), vocab=(1000, 30000))
 TINY_TOKENS = dict(frame=(0, 2), vocab=(4, 380))
 QUERY = "spyre card batch"
 DOCUMENTS = ["the batch of tokens", "red green blue", "compile the graph",
-             "spyre", "a fast kernel in the cache", "one two three"]
+             "spyre", "a fast kernel in the cache", "one two three",
+             # Longer than ModernBERT's local-attention window.
+             "spyre cards compile the graph of a batch " * 8]
 
 
 def env(backend: str, **extra) -> dict:
@@ -54,6 +56,9 @@ def encoders(tmp_path_factory):
         "bert-cross": (build_tiny_encoder("bert-cross", root / "bc"), None),
         "roberta-cross": (build_tiny_encoder("roberta-cross", root / "rc"),
                           None),
+        # No FMS encoder: the Hugging Face body.
+        "modernbert-cross": (build_tiny_encoder("modernbert-cross",
+                                                root / "mc"), None),
     }
 
 
@@ -138,7 +143,9 @@ def test_tensor_parallel_embeddings(encoders, name):
 
 @pytest.mark.parametrize("name, backend", [("bert-cross", "eager"),
                                            ("roberta-cross", "eager"),
-                                           ("bert-cross", "inductor")])
+                                           ("bert-cross", "inductor"),
+                                           ("modernbert-cross", "eager"),
+                                           ("modernbert-cross", "inductor")])
 def test_scores_match_the_cross_encoder(encoders, name, backend):
     path, _ = encoders[name]
     reference = hf_scores(path, QUERY, DOCUMENTS)
@@ -244,6 +251,17 @@ def test_refusals_name_the_values(encoders, tiny_llama):
     with spyre_llm(tiny_llama, gen_env) as llm:
         with pytest.raises(ValueError, match="pooling|embed"):
             llm.embed(["spyre card"], use_tqdm=False)
+
+
+def test_hugging_face_body_refuses_tensor_parallel(encoders):
+    """ModernBERT runs on the Hugging Face body, which is not sharded."""
+    path, _ = encoders["modernbert-cross"]
+    with pytest.raises(NotImplementedError,
+                       match="--tensor-parallel-size 3 is not supported "
+                       "for ModernBertForSequenceClassification"):
+        with spyre_llm(path, env("eager"), task="score",
+                       tensor_parallel_size=3):
+            pass
 
 
 def test_decoder_as_embedder_is_refused_at_start(tiny_llama):

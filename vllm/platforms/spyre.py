@@ -145,8 +145,9 @@ class SpyrePlatform(Platform):
         # resolves the platform.
         if pooling:
             from vllm.model_executor.model_loader.spyre_encoder import (
-                encoder_family)
-            encoder_family(model_config.hf_config)
+                check_parallel, encoder_family)
+            check_parallel(encoder_family(model_config.hf_config),
+                           parallel_config.tensor_parallel_size)
             _configure_pooling(vllm_config, spyre)
         else:
             from vllm.model_executor.model_loader.spyre_families import (

@@ -16,7 +16,9 @@ head and activation, exactly as vLLM's own BERT and RoBERTa models do.
 The body is FMS's ``RoBERTaHeadless``, which FMS uses for BERT too; the
 checkpoint is read through FMS's ``hf`` adapters (``bert``, ``roberta``
 and their ``_classification`` variants), so FMS names, fuses and, under
-tensor parallelism, shards the weights.
+tensor parallelism, shards the weights.  An architecture FMS lacks
+(ModernBERT) runs on the Hugging Face body instead
+(``spyre_hf_encoder``), with the same inputs and poolers.
 """
 from __future__ import annotations
 
@@ -32,10 +34,13 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.pooler import (ClassifierPooler, CLSPool,
-                                               DispatchPooler, Pooler)
+                                               DispatchPooler, MeanPool,
+                                               Pooler)
 from vllm.model_executor.model_loader import (spyre_cpu_linear,
                                               spyre_graph_cache)
 from vllm.model_executor.model_loader.spyre import serving_dtype
+from vllm.model_executor.model_loader.spyre_hf_encoder import (
+    HF_ENCODER_FAMILIES, HFEncoder, HFEncoderFamily)
 from vllm.platforms.spyre_config import SpyreConfig
 
 logger = init_logger(__name__)
@@ -171,16 +176,31 @@ def _families() -> dict[str, EncoderFamily]:
 ENCODER_FAMILIES = _families()
 
 
-def encoder_family(hf_config) -> EncoderFamily:
-    """The family of a pooling model's architecture; NotImplementedError
-    naming the supported ones otherwise."""
+def encoder_family(hf_config) -> EncoderFamily | HFEncoderFamily:
+    """The family of a pooling model's architecture: FMS's where FMS has
+    it, else the Hugging Face body's (``spyre_hf_encoder``);
+    NotImplementedError naming the supported ones otherwise."""
     for arch in getattr(hf_config, "architectures", None) or ():
         if arch in ENCODER_FAMILIES:
             return ENCODER_FAMILIES[arch]
-    listed = ", ".join(ENCODER_FAMILIES)
+        if arch in HF_ENCODER_FAMILIES:
+            return HF_ENCODER_FAMILIES[arch]
+    listed = ", ".join([*ENCODER_FAMILIES, *HF_ENCODER_FAMILIES])
     raise NotImplementedError(
         f"Pooling models of architecture {hf_config.architectures} are not "
         f"supported on Spyre; supported encoders: {listed}.")
+
+
+def check_parallel(family: EncoderFamily | HFEncoderFamily,
+                   tp_size: int) -> None:
+    """NotImplementedError for tensor parallelism on a Hugging Face body,
+    which is not sharded."""
+    if isinstance(family, HFEncoderFamily) and tp_size > 1:
+        raise NotImplementedError(
+            f"--tensor-parallel-size {tp_size} is not supported for "
+            f"{family.hf_architecture} on Spyre: it runs on the Hugging "
+            "Face encoder body, which is not sharded (FMS's BERT and "
+            "RoBERTa encoders are); use --tensor-parallel-size 1.")
 
 
 class _Encoder(nn.Module):
@@ -233,23 +253,43 @@ class SpyreEncoderModel(nn.Module):
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.hf_config = model_config.hf_config
         self.family = encoder_family(self.hf_config)
+        check_parallel(self.family, self.tp_size)
         #: Position of each text's first token (``packed_inputs``).
         self.first_position = self.family.first_position(self.hf_config)
-        self.encoder = self._load(model_config.model)
+        if isinstance(self.family, HFEncoderFamily):
+            self.encoder = self._load_hf(model_config.model)
+        else:
+            self.encoder = self._load(model_config.model)
+            self._choose_attention(spyre_config.dynamo_backend)
+        self.pooler = self._build_pooler(model_config)
+        self.model = self._compile(self.encoder)
+
+    def _choose_attention(self, backend: str) -> None:
+        """FMS's attention op: SDPA (in bfloat16 under ``--dtype
+        bfloat16``), or the C++ kernel on ``inductor``."""
         register_attention()
         if self.bf16_matmuls:
             n = spyre_cpu_linear.bf16_linears(self.encoder.base_model)
             self.encoder.attn_name = ATTN_NAME_BF16
             logger.info("Matrix products of %d linear layers and of "
                         "attention in bfloat16", n)
-        if spyre_config.dynamo_backend == "inductor" and \
-                spyre_cpu_linear.available():
+        if backend == "inductor" and spyre_cpu_linear.available():
             self.encoder.attn_name = (ATTN_NAME_CPU_BF16 if self.bf16_matmuls
                                       else ATTN_NAME_CPU)
-        self.pooler = self._build_pooler(model_config)
-        self.model = self._compile(self.encoder)
 
     # ---- load -----------------------------------------------------------
+    def _load_hf(self, path: str) -> HFEncoder:
+        start = time.perf_counter()
+        encoder = HFEncoder(path, self.family, self.dtype)
+        if self.bf16_matmuls:
+            n = spyre_cpu_linear.bf16_linears(encoder)
+            logger.info("Matrix products of %d linear layers in bfloat16", n)
+        logger.info("Loaded the Hugging Face %s encoder body from %s in "
+                    "%.1f s (FMS has no such encoder)",
+                    self.family.hf_architecture, path,
+                    time.perf_counter() - start)
+        return encoder
+
     def _load(self, path: str) -> _Encoder:
         from fms.models.roberta import (RoBERTaClassificationConfig,
                                         RoBERTaConfig)
@@ -341,14 +381,19 @@ class SpyreEncoderModel(nn.Module):
                 "encode": Pooler.for_encode(pooler_config),
                 "embed": Pooler.for_embed(pooler_config),
             })
-        head = self.classify_head
+        if isinstance(self.encoder, HFEncoder):
+            head = self.encoder.classify_head(self.dtype)
+            pool = (MeanPool if self.encoder.classifier_pooling == "mean"
+                    else CLSPool)
+        else:
+            head, pool = self.classify_head, CLSPool
         return DispatchPooler({
             "encode": Pooler.for_encode(pooler_config),
             "classify": ClassifierPooler(
-                pooling=CLSPool(), classifier=head,
+                pooling=pool(), classifier=head,
                 act_fn=ClassifierPooler.act_fn_for_seq_cls(model_config)),
             "score": ClassifierPooler(
-                pooling=CLSPool(), classifier=head,
+                pooling=pool(), classifier=head,
                 act_fn=ClassifierPooler.act_fn_for_cross_encoder(
                     model_config)),
         })
@@ -361,7 +406,7 @@ class SpyreEncoderModel(nn.Module):
         return head.head(head.act(head.dense(pooled.to(self.dtype))))
 
     # ---- compile --------------------------------------------------------
-    def _compile(self, encoder: _Encoder) -> Callable:
+    def _compile(self, encoder: nn.Module) -> Callable:
         backend = self.spyre_config.dynamo_backend
         if backend == "sendnn":
             import torch_sendnn  # noqa: F401  registers the backend
