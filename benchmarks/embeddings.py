@@ -13,14 +13,17 @@ workload (``shapes``): for each length and batch size, the rows of 64 or
 more slots that hold B texts, several short texts packed to a row.
 Ours runs once per ``--dtypes`` entry (``float32``, and ``bfloat16``:
 every matrix product in bfloat16, the rest float32); sentence-transformers
-runs in float32.  Reported per (length, B): embeddings/s of each engine
-(median over the repetitions), ours / sentence-transformers, the dynamo
-compilations in our timed calls (must be 0) and the smallest cosine
-similarity between our vectors and sentence-transformers'.
+runs in float32 (``st``, the reference) and, per ``--st-dtypes``, with the
+whole model in bfloat16 (``st-bfloat16``, the peer at equal product
+precision).  Reported per (length, B): embeddings/s of each engine
+(median over the repetitions), ours / sentence-transformers float32, ours
+/ sentence-transformers at our dtype, the dynamo compilations in our
+timed calls (must be 0) and each engine's smallest cosine similarity with
+sentence-transformers float32.
 
     python benchmarks/embeddings.py [--model DIR] [--backend inductor]
-        [--dtypes float32,bfloat16] [--batch-sizes 1,8,32]
-        [--text-lens 32,256] [--texts 64]
+        [--dtypes float32,bfloat16] [--st-dtypes float32,bfloat16]
+        [--batch-sizes 1,8,32] [--text-lens 32,256] [--texts 64]
         [--repetitions 3] [--json PATH] [--plot PATH]
 """
 from __future__ import annotations
@@ -98,12 +101,16 @@ class SpyreEmbedder:
 
 
 class STEmbedder:
-    """Lives in a child: sentence-transformers on the CPU."""
+    """Lives in a child: sentence-transformers on the CPU, the whole model
+    in ``dtype``."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, dtype: str = "float32") -> None:
+        import torch
         from sentence_transformers import SentenceTransformer
         start = time.perf_counter()
-        self.model = SentenceTransformer(model, device="cpu")
+        self.model = SentenceTransformer(
+            model, device="cpu",
+            model_kwargs={"torch_dtype": getattr(torch, dtype)})
         self.startup_s = time.perf_counter() - start
 
     def info(self) -> dict:
@@ -113,8 +120,9 @@ class STEmbedder:
         start = time.perf_counter()
         vectors = []
         for i in range(0, len(texts), batch):
-            vectors += self.model.encode(texts[i:i + batch],
-                                         batch_size=batch).tolist()
+            vectors += self.model.encode(
+                texts[i:i + batch], batch_size=batch,
+                convert_to_tensor=True).float().tolist()
         return dict(seconds=time.perf_counter() - start, compiles=0,
                     vectors=vectors)
 
@@ -140,15 +148,20 @@ def measure(children: dict, args, text_lens, batch_sizes) -> list[dict]:
                     if rep:
                         runs[name].append(result)
             row = dict(text_len=n, batch=b, emb_s={}, ratio={},
-                       compiles={}, min_cosine={})
+                       ratio_same_dtype={}, compiles={}, min_cosine={})
             for e in children:
                 row["emb_s"][e] = statistics.median(
                     len(texts) / r["seconds"] for r in runs[e])
+                if e != "st":
+                    row["min_cosine"][e] = min_cosine(
+                        runs[e][0]["vectors"], runs["st"][0]["vectors"])
             for e in ours(children):
                 row["ratio"][e] = row["emb_s"][e] / row["emb_s"]["st"]
+                peer = same_dtype_peer(e, children)
+                if peer is not None:
+                    row["ratio_same_dtype"][e] = (row["emb_s"][e] /
+                                                  row["emb_s"][peer])
                 row["compiles"][e] = sum(r["compiles"] for r in runs[e])
-                row["min_cosine"][e] = min_cosine(runs[e][0]["vectors"],
-                                                  runs["st"][0]["vectors"])
             rows.append(row)
             print(f"length {n}, batch {b}: " + ", ".join(
                 f"{e} {v:.1f}" for e, v in row["emb_s"].items()) +
@@ -157,7 +170,19 @@ def measure(children: dict, args, text_lens, batch_sizes) -> list[dict]:
 
 
 def ours(children) -> list[str]:
-    return [e for e in children if e != "st"]
+    return [e for e in children if e.startswith("spyre")]
+
+
+def st_name(dtype: str) -> str:
+    """sentence-transformers' engine name: ``st`` in float32 (the
+    reference), ``st-<dtype>`` otherwise."""
+    return "st" if dtype == "float32" else f"st-{dtype}"
+
+
+def same_dtype_peer(engine: str, children) -> str | None:
+    """sentence-transformers at our engine's dtype, if it runs."""
+    peer = st_name(engine.split("-", 1)[1])
+    return peer if peer in children else None
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -166,7 +191,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
     lens = sorted({r["text_len"] for r in rows})
     engines = list(rows[0]["emb_s"])
-    labels = {"st": "sentence-transformers (float32)"}
+    labels = {"st": "sentence-transformers (float32)",
+              "st-bfloat16": "sentence-transformers (bfloat16)"}
     fig, axes = plt.subplots(1, len(lens), figsize=(5.5 * len(lens), 4))
     width = 0.8 / len(engines)
     for ax, n in zip(axes if len(lens) > 1 else [axes], lens):
@@ -196,6 +222,9 @@ def main() -> None:
                     help="our engine's --dtype, one engine each: float32, "
                     "bfloat16 (matrix products in bfloat16); "
                     "sentence-transformers runs in float32")
+    ap.add_argument("--st-dtypes", default="float32,bfloat16",
+                    help="sentence-transformers' dtypes, one engine each "
+                    "(float32, the reference, always runs)")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--text-lens", default="32,256")
     ap.add_argument("--texts", type=int, default=64,
@@ -209,8 +238,11 @@ def main() -> None:
     env = {"VLLM_SPYRE_DYNAMO_BACKEND": args.backend, "VLLM_USE_V1": "0",
            **shapes(text_lens, batch_sizes)}
     print(f"our warm-up shapes: {env}", flush=True)
-    children = {"st": Child("sentence-transformers", STEmbedder,
-                            args.model)}
+    children = {}
+    for dtype in ["float32"] + [d for d in args.st_dtypes.split(",")
+                                if d != "float32"]:
+        children[st_name(dtype)] = Child(f"sentence-transformers-{dtype}",
+                                         STEmbedder, args.model, dtype)
     for dtype in args.dtypes.split(","):
         children[f"spyre-{dtype}"] = Child(f"spyre-{dtype}", SpyreEmbedder,
                                            args.model, dtype, env=env)
@@ -229,15 +261,19 @@ def main() -> None:
     if args.plot:
         plot(rows, args.plot, args.backend)
     mine = ours(children)
+    peers = [(e, same_dtype_peer(e, children)) for e in mine
+             if same_dtype_peer(e, children) not in (None, "st")]
     print(table(
-        ["text tokens", "batch", "st emb/s"] +
-        [f"{e} emb/s" for e in mine] + [f"{e}/st" for e in mine] +
-        ["compiles", "min cosine"],
-        [[r["text_len"], r["batch"], f"{r['emb_s']['st']:.1f}"] +
-         [f"{r['emb_s'][e]:.1f}" for e in mine] +
+        ["text tokens", "batch"] + [f"{e} emb/s" for e in children] +
+        [f"{e}/st" for e in mine] + [f"{e}/{p}" for e, p in peers] +
+        ["compiles"] + [f"{e} min cosine" for e in children if e != "st"],
+        [[r["text_len"], r["batch"]] +
+         [f"{r['emb_s'][e]:.1f}" for e in children] +
          [f"{r['ratio'][e]:.2f}" for e in mine] +
-         [sum(r["compiles"].values()),
-          f"{min(r['min_cosine'].values()):.6f}"] for r in rows]))
+         [f"{r['ratio_same_dtype'][e]:.2f}" for e, _ in peers] +
+         [sum(r["compiles"].values())] +
+         [f"{r['min_cosine'][e]:.6f}" for e in children if e != "st"]
+         for r in rows]))
 
 
 if __name__ == "__main__":

@@ -128,3 +128,31 @@ def test_first_batch_benchmark_small(smollm2, tmp_path):
     header = next(i for i, line in enumerate(lines)
                   if line.startswith("setting "))
     assert len(lines) - header == 2 + 2
+
+
+def test_embeddings_benchmark_small(tmp_path):
+    """benchmarks/embeddings.py: sentence-transformers in float32 and
+    bfloat16 and our engine in both, alternated; nothing compiled, our
+    vectors agree with the reference, both ratios reported, JSON, plot
+    and table."""
+    from conftest import MINILM_DIR
+    out, png = tmp_path / "embeddings.json", tmp_path / "embeddings.png"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "embeddings.py"),
+         "--model", str(MINILM_DIR), "--text-lens", "32", "--batch-sizes",
+         "2", "--texts", "4", "--repetitions", "1", "--json", str(out),
+         "--plot", str(png)],
+        capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["compilations"] == 0 and png.stat().st_size > 0
+    (row, ) = result["rows"]
+    assert set(row["emb_s"]) == {"st", "st-bfloat16", "spyre-float32",
+                                 "spyre-bfloat16"}
+    assert set(row["ratio"]) == {"spyre-float32", "spyre-bfloat16"}
+    assert set(row["ratio_same_dtype"]) == {"spyre-float32",
+                                            "spyre-bfloat16"}
+    assert row["min_cosine"]["spyre-float32"] >= 0.9999
+    assert row["min_cosine"]["spyre-bfloat16"] >= 0.9999
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-3].startswith("text tokens") and lines[-1].startswith("32")
