@@ -64,10 +64,11 @@ class HFEncoder(nn.Module):
                                     reference_compile=False)
         model.eval()
         model.requires_grad_(False)
-        self.classify = family.classify
         self.config = model.config
         self.body = model.model if family.classify else model
-        self.head = model if family.classify else None
+        if family.classify:
+            self.prediction_head = model.head
+            self.classifier = model.classifier
         #: Slots either side a local-attention layer sees.
         self.half_window = self.config.local_attention // 2
 
@@ -94,10 +95,8 @@ class HFEncoder(nn.Module):
     def classify_head(self, dtype: torch.dtype) -> Callable:
         """The cross-encoder's head on a pooled hidden state: ``[N, H]`` ->
         ``[N, labels]`` (prediction head, then classifier)."""
-        head = self.head
-
         def apply(pooled: torch.Tensor) -> torch.Tensor:
-            return head.classifier(head.head(pooled.to(dtype)))
+            return self.classifier(self.prediction_head(pooled.to(dtype)))
 
         return apply
 
