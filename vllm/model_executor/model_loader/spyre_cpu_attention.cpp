@@ -629,67 +629,53 @@ inline __m512bh broadcast_pair(uint32_t pair) {
   return reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
 }
 
-// s[r * ld + c0 + j] = scale * q[r] . kt[:, c0 + j]: q holds D2 pairs of
-// head dimensions per row, kt [D2, ld] the same pairs of each token.
+// out[r * ldo + c0 + j] = scale[r * scale_step] * sum_k a[r * lda + k] .
+// b[k * ldb + c0 + j] for Rows rows, j < Cols * 16, k < K: both products
+// of attention, each lane of a and b a pair of bfloat16.  Scores: a the
+// queries (pairs of head dimensions), b the transposed keys, one scale.
+// Weighted sums: a the probabilities (pairs of tokens), b the values
+// paired token by token, each row scaled by its softmax's 1 / sum.
 template <int Rows, int Cols>
-void score_tile_bf16(const uint32_t* q, int64_t D2, const uint32_t* kt,
-                     int64_t ld, int64_t c0, float scale, float* s) {
+void dot_tile_bf16(const uint32_t* a, int64_t lda, int64_t K,
+                   const uint32_t* b, int64_t ldb, int64_t c0,
+                   const float* scale, int64_t scale_step, float* out,
+                   int64_t ldo) {
   __m512 acc[Rows][Cols];
   for (int r = 0; r < Rows; ++r)
     for (int c = 0; c < Cols; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < D2; ++j) {
-    __m512bh k[Cols];
-    for (int c = 0; c < Cols; ++c) k[c] = pairs(kt + j * ld + c0 + c * kLanes);
-    for (int r = 0; r < Rows; ++r) {
-      const __m512bh x = broadcast_pair(q[r * D2 + j]);
-      for (int c = 0; c < Cols; ++c)
-        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x, k[c]);
-    }
-  }
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int r = 0; r < Rows; ++r)
-    for (int c = 0; c < Cols; ++c)
-      _mm512_storeu_ps(s + r * ld + c0 + c * kLanes,
-                       _mm512_mul_ps(acc[r][c], vscale));
-}
-
-template <int Rows>
-void score_rows_bf16(const uint32_t* q, int64_t D2, const uint32_t* kt,
-                     int64_t ld, float scale, float* s) {
-  int64_t c0 = 0;
-  for (; c0 + 4 * kLanes <= ld; c0 += 4 * kLanes)
-    score_tile_bf16<Rows, 4>(q, D2, kt, ld, c0, scale, s);
-  switch ((ld - c0) / kLanes) {
-    case 3: score_tile_bf16<Rows, 3>(q, D2, kt, ld, c0, scale, s); break;
-    case 2: score_tile_bf16<Rows, 2>(q, D2, kt, ld, c0, scale, s); break;
-    case 1: score_tile_bf16<Rows, 1>(q, D2, kt, ld, c0, scale, s); break;
-    default: break;
-  }
-}
-
-// out[r * Dv + c0 + j] = inv[r] * sum_t p[r][t] * v[t][c0 + j]: p holds
-// rows of n2 pairs of adjacent tokens' probabilities (row stride ldp
-// pairs), v [n2, Dv] the same tokens' values, paired column by column.
-template <int Rows, int Cols>
-void weigh_tile_bf16(const uint32_t* p, int64_t ldp, int64_t n2,
-                     const uint32_t* v, int64_t Dv, int64_t c0,
-                     const float* inv, float* out) {
-  __m512 acc[Rows][Cols];
-  for (int r = 0; r < Rows; ++r)
-    for (int c = 0; c < Cols; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < n2; ++t) {
+  for (int64_t k = 0; k < K; ++k) {
     __m512bh x[Cols];
-    for (int c = 0; c < Cols; ++c) x[c] = pairs(v + t * Dv + c0 + c * kLanes);
+    for (int c = 0; c < Cols; ++c) x[c] = pairs(b + k * ldb + c0 + c * kLanes);
     for (int r = 0; r < Rows; ++r) {
-      const __m512bh w = broadcast_pair(p[r * ldp + t]);
+      const __m512bh w = broadcast_pair(a[r * lda + k]);
       for (int c = 0; c < Cols; ++c)
         acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, x[c]);
     }
   }
   for (int r = 0; r < Rows; ++r)
     for (int c = 0; c < Cols; ++c)
-      _mm512_storeu_ps(out + r * Dv + c0 + c * kLanes,
-                       _mm512_mul_ps(acc[r][c], _mm512_set1_ps(inv[r])));
+      _mm512_storeu_ps(out + r * ldo + c0 + c * kLanes,
+                       _mm512_mul_ps(acc[r][c],
+                                     _mm512_set1_ps(scale[r * scale_step])));
+}
+
+// Scores of Rows query rows (D2 pairs each) against the key panel kt
+// [D2, ld], into s (row stride ld).
+template <int Rows>
+void score_rows_bf16(const uint32_t* q, int64_t D2, const uint32_t* kt,
+                     int64_t ld, float scale, float* s) {
+  int64_t c0 = 0;
+  for (; c0 + 4 * kLanes <= ld; c0 += 4 * kLanes)
+    dot_tile_bf16<Rows, 4>(q, D2, D2, kt, ld, c0, &scale, 0, s, ld);
+  switch ((ld - c0) / kLanes) {
+    case 3: dot_tile_bf16<Rows, 3>(q, D2, D2, kt, ld, c0, &scale, 0, s, ld);
+            break;
+    case 2: dot_tile_bf16<Rows, 2>(q, D2, D2, kt, ld, c0, &scale, 0, s, ld);
+            break;
+    case 1: dot_tile_bf16<Rows, 1>(q, D2, D2, kt, ld, c0, &scale, 0, s, ld);
+            break;
+    default: break;
+  }
 }
 
 // The weighted sums of `rows` rows (at most 16) over the columns that fill
@@ -705,11 +691,11 @@ int64_t weigh_rows_bf16(const uint32_t* p, int64_t ldp, int64_t rows,
     for (; c0 + C * kLanes <= Dv; c0 += C * kLanes) {
       int64_t r = 0;
       for (; r + R <= rows; r += R)
-        weigh_tile_bf16<R, C>(p + r * ldp, ldp, n2, v, Dv, c0, inv + r,
-                              out + r * Dv);
+        dot_tile_bf16<R, C>(p + r * ldp, ldp, n2, v, Dv, c0, inv + r, 1,
+                            out + r * Dv, Dv);
       for (; r < rows; ++r)
-        weigh_tile_bf16<1, C>(p + r * ldp, ldp, n2, v, Dv, c0, inv + r,
-                              out + r * Dv);
+        dot_tile_bf16<1, C>(p + r * ldp, ldp, n2, v, Dv, c0, inv + r, 1,
+                            out + r * Dv, Dv);
     }
   };
   tiles(std::integral_constant<int, 4>{}, std::integral_constant<int, 4>{});
