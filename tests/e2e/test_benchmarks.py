@@ -156,3 +156,25 @@ def test_embeddings_benchmark_small(tmp_path):
     assert row["min_cosine"]["spyre-bfloat16"] >= 0.9999
     lines = proc.stdout.strip().splitlines()
     assert lines[-3].startswith("text tokens") and lines[-1].startswith("32")
+
+
+def test_encoder_attention_benchmark_small(tmp_path):
+    """benchmarks/encoder_attention.py: SDPA and the kernel, both
+    precisions, on one small packing; the float32 kernel agrees, JSON and
+    table."""
+    from conftest import MINILM_DIR
+    out = tmp_path / "encoder-attention.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "encoder_attention.py"),
+         "--model", str(MINILM_DIR), "--cases", "4x20", "--repeats", "1",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row, ) = json.loads(out.read_text())["results"]
+    assert (row["batch"], row["slots"]) == (2, 64)  # three 20-token texts a row
+    assert row["same"] is True
+    assert set(row["seconds"]) == {"SDPA fp32", "SDPA bf16", "kernel fp32",
+                                   "kernel bf16"}
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-3].startswith("texts x tokens")
+    assert lines[-1].startswith("4 x 20")
