@@ -577,33 +577,22 @@ void weigh_rows(const float* p, int64_t ldp, int64_t rows, int64_t n,
                 const T* const* v, int64_t Dv, const float* inv,
                 float* out) {
   int64_t c0 = 0;
-  for (; c0 + 4 * kLanes <= Dv; c0 += 4 * kLanes) {
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4)
-      weigh_tile<4, 4, T>(p + r * ldp, ldp, n, v, c0, inv + r, out + r * Dv,
-                          Dv);
-    for (; r < rows; ++r)
-      weigh_tile<1, 4, T>(p + r * ldp, ldp, n, v, c0, inv + r, out + r * Dv,
-                          Dv);
-  }
-  for (; c0 + 2 * kLanes <= Dv; c0 += 2 * kLanes) {
-    int64_t r = 0;
-    for (; r + 8 <= rows; r += 8)
-      weigh_tile<8, 2, T>(p + r * ldp, ldp, n, v, c0, inv + r, out + r * Dv,
-                          Dv);
-    for (; r < rows; ++r)
-      weigh_tile<1, 2, T>(p + r * ldp, ldp, n, v, c0, inv + r, out + r * Dv,
-                          Dv);
-  }
-  for (; c0 + kLanes <= Dv; c0 += kLanes) {
-    int64_t r = 0;
-    for (; r + 8 <= rows; r += 8)
-      weigh_tile<8, 1, T>(p + r * ldp, ldp, n, v, c0, inv + r, out + r * Dv,
-                          Dv);
-    for (; r < rows; ++r)
-      weigh_tile<1, 1, T>(p + r * ldp, ldp, n, v, c0, inv + r, out + r * Dv,
-                          Dv);
-  }
+  auto tiles = [&](auto rows_per_tile, auto cols) {
+    constexpr int R = decltype(rows_per_tile)::value;
+    constexpr int C = decltype(cols)::value;
+    for (; c0 + C * kLanes <= Dv; c0 += C * kLanes) {
+      int64_t r = 0;
+      for (; r + R <= rows; r += R)
+        weigh_tile<R, C, T>(p + r * ldp, ldp, n, v, c0, inv + r,
+                            out + r * Dv, Dv);
+      for (; r < rows; ++r)
+        weigh_tile<1, C, T>(p + r * ldp, ldp, n, v, c0, inv + r,
+                            out + r * Dv, Dv);
+    }
+  };
+  tiles(std::integral_constant<int, 4>{}, std::integral_constant<int, 4>{});
+  tiles(std::integral_constant<int, 8>{}, std::integral_constant<int, 2>{});
+  tiles(std::integral_constant<int, 8>{}, std::integral_constant<int, 1>{});
   for (int64_t j = c0; j < Dv; ++j)
     for (int64_t r = 0; r < rows; ++r) {
       float sum = 0.f;
