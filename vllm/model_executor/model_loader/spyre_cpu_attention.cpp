@@ -35,6 +35,7 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <array>
 #include <type_traits>
 #if defined(__AVX512BF16__)
@@ -67,6 +68,19 @@ inline vfloat_u load(const bf16* p) {
 }
 
 typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// Tokens ahead whose rows the kernels ask for before they read them: the
+// rows of consecutive tokens are a stride apart (or in other blocks), which
+// the hardware prefetcher follows only a few lines ahead.
+constexpr int64_t kAhead = 8;
+
+// Asks for the cache lines of a row of n elements at p.
+template <typename T>
+inline void prefetch_row(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64)
+    __builtin_prefetch(c + off);
+}
 
 // The sum of the lanes of v, as a tree (the lanes are independent, so the
 // adds need not wait on one another).
@@ -142,15 +156,21 @@ template <int W>
 // time where the head size allows: each token's products stay in lanes,
 // and one transposed sum turns 16 of them into 16 scores.  Every row of a
 // 16-token tile runs before the next tile, so the tile's keys (of every
-// head) are read from memory once.
+// head) are read from memory once.  With fetch_ahead (keys not in the cache
+// yet) the next tile's keys are asked for while a tile computes.
 template <typename T>
 void row_scores(const float* q, int64_t rows, int64_t group, int64_t D,
                 int64_t n, const T* const* keys, int64_t key_stride,
-                float scale, float* scores) {
+                float scale, bool fetch_ahead, float* scores) {
+  // A token's keys of every head this call reads.
+  const int64_t span = (rows - 1) / group * key_stride + D;
   int64_t i = 0;
   if (D % kLanes == 0) {
     vfloat_u acc[kLanes];
     for (; i + kLanes <= n; i += kLanes) {
+      if (fetch_ahead)
+        for (int64_t t = i + kLanes; t < std::min(i + 2 * kLanes, n); ++t)
+          prefetch_row(keys[t], span);
       for (int64_t r = 0; r < rows; ++r) {
         const float* qr = q + r * D;
         const int64_t offset = (r / group) * key_stride;
@@ -173,15 +193,18 @@ void row_scores(const float* q, int64_t rows, int64_t group, int64_t D,
 
 // out[r] = sum_i p[r * n + i] * (values[i] + offset)[0:Dv] for Rows rows:
 // the sums of a tile of columns stay in registers while the tokens stream
-// by, each token's values loaded once for every row.
+// by, each token's values loaded once for every row (and, with
+// fetch_ahead, asked for kAhead tokens before).
 template <int Rows, typename T>
 void weigh_values(const float* p, int64_t n, const T* const* values,
-                  int64_t offset, int64_t Dv, float* out) {
+                  int64_t offset, int64_t Dv, bool fetch_ahead, float* out) {
   constexpr int kTile = 4;
   int64_t c0 = 0;
   for (; c0 + kTile * kLanes <= Dv; c0 += kTile * kLanes) {
     vfloat_u acc[Rows][kTile] = {};
     for (int64_t i = 0; i < n; ++i) {
+      if (fetch_ahead && i + kAhead < n)
+        prefetch_row(values[i + kAhead] + offset + c0, kTile * kLanes);
       const T* v = values[i] + offset + c0;
       vfloat_u x[kTile];
       for (int c = 0; c < kTile; ++c) x[c] = load(v + c * kLanes);
@@ -252,14 +275,16 @@ inline float exp_shifted(float* s, int64_t n) {
 // tokens: token i's keys of head h are at keys[i] + h * key_stride, its
 // values at values[i] + h * value_stride.  q: heads * group rows of D
 // floats; out: as many rows of Dv floats; scores: scratch of at least
-// heads * group * n floats.  With n == 0 the rows get zeros.
+// heads * group * n floats.  With n == 0 the rows get zeros.  ahead: the
+// tokens are not in the cache yet (the first position of a sequence), so
+// they are asked for before they are read.
 template <typename T>
 void attend(const float* q, int64_t heads, int64_t group, int64_t D,
             int64_t Dv, int64_t n, const T* const* keys, int64_t key_stride,
             const T* const* values, int64_t value_stride, float scale,
-            float* scores, float* out) {
+            bool ahead, float* scores, float* out) {
   const int64_t rows = heads * group;
-  row_scores<T>(q, rows, group, D, n, keys, key_stride, scale, scores);
+  row_scores<T>(q, rows, group, D, n, keys, key_stride, scale, ahead, scores);
   for (int64_t r = 0; r < rows && n > 0; ++r) {
     float* s = scores + r * n;
     const float inverse = 1.f / exp_shifted(s, n);
@@ -272,10 +297,10 @@ void attend(const float* q, int64_t heads, int64_t group, int64_t D,
       const int64_t offset = h * value_stride;
       float* o = out + r * Dv;
       switch (std::min<int64_t>(group - g, 4)) {
-        case 1: weigh_values<1>(p, n, values, offset, Dv, o); break;
-        case 2: weigh_values<2>(p, n, values, offset, Dv, o); break;
-        case 3: weigh_values<3>(p, n, values, offset, Dv, o); break;
-        default: weigh_values<4>(p, n, values, offset, Dv, o); break;
+        case 1: weigh_values<1>(p, n, values, offset, Dv, ahead, o); break;
+        case 2: weigh_values<2>(p, n, values, offset, Dv, ahead, o); break;
+        case 3: weigh_values<3>(p, n, values, offset, Dv, ahead, o); break;
+        default: weigh_values<4>(p, n, values, offset, Dv, ahead, o); break;
       }
     }
 }
@@ -386,7 +411,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys,
         const int64_t r0 = bh * R + pos * group;
         rows.read(0, qp + r0 * D);
         attend<cache_t>(rows.q.data(), 1, group, D, Dv, n, keys.data(), 0,
-                        values.data(), 0, fscale, scores.data(),
+                        values.data(), 0, fscale, pos == 0, scores.data(),
                         rows.out.data());
         rows.write(0, op + r0 * Dv);
       }
@@ -491,9 +516,10 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool,
       }
       for (int64_t h = 0; h < KVH; ++h)
         rows.read(h, qp + ((b * KVH + h) * R + pos * group) * D);
+      // A sequence's later positions find its tokens in the cache.
       attend<cache_t>(rows.q.data(), KVH, group, D, Dv, n, keys.data(), D,
-                      values.data(), Dv, fscale, scores.data(),
-                      rows.out.data());
+                      values.data(), Dv, fscale, item == begin || pos == 0,
+                      scores.data(), rows.out.data());
       for (int64_t h = 0; h < KVH; ++h)
         rows.write(h, op + ((b * KVH + h) * R + pos * group) * Dv);
     }
@@ -703,17 +729,6 @@ inline void round_to_bf16(const float* src, int64_t n, uint16_t* dst) {
 #else
 constexpr bool kBf16Dot = false;
 #endif
-
-// Tokens ahead that encoder_attention fetches rows for.
-constexpr int64_t kAhead = 8;
-
-// Asks for the cache lines of a row of n elements at p.
-template <typename T>
-inline void prefetch_row(const T* p, int64_t n) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64)
-    __builtin_prefetch(c + off);
-}
 
 // The texts of a packed batch: runs of slots sharing a text_starts value,
 // which must be the run's first slot.  Returns (row, first slot, length).
