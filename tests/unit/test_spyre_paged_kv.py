@@ -279,6 +279,32 @@ def test_kernel_decode_matches_torch_ops(H, kvh, D):
 
 
 @needs_kernel
+def test_kernel_shares_uneven_sequences_among_threads():
+    """The work is split by cost, so a thread may get part of one
+    sequence's heads and another its rest: every thread count gives the
+    same output, equal to the torch ops'."""
+    H, kvh, D = 6, 3, 16
+    pool, _, _, step, q, new_k, new_v = _decode_case(
+        H, kvh, D, D, seed=3, lens=[1, 190, 2, 64])
+    _store(pool, new_k, new_v, step)
+    nan_k, nan_v = _poison_unread(pool.keys, pool.values, step)
+    ref = _attend(spyre_paged_kv.compute, q, pool.keys, pool.values, H, kvh,
+                  step)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3, 5, 13):
+            torch.set_num_threads(n)
+            outs.append(_attend(spyre_paged_kv.compute_kernel, q, nan_k,
+                                nan_v, H, kvh, step))
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(outs[0], ref, atol=1e-5, rtol=1e-5)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+@needs_kernel
 @pytest.mark.parametrize("H, kvh, D", HEADS)
 def test_kernel_prefill_matches_torch_ops(H, kvh, D):
     pool, _, _, _, chunks, q, keys, values = _prefill_case(100, H, kvh, D, D,

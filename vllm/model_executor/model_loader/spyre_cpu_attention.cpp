@@ -11,8 +11,9 @@
 // query heads that share the key/value head computed together so the
 // cache is read once.  Masked slots are skipped: their probability is
 // exactly zero in the softmax.  Both ops share `attend`; they differ only
-// in where the tokens are (the paged op runs every key/value head of a
-// position in one pass, since a token's heads are adjacent in the pool).
+// in where the tokens are, and in how the work is shared out: the paged
+// op, whose sequences differ in length, gives each thread a share of
+// about equal cost.
 // A continuous-batching prefill chunk is the paged op with 64 positions.
 //
 // What makes it fast on a vector unit: scores are computed 16 tokens at a
@@ -305,6 +306,35 @@ void attend(const float* q, int64_t heads, int64_t group, int64_t D,
     }
 }
 
+// What a work item costs beyond its tokens, in tokens (reading its query,
+// the softmax's passes, writing its output).
+constexpr int64_t kItemCost = 16;
+
+// Runs f(begin, end) over items [0, costs.size()) split into one
+// contiguous range per thread, of about equal total cost: item i goes to
+// the thread whose share of the running total holds the item's middle.
+template <typename F>
+void parallel_by_cost(const std::vector<int64_t>& costs, F&& f) {
+  const int64_t items = static_cast<int64_t>(costs.size());
+  const int64_t threads =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  int64_t total = 0;
+  for (int64_t c : costs) total += c;
+  std::vector<int64_t> first(threads + 1, items);
+  first[0] = 0;
+  int64_t before = 0, thread = 0;
+  for (int64_t i = 0; i < items && total > 0; ++i) {
+    const int64_t owner = std::min<int64_t>(
+        threads - 1, (2 * before + costs[i]) * threads / (2 * total));
+    while (thread < owner) first[++thread] = i;
+    before += costs[i];
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      if (first[t] < first[t + 1]) f(first[t], first[t + 1]);
+  });
+}
+
 void check_dtypes(const at::Tensor& query, const at::Tensor& keys,
                   const at::Tensor& values, const char* op) {
   auto supported = [](at::ScalarType t) {
@@ -491,37 +521,39 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool,
   const cache_t* kbase = kp.data_ptr<cache_t>();
   const cache_t* vbase = vp.data_ptr<cache_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
-  // One work item per (sequence, query position), all key/value heads
-  // together: a token's keys (and values) of every head are adjacent in
-  // the pool, so a pass over the tokens reads them in one stream.
-  at::parallel_for(0, B * L, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(KVH * group * MB * block_size);
-    // Where each token of the current sequence is (its first head's keys
-    // and values), filled as far as a query position needs: the positions
-    // of one sequence share them.
+  // One work item per (sequence, key/value head, query position), shared
+  // out by their cost (the tokens each reads): under continuous batching
+  // the sequences of a step hold anything from a few tokens to thousands.
+  std::vector<int64_t> costs(B * KVH * L);
+  for (int64_t item = 0; item < B * KVH * L; ++item)
+    costs[item] = clp[item / (KVH * L) * L + item % L] + kItemCost;
+  parallel_by_cost(costs, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * MB * block_size);
+    // Where each token of the current (sequence, head) is, filled as far
+    // as a query position needs: the positions of one sequence share them.
     std::vector<const cache_t*> keys(MB * block_size),
         values(MB * block_size);
-    int64_t located_b = -1, located = 0;
-    Rows rows(KVH, group, D, Dv);
+    int64_t located_bh = -1, located = 0;
+    Rows rows(1, group, D, Dv);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t pos = item % L, b = item / L;
+      const int64_t pos = item % L, bh = item / L;
+      const int64_t b = bh / KVH, h = bh % KVH;
       const int64_t* table = btp + b * MB;
       const int64_t n = clp[b * L + pos];
-      if (b != located_b) located_b = b, located = 0;
+      if (bh != located_bh) located_bh = bh, located = 0;
       for (; located < n; ++located) {
         const int64_t slot = table[located / block_size] * block_size +
                              located % block_size;
-        keys[located] = kbase + slot * KVH * D;
-        values[located] = vbase + slot * KVH * Dv;
+        keys[located] = kbase + (slot * KVH + h) * D;
+        values[located] = vbase + (slot * KVH + h) * Dv;
       }
-      for (int64_t h = 0; h < KVH; ++h)
-        rows.read(h, qp + ((b * KVH + h) * R + pos * group) * D);
+      const int64_t r0 = bh * R + pos * group;
+      rows.read(0, qp + r0 * D);
       // A sequence's later positions find its tokens in the cache.
-      attend<cache_t>(rows.q.data(), KVH, group, D, Dv, n, keys.data(), D,
-                      values.data(), Dv, fscale, item == begin || pos == 0,
+      attend<cache_t>(rows.q.data(), 1, group, D, Dv, n, keys.data(), 0,
+                      values.data(), 0, fscale, item == begin || pos == 0,
                       scores.data(), rows.out.data());
-      for (int64_t h = 0; h < KVH; ++h)
-        rows.write(h, op + ((b * KVH + h) * R + pos * group) * Dv);
+      rows.write(0, op + r0 * Dv);
     }
   });
   });
