@@ -38,7 +38,8 @@ constexpr int64_t kLanes = 16;              // floats per vector
 constexpr int64_t kVecs = 2;                // vectors per column block
 constexpr int64_t kBlock = kLanes * kVecs;  // columns per block
 constexpr int64_t kMaxRows = 12;            // rows per register tile
-constexpr int64_t kPrefetch = 32;           // rows of a block read ahead
+constexpr int64_t kPrefetch = 16;           // rows of a block read ahead
+constexpr int64_t kPrefetchL2 = 96;  // ... and fetched into L2 (see fetch)
 
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
 // The same vector, loadable from any float address.
@@ -49,6 +50,20 @@ typedef uint32_t vpair_u
 typedef uint32_t vpair
     __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
+// Asks for the block row kPrefetch rows on (into the first-level cache)
+// and the one kPrefetchL2 rows on (into L2).  The far request is what keeps
+// enough reads in flight when a tile has many rows: each row of the block
+// then takes longer to compute, and with the near request alone a 10-row
+// tile read the weights at 21 GB/s where a 2-row one read them at 26; with
+// both, 26 and 28 (Intel Xeon, 2 cores).
+template <typename T>
+inline void fetch(const T* row) {
+  __builtin_prefetch(row + kPrefetch * kBlock);
+  __builtin_prefetch(row + kPrefetch * kBlock + kLanes);
+  __builtin_prefetch(row + kPrefetchL2 * kBlock, 0, 2);
+  __builtin_prefetch(row + kPrefetchL2 * kBlock + kLanes, 0, 2);
+}
+
 // y[r, 0:cols] = x[r, :] . block (+ bias), for the R rows of x.
 template <int R>
 void tile(const float* x, int64_t ldx, const float* block, int64_t K,
@@ -58,8 +73,7 @@ void tile(const float* x, int64_t ldx, const float* block, int64_t K,
     for (int v = 0; v < kVecs; ++v) acc[r][v] = vfloat{};
   for (int64_t k = 0; k < K; ++k) {
     const float* row = block + k * kBlock;
-    __builtin_prefetch(row + kPrefetch * kBlock);
-    __builtin_prefetch(row + kPrefetch * kBlock + kLanes);
+    fetch(row);
     vfloat w[kVecs];
     for (int v = 0; v < kVecs; ++v)
       w[v] = *reinterpret_cast<const vfloat_u*>(row + v * kLanes);
@@ -125,8 +139,7 @@ void tile_bf16(const uint32_t* x, int64_t ldx, const uint32_t* block,
     for (int v = 0; v < kVecs; ++v) acc[r][v] = vfloat{};
   for (int64_t k = 0; k < K2; ++k) {
     const uint32_t* row = block + k * kBlock;
-    __builtin_prefetch(row + kPrefetch * kBlock);
-    __builtin_prefetch(row + kPrefetch * kBlock + kLanes);
+    fetch(row);
     vpair w[kVecs];
     for (int v = 0; v < kVecs; ++v)
       w[v] = *reinterpret_cast<const vpair_u*>(row + v * kLanes);
