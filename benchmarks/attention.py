@@ -8,6 +8,9 @@ random values, float32) and times one pass of attention over every layer:
   ``ctx`` tokens each, one query position each, over a block pool whose
   blocks are handed out in shuffled order (as vLLM's block manager leaves
   them after a while);
+* ``paged mixed``: the same with the B lengths drawn from 16 to
+  ``2 * ctx - 16`` (``ctx`` on average; fixed seed), as a serving step
+  holds them;
 * ``paged prefill``: one 64-position prefill chunk ending at token ``ctx``
   (B = 1);
 * ``static decode``: static batching's decode step over a cache of ``ctx``
@@ -64,13 +67,15 @@ class Geometry:
         return 2 * tokens * self.kv_heads * self.head_dim * 4 * self.layers
 
 
-def paged_case(geo: Geometry, batch: int, ctx: int, positions: int, gen):
-    """Per layer (query, pools, block table, ctx_lens); the kernel and the
-    torch-ops calls of one layer."""
+def paged_case(geo: Geometry, lens: list[int], positions: int, gen):
+    """Per layer (query, pools, block table, ctx_lens) for sequences of
+    ``lens`` tokens, the last ``positions`` of each being queried; the
+    kernel and the torch-ops calls of one layer."""
     import torch
 
     from vllm.model_executor.model_loader import spyre_paged_kv
-    width = -(-ctx // BLOCK)
+    batch = len(lens)
+    width = -(-max(lens) // BLOCK)
     blocks = batch * width + 1
     layers = []
     for _ in range(geo.layers):
@@ -81,8 +86,8 @@ def paged_case(geo: Geometry, batch: int, ctx: int, positions: int, gen):
         layers.append((q, *pools))
     table_ = torch.randperm(blocks - 1, generator=gen)[:batch * width]
     kw = dict(block_table=table_.view(batch, width),
-              ctx_lens=torch.arange(ctx - positions + 1, ctx + 1).repeat(
-                  batch, 1))
+              ctx_lens=torch.stack([torch.arange(n - positions + 1, n + 1)
+                                    for n in lens]))
     scale = geo.head_dim**-0.5
 
     def kernel(layer):
@@ -151,10 +156,15 @@ def main() -> int:
     for ctx in args.contexts:
         for b in args.batch_sizes:
             cases.append(("paged decode", b, ctx,
-                          paged_case(geo, b, ctx, 1, gen), geo.kv_bytes(
+                          paged_case(geo, [ctx] * b, 1, gen), geo.kv_bytes(
                               b * ctx)))
+        for b in args.batch_sizes:
+            lens = torch.randint(16, max(2 * ctx - 15, 17), (b,),
+                                 generator=gen).tolist()
+            cases.append(("paged mixed", b, ctx, paged_case(geo, lens, 1, gen),
+                          geo.kv_bytes(sum(lens))))
         cases.append(("paged prefill", 1, ctx,
-                      paged_case(geo, 1, ctx, min(CHUNK, ctx), gen), None))
+                      paged_case(geo, [ctx], min(CHUNK, ctx), gen), None))
         b = max(args.batch_sizes)
         cases.append(("static decode", b, ctx, static_case(geo, b, ctx, gen),
                       geo.kv_bytes(b * ctx)))

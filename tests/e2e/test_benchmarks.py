@@ -99,14 +99,17 @@ def test_attention_benchmark_small(smollm2, tmp_path):
     assert result["geometry"] == dict(layers=30, heads=9, kv_heads=3,
                                       head_dim=64)
     cases = [(r["case"], r["batch"], r["ctx"]) for r in result["results"]]
-    assert cases == [("paged decode", 2, 70), ("paged prefill", 1, 70),
-                     ("static decode", 2, 70)]
+    assert cases == [("paged decode", 2, 70), ("paged mixed", 2, 70),
+                     ("paged prefill", 1, 70), ("static decode", 2, 70)]
     assert all(r["same"] and r["kernel_s"] > 0 and r["torch_ops_s"] > 0
                for r in result["results"])
+    # The mixed lengths' bytes: 16 to 124 tokens each.
+    mixed = result["results"][1]["kv_bytes"] // (2 * 3 * 64 * 4 * 30)
+    assert 2 * 16 <= mixed <= 2 * 124
     lines = proc.stdout.strip().splitlines()
     header = next(i for i, line in enumerate(lines)
                   if line.startswith("case "))
-    assert len(lines) - header == 2 + 3
+    assert len(lines) - header == 2 + 4
 
 
 def test_first_batch_benchmark_small(smollm2, tmp_path):
