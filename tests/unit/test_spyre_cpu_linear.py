@@ -105,6 +105,49 @@ def test_bf16_packed_linear_halves_the_bytes():
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("onednn", [False, True])
+def test_bf16_prompts_on_onednn(onednn):
+    """With ``prompts_on_onednn`` a bfloat16 layer multiplies inputs of
+    several positions per row (prefills) with oneDNN on an unpacked copy,
+    its output rounded to bfloat16, and inputs of one position per row on
+    the kernel; a weight update reaches both copies."""
+    linear = nn.Linear(64, 96)
+    layer = spyre_cpu_linear.PackedLinear(linear, dtype=torch.bfloat16,
+                                          prompts_on_onednn=onednn)
+    assert (layer.unpacked is not None) == onednn
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randn(2, 7, 64, generator=gen)
+    step = torch.randn(3, 1, 64, generator=gen)
+
+    def onednn_product(x, w):
+        return F.linear(x.bfloat16(), w.bfloat16()).float() + linear.bias
+
+    def kernel_product(x, w):
+        return F.linear(_bf16(x), _bf16(w), linear.bias)
+
+    for weight in (linear.weight.detach(), torch.randn(96, 64,
+                                                       generator=gen)):
+        layer.repack(weight)
+        if onednn:
+            assert torch.equal(layer(prompt), onednn_product(prompt, weight))
+        else:
+            torch.testing.assert_close(layer(prompt),
+                                       kernel_product(prompt, weight),
+                                       rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(layer(step), kernel_product(step, weight),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_prompts_on_onednn_only_for_untied_bf16_on_amx():
+    linear = nn.Linear(64, 96)
+    amx = spyre_cpu_linear.has_amx_bf16()
+    assert (spyre_cpu_linear.PackedLinear(linear, dtype=torch.bfloat16)
+            .unpacked is not None) == amx
+    assert spyre_cpu_linear.PackedLinear(linear).unpacked is None
+    assert spyre_cpu_linear.PackedLinear(
+        linear, tied_to="emb.weight", dtype=torch.bfloat16).unpacked is None
+
+
 def test_bf16_packs_only_even_input_widths():
     model = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(3, 4))
     assert spyre_cpu_linear.pack_linears(model, torch.bfloat16) == 2
