@@ -169,7 +169,8 @@ template <int W>
 // and one transposed sum turns 16 of them into 16 scores.  Every row of a
 // 16-token tile runs before the next tile, so the tile's keys (of every
 // head) are read from memory once.  With fetch_ahead (keys not in the cache
-// yet) the next tile's keys are asked for while a tile computes.
+// yet) the next tile's keys, and those 2 * kFarAhead tokens on, are asked
+// for while a tile computes.
 template <typename T>
 void row_scores(const float* q, int64_t rows, int64_t group, int64_t D,
                 int64_t n, const T* const* keys, int64_t key_stride,
@@ -180,13 +181,13 @@ void row_scores(const float* q, int64_t rows, int64_t group, int64_t D,
   if (D % kLanes == 0) {
     vfloat_u acc[kLanes];
     for (; i + kLanes <= n; i += kLanes) {
-      if (fetch_ahead)
+      if (fetch_ahead) {
         for (int64_t t = i + kLanes; t < std::min(i + 2 * kLanes, n); ++t)
           prefetch_row(keys[t], span);
-      if (fetch_ahead)
         for (int64_t t = i + 2 * kFarAhead;
              t < std::min(i + 2 * kFarAhead + kLanes, n); ++t)
           prefetch_row_l2(keys[t], span);
+      }
       for (int64_t r = 0; r < rows; ++r) {
         const float* qr = q + r * D;
         const int64_t offset = (r / group) * key_stride;
@@ -210,7 +211,7 @@ void row_scores(const float* q, int64_t rows, int64_t group, int64_t D,
 // out[r] = sum_i p[r * n + i] * (values[i] + offset)[0:Dv] for Rows rows:
 // the sums of a tile of columns stay in registers while the tokens stream
 // by, each token's values loaded once for every row (and, with
-// fetch_ahead, asked for kAhead tokens before).
+// fetch_ahead, asked for kAhead and kFarAhead tokens before).
 template <int Rows, typename T>
 void weigh_values(const float* p, int64_t n, const T* const* values,
                   int64_t offset, int64_t Dv, bool fetch_ahead, float* out) {
