@@ -79,19 +79,13 @@ typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
 constexpr int64_t kAhead = 8;
 constexpr int64_t kFarAhead = 64;
 
-// Asks for the cache lines of a row of n elements at p.
-template <typename T>
+// Asks for the cache lines of a row of n elements at p: into L1 by
+// default, into L2 only with Locality 2 (__builtin_prefetch's hint).
+template <int Locality = 3, typename T>
 inline void prefetch_row(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64)
-    __builtin_prefetch(c + off);
-}
-// The same into L2 only.
-template <typename T>
-inline void prefetch_row_l2(const T* p, int64_t n) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64)
-    __builtin_prefetch(c + off, 0, 2);
+    __builtin_prefetch(c + off, 0, Locality);
 }
 
 // The sum of the lanes of v, as a tree (the lanes are independent, so the
@@ -186,7 +180,7 @@ void row_scores(const float* q, int64_t rows, int64_t group, int64_t D,
           prefetch_row(keys[t], span);
         for (int64_t t = i + 2 * kFarAhead;
              t < std::min(i + 2 * kFarAhead + kLanes, n); ++t)
-          prefetch_row_l2(keys[t], span);
+          prefetch_row<2>(keys[t], span);
       }
       for (int64_t r = 0; r < rows; ++r) {
         const float* qr = q + r * D;
@@ -223,7 +217,7 @@ void weigh_values(const float* p, int64_t n, const T* const* values,
       if (fetch_ahead && i + kAhead < n)
         prefetch_row(values[i + kAhead] + offset + c0, kTile * kLanes);
       if (fetch_ahead && i + kFarAhead < n)
-        prefetch_row_l2(values[i + kFarAhead] + offset + c0, kTile * kLanes);
+        prefetch_row<2>(values[i + kFarAhead] + offset + c0, kTile * kLanes);
       const T* v = values[i] + offset + c0;
       vfloat_u x[kTile];
       for (int c = 0; c < kTile; ++c) x[c] = load(v + c * kLanes);

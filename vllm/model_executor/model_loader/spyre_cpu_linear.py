@@ -131,6 +131,15 @@ def has_amx_bf16() -> bool:
     return _amx
 
 
+def onednn_bf16_linear(x: torch.Tensor, weight: torch.Tensor,
+                       bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x times a bfloat16 ``weight`` on oneDNN (AMX or ``avx512_bf16``
+    where the CPU has them): x rounded to bfloat16, the product rounded to
+    bfloat16 and returned in x's dtype, the bias added after."""
+    y = torch.nn.functional.linear(x.to(torch.bfloat16), weight).to(x.dtype)
+    return y if bias is None else y + bias
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """float32 [N, K] -> [ceil(N / BLOCK), K, BLOCK], zero-padded: block b
     holds output columns b * BLOCK ... b * BLOCK + BLOCK - 1, one row per
@@ -193,9 +202,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.unpacked is not None and x.dim() == 3 and x.shape[1] > 1:
-            y = torch.nn.functional.linear(x.to(torch.bfloat16),
-                                           self.unpacked).to(x.dtype)
-            return y if self.bias is None else y + self.bias
+            return onednn_bf16_linear(x, self.unpacked, self.bias)
         return torch.ops.spyre_cpu.packed_linear(x, self.packed,
                                                  self.out_features, self.bias)
 
@@ -273,9 +280,7 @@ class Bf16Linear(nn.Module):
             linear.bias.detach().float(), requires_grad=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.nn.functional.linear(x.to(torch.bfloat16),
-                                       self.weight).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        return onednn_bf16_linear(x, self.weight, self.bias)
 
 
 def bf16_linears(model: nn.Module) -> int:
