@@ -107,7 +107,7 @@ def test_eager_backend_warm_start(tmp_path, tiny_llama, hf_ids):
 def test_continuous_batching_warm_start(tmp_path, tiny_llama, hf_ids):
     env = {"VLLM_SPYRE_DYNAMO_BACKEND": "inductor", "VLLM_SPYRE_USE_CB": "1"}
     cold = start(tiny_llama, tmp_path, env, CB_ARGS)
-    assert cold["graphs"] == [{"compiled": 2}]  # prefill chunk, decode
+    assert cold["graphs"] == [{"compiled": 2}]  # prefill, decode
     warm = start(tiny_llama, tmp_path, env, CB_ARGS, strict=True)
     assert_warm(warm, 2)
     assert cold["ids"] == warm["ids"] == hf_ids

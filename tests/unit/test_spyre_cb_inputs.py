@@ -5,11 +5,11 @@ size 64 (the card's) checks the lengths around a block boundary."""
 import pytest
 import torch
 
-from vllm.worker.spyre_cb_inputs import (MIN_DECODE_BATCH, PagedInputs,
-                                         blocks_needed, decode_batch,
-                                         prefill_chunks,
+from vllm.worker.spyre_cb_inputs import (MIN_DECODE_BATCH, MIN_PREFILL_LEN,
+                                         PagedInputs, blocks_needed,
+                                         decode_batch, prefill_chunks,
                                          parallel_samples_reason,
-                                         rejection_reason)
+                                         rejection_reason, whole_prefill_len)
 
 PAD_ID = 0
 
@@ -145,6 +145,55 @@ def test_prefill_65_tokens_explicit_values():
     assert got.position_ids[1].tolist() == list(range(1, 65))
     assert got.cache_slots[1].tolist() == list(range(129, 192)) + [448]
     assert got.ctx_lens[1].tolist() == list(range(2, 66))
+
+
+def test_prefill_whole_sequence_small_blocks():
+    # 6 tokens in blocks of 4, in one row: no padding, slots across blocks.
+    tokens = [11, 12, 13, 14, 15, 16]
+    got = prefill_chunks(tokens, [7, 2], block_size=4, max_blocks=4,
+                         pad_id=PAD_ID, pad_block=9,
+                         chunk_len=whole_prefill_len(6))
+    assert_int64(got)
+    assert rows(got.input_ids) == [tokens]
+    assert rows(got.position_ids) == [[0, 1, 2, 3, 4, 5]]
+    assert rows(got.cache_slots) == [[28, 29, 30, 31, 8, 9]]
+    assert rows(got.ctx_lens) == [[1, 2, 3, 4, 5, 6]]
+    assert rows(got.block_table) == [[7, 2, 9, 9]]
+
+
+def test_prefill_whole_one_token_is_padded_to_the_shortest_pass():
+    assert MIN_PREFILL_LEN == 2
+    assert [whole_prefill_len(n) for n in (1, 2, 3, 640)] == [2, 2, 3, 640]
+    got = prefill_chunks([42], [1], block_size=4, max_blocks=2, pad_id=7,
+                         pad_block=3, chunk_len=whole_prefill_len(1))
+    assert rows(got.input_ids) == [[7, 42]]
+    assert rows(got.position_ids) == [[0, 0]]
+    assert rows(got.cache_slots) == [[12, 4]]
+    assert rows(got.ctx_lens) == [[1, 1]]
+    assert rows(got.block_table) == [[1, 3]]
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 130])
+def test_prefill_whole_equals_the_chunks_joined(n):
+    """One row of the whole sequence holds exactly the real positions of
+    the 64-token chunks, in order, with the same slots and lengths."""
+    block_ids = [5, 0, 3][:blocks_needed(n, 64)]
+    tokens = [1000 + i for i in range(n)]
+    whole = prefill_chunks(tokens, block_ids, 64, 4, PAD_ID, 6,
+                           chunk_len=whole_prefill_len(n))
+    chunks = prefill_chunks(tokens, block_ids, 64, 4, PAD_ID, 6)
+    assert whole.input_ids.shape == (1, max(n, MIN_PREFILL_LEN))
+    real = chunks.input_ids.flatten() != PAD_ID
+    tail = slice(whole.input_ids.shape[1] - n, None)
+    for name in ("input_ids", "position_ids", "cache_slots", "ctx_lens"):
+        assert (getattr(whole, name)[0, tail].tolist() ==
+                getattr(chunks, name).flatten()[real].tolist()), name
+    assert rows(whole.block_table) == rows(chunks.block_table[:1])
+
+
+def test_prefill_chunk_len_must_be_positive():
+    with pytest.raises(ValueError, match="chunk_len must be positive, got 0"):
+        prefill_chunks([1, 2], [0], 4, 2, PAD_ID, 3, chunk_len=0)
 
 
 def test_prefill_errors():

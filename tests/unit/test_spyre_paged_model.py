@@ -1,7 +1,8 @@
 """A tiny FMS LLaMA over the paged key/value pool of continuous batching:
-prefilled chunk by chunk and decoding sequences of different lengths in one
-batch (one joining mid-way), it gives the logits and greedy tokens of FMS's
-own forward over the whole sequence, with both attention ops."""
+prefilled chunk by chunk (the card's way) or in one pass, and decoding
+sequences of different lengths in one batch (one joining mid-way), it gives
+the logits and greedy tokens of FMS's own forward over the whole sequence,
+with both attention ops."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,8 @@ from vllm.model_executor.model_loader import spyre_cpu_linear, spyre_paged_kv
 from vllm.model_executor.model_loader.spyre_kv_cache import CacheLayout
 from vllm.platforms.spyre_config import CB_BLOCK_SIZE
 from vllm.worker.spyre_cb_inputs import (PagedInputs, blocks_needed,
-                                         decode_batch, prefill_chunks)
+                                         decode_batch, prefill_chunks,
+                                         whole_prefill_len)
 
 from conftest import build_tiny_fms
 
@@ -29,8 +31,11 @@ def tiny_fms():
 class PagedRun:
     """Sequences sharing one pool, driven as the CB runner drives them."""
 
-    def __init__(self, model, attn_name, blocks=9, max_blocks=4, seed=0):
+    def __init__(self, model, attn_name, blocks=9, max_blocks=4, seed=0,
+                 whole=False):
         self.model, self.attn_name = model, attn_name
+        #: Prefill in one pass (the CPU's way) instead of 64-token chunks.
+        self.whole = whole
         layout = spyre_paged_kv.PoolLayout(CacheLayout.of(model))
         self.pool = layout.allocate(blocks, torch.float32)
         gen = torch.Generator().manual_seed(seed)
@@ -64,8 +69,9 @@ class PagedRun:
         self.tokens[name] = list(prompt)
         self.tables[name] = []
         self._grow(name)
-        chunks = prefill_chunks(prompt, self.tables[name], BS,
-                                self.max_blocks, 0, self.pad_block)
+        chunks = prefill_chunks(
+            prompt, self.tables[name], BS, self.max_blocks, 0, self.pad_block,
+            whole_prefill_len(len(prompt)) if self.whole else BS)
         for c in range(chunks.input_ids.shape[0]):
             logits = self._forward(chunks.row(c))
         self.logits[name] = [logits[0]]
@@ -92,15 +98,17 @@ def _attn_names():
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("whole", [False, True], ids=["chunks", "whole"])
 @pytest.mark.parametrize("attn_name", _attn_names())
-def test_tiny_fms_paged_matches_fms_forward(tiny_fms, attn_name):
+def test_tiny_fms_paged_matches_fms_forward(tiny_fms, attn_name, whole):
     gen = torch.Generator().manual_seed(1)
     prompts = {
         "a": torch.randint(1, 96, (62, ), generator=gen).tolist(),
         "b": torch.randint(1, 96, (130, ), generator=gen).tolist(),
         "c": torch.randint(1, 96, (5, ), generator=gen).tolist(),
+        "d": torch.randint(1, 96, (1, ), generator=gen).tolist(),
     }
-    run = PagedRun(tiny_fms, attn_name)
+    run = PagedRun(tiny_fms, attn_name, blocks=10, whole=whole)
     run.prefill("a", prompts["a"])
     run.prefill("b", prompts["b"])
     for _ in range(4):  # a crosses from 1 block into 2 (64 -> 65 tokens)
@@ -109,6 +117,9 @@ def test_tiny_fms_paged_matches_fms_forward(tiny_fms, attn_name):
     run.prefill("c", prompts["c"])  # joins the running batch
     for _ in range(2):
         run.decode(["c", "b", "a"])
+    run.prefill("d", prompts["d"])  # one token: padded in either way
+    for _ in range(2):  # FMS disagrees with itself on 2-token inputs
+        run.decode(["d", "c"])
     assert len(run.tables["a"]) == 2 and len(run.tables["b"]) == 3
 
     for name, prompt in prompts.items():

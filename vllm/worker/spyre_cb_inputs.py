@@ -4,10 +4,12 @@ Under continuous batching (``VLLM_SPYRE_USE_CB=1``) a step is either the
 prefill of one sequence or a decode step of every running sequence; vLLM's
 block manager has given each sequence its blocks of ``block_size`` tokens.
 
-* A prefill runs in chunks of exactly ``block_size`` positions, so one
-  compiled graph serves every prompt length.  The chunks are aligned to the
-  end of the sequence: the last chunk ends on its last token (whose logits
-  are sampled) and the first chunk is left-padded.
+* A prefill runs in one pass over the whole sequence, its length dynamic
+  (at least ``MIN_PREFILL_LEN``), or, for the card, in chunks of exactly
+  ``block_size`` positions, so one compiled graph serves every prompt
+  length either way.  The chunks are aligned to the end of the sequence:
+  the last chunk ends on its last token (whose logits are sampled) and the
+  first chunk is left-padded.
 * A decode step has one position per running sequence; its batch dimension
   is dynamic, and padded to at least ``MIN_DECODE_BATCH`` rows (dynamo
   specialises a size of 1).
@@ -28,6 +30,9 @@ import torch
 
 #: Smallest decode batch: rows beyond the running sequences are padding.
 MIN_DECODE_BATCH = 2
+#: Fewest positions of a prefill run in one pass (dynamo specialises a
+#: length of 1 as it does a batch of 1): a one-token prompt is left-padded.
+MIN_PREFILL_LEN = 2
 
 
 @dataclass(frozen=True)
@@ -103,34 +108,48 @@ def _table_row(block_ids: Sequence[int], max_blocks: int,
 
 def prefill_chunks(token_ids: Sequence[int], block_ids: Sequence[int],
                    block_size: int, max_blocks: int, pad_id: int,
-                   pad_block: int) -> PagedInputs:
-    """The prefill of one sequence as ``[chunks, block_size]`` rows, chunk
-    ``c`` of ``ceil(n / block_size)`` holding positions ``c * block_size -
-    pad`` onwards, ``pad`` being the left padding of the first chunk."""
+                   pad_block: int,
+                   chunk_len: Optional[int] = None) -> PagedInputs:
+    """The prefill of one sequence as ``[chunks, chunk_len]`` rows (by
+    default ``chunk_len = block_size``, the card's chunks), chunk ``c`` of
+    ``ceil(n / chunk_len)`` holding positions ``c * chunk_len - pad``
+    onwards, ``pad`` being the left padding of the first chunk.  A
+    ``chunk_len`` of ``whole_prefill_len(n)`` gives one chunk of the whole
+    sequence."""
     n = len(token_ids)
     if n == 0:
         raise ValueError("a prefill needs at least one token")
-    chunks = blocks_needed(n, block_size)
-    if len(block_ids) < chunks:
-        raise ValueError(f"a prefill of {n} tokens needs {chunks} blocks, "
+    chunk_len = block_size if chunk_len is None else chunk_len
+    if chunk_len < 1:
+        raise ValueError(f"chunk_len must be positive, got {chunk_len}")
+    need = blocks_needed(n, block_size)
+    if len(block_ids) < need:
+        raise ValueError(f"a prefill of {n} tokens needs {need} blocks, "
                          f"the sequence holds {len(block_ids)}")
-    pad = chunks * block_size - n
-    pos = torch.arange(chunks * block_size) - pad  # [C * bs]
+    chunks = blocks_needed(n, chunk_len)
+    total = chunks * chunk_len
+    pad = total - n
+    pos = torch.arange(total) - pad  # [C * chunk_len]
     real = pos >= 0
-    ids = torch.full((chunks * block_size, ), pad_id, dtype=torch.long)
+    ids = torch.full((total, ), pad_id, dtype=torch.long)
     ids[pad:] = torch.tensor(token_ids, dtype=torch.long)
-    table = torch.tensor(block_ids[:chunks], dtype=torch.long)
+    table = torch.tensor(block_ids[:need], dtype=torch.long)
     real_pos = pos.clamp(min=0)
     slots = table[real_pos // block_size] * block_size + real_pos % block_size
-    spare = pad_block * block_size + torch.arange(chunks * block_size) % \
-        block_size
+    spare = pad_block * block_size + torch.arange(total) % block_size
     slots = torch.where(real, slots, spare)
     ctx = torch.where(real, pos + 1, torch.ones_like(pos))
     row = torch.tensor(_table_row(block_ids, max_blocks, pad_block))
-    shape = (chunks, block_size)
+    shape = (chunks, chunk_len)
     return PagedInputs(ids.view(shape), real_pos.view(shape),
                        slots.view(shape), row.expand(chunks, -1).clone(),
                        ctx.view(shape))
+
+
+def whole_prefill_len(num_tokens: int) -> int:
+    """The positions of a prefill run in one pass: the sequence, left-padded
+    to ``MIN_PREFILL_LEN``."""
+    return max(num_tokens, MIN_PREFILL_LEN)
 
 
 def decode_batch(last_tokens: Sequence[int], seq_lens: Sequence[int],

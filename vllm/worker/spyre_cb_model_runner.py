@@ -6,8 +6,8 @@ vLLM's block manager gave it.  The runner keeps no batch state between
 steps: everything a step needs is in its sequence-group metadata.
 
 ``execute_model`` is the whole step: paged inputs (``spyre_cb_inputs``) ->
-``SpyrePagedCausalLM`` forward (a prefill runs chunk by chunk) -> the live
-rows' logits -> vLLM logits processor -> vLLM sampler.
+``SpyrePagedCausalLM`` forward (a prefill in one pass; on the card, chunk by
+chunk) -> the live rows' logits -> vLLM logits processor -> vLLM sampler.
 
 Start-up: ``load_model`` loads and compiles the model; the worker then
 sizes the block pool, ``allocate_pool`` allocates it, and ``warmup`` runs
@@ -33,7 +33,8 @@ from vllm.platforms.spyre_config import CB_BLOCK_SIZE, SpyreConfig
 from vllm.sequence import IntermediateTensors, SequenceGroupMetadata
 from vllm.worker.model_runner_base import ModelRunnerInputBase
 from vllm.worker.spyre_cb_inputs import (PagedInputs, blocks_needed,
-                                         decode_batch, prefill_chunks)
+                                         decode_batch, prefill_chunks,
+                                         whole_prefill_len)
 from vllm.worker.spyre_model_runner import (SpyreRunnerBase, only_seq,
                                             sample)
 
@@ -45,9 +46,9 @@ _TENSORS = ("input_ids", "position_ids", "cache_slots", "block_table",
 
 @dataclass(frozen=True)
 class SpyreCBModelInput(ModelRunnerInputBase):
-    """One step, built on the driver worker.  A prefill holds its chunks as
-    rows of ``inputs``; a decode step's first ``num_live`` rows are the
-    sequences, in the order of the step's sequence groups."""
+    """One step, built on the driver worker.  A prefill holds its rows (one,
+    or the card's chunks) in ``inputs``; a decode step's first ``num_live``
+    rows are the sequences, in the order of the step's sequence groups."""
 
     is_prompt: bool
     inputs: PagedInputs
@@ -95,8 +96,8 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
 
     @current_platform.inference_mode()
     def warmup(self) -> None:
-        """Compiles both graphs: a prefill of two chunks (one if
-        ``max_model_len`` holds one block only), then decode steps at the
+        """Compiles both graphs: a prefill of 65 tokens (of two chunks on
+        the card; shorter if ``max_model_len`` is), then decode steps at the
         smallest and the largest batch (one dynamic graph), all on the
         pool's first block, which nothing holds yet."""
         assert self.model is not None
@@ -130,7 +131,7 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         finished_requests_ids: Optional[list[str]] = None,
     ) -> SpyreCBModelInput:
         """A prefill (one sequence: its tokens, the outputs too after a
-        preemption, in chunks) or a decode step (every running sequence),
+        preemption) or a decode step (every running sequence),
         over the blocks vLLM's block manager gave each sequence."""
         metas = seq_group_metadata_list
         is_prompt = metas[0].is_prompt
@@ -189,8 +190,14 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
 
     # ---- helpers --------------------------------------------------------
     def _chunks(self, tokens: list[int], blocks: list[int]) -> PagedInputs:
-        return prefill_chunks(tokens, blocks, CB_BLOCK_SIZE, self.max_blocks,
-                              self.pad_id, self.pad_block)
+        """The prefill's rows: one row of the whole sequence where the
+        prefill graph's length is dynamic, else chunks of a block each."""
+        assert self.model is not None
+        whole = self.model.prefill_len_range is not None
+        return prefill_chunks(
+            tokens, blocks, CB_BLOCK_SIZE, self.max_blocks, self.pad_id,
+            self.pad_block,
+            whole_prefill_len(len(tokens)) if whole else CB_BLOCK_SIZE)
 
     def _decode(self, tokens: list[int], lens: list[int],
                 tables: list[list[int]]) -> PagedInputs:
@@ -198,7 +205,8 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                             self.max_blocks, self.pad_id, self.pad_block)
 
     def _prefill(self, chunks: PagedInputs) -> torch.Tensor:
-        """Runs the chunks in order; the last one's logits: [1, vocab]."""
+        """Runs the rows (one, or the card's chunks) in order; the last
+        one's logits: [1, vocab]."""
         for i in range(chunks.input_ids.shape[0]):
             logits = self._forward(chunks.row(i))
         return logits

@@ -4,7 +4,10 @@ Continuous batching's model: the same FMS load and ``torch.compile`` as
 ``SpyreCausalLM``, with attention through ``spyre_paged_kv``'s block pools
 instead of a cache per warm-up shape.  Two graphs serve every step:
 
-* a prefill chunk, ``[1, block_size]`` positions of one sequence, static;
+* a prefill, ``[1, L]``: the whole sequence in one pass, its length
+  marked dynamic (``L >= MIN_PREFILL_LEN``), so one graph serves every
+  prompt length; on the card (``sendnn``), whose graphs have static
+  shapes, a chunk of ``block_size`` positions instead (``L = 64``);
 * a decode step, ``[B, 1]``, its batch dimension marked dynamic
   (``B >= MIN_DECODE_BATCH``), so one graph serves every batch size.
 
@@ -22,7 +25,8 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader import spyre_paged_kv
 from vllm.model_executor.model_loader.spyre import SpyreCausalLM
 from vllm.platforms.spyre_config import CB_BLOCK_SIZE, SpyreConfig
-from vllm.worker.spyre_cb_inputs import MIN_DECODE_BATCH, PagedInputs
+from vllm.worker.spyre_cb_inputs import (MIN_DECODE_BATCH,
+                                         MIN_PREFILL_LEN, PagedInputs)
 
 logger = init_logger(__name__)
 
@@ -44,6 +48,14 @@ class SpyrePagedCausalLM(SpyreCausalLM):
         self.decode_batch_range = (MIN_DECODE_BATCH, max(
             vllm_config.scheduler_config.max_num_seqs, MIN_DECODE_BATCH + 1))
         self.max_model_len = vllm_config.scheduler_config.max_model_len
+        #: Range of the dynamic prefill length, or None where a prefill
+        #: runs in static chunks of ``CB_BLOCK_SIZE`` (the card).  A chunk
+        #: pays for its padding and for the LM head, which a prefill of
+        #: SmolLM2 reads for 4 ms per chunk to keep one row of logits.
+        self.prefill_len_range = None if \
+            spyre_config.dynamo_backend == "sendnn" else (
+                MIN_PREFILL_LEN, max(self.max_model_len,
+                                     MIN_PREFILL_LEN + 1))
 
     @staticmethod
     def _register_attention() -> None:
@@ -67,11 +79,16 @@ class SpyrePagedCausalLM(SpyreCausalLM):
 
     def paged_graph_name(self, is_prompt: bool, max_blocks: int) -> str:
         """Names the two graphs by what fixes their shapes: the block
-        table's width, the pool's size and the decode batch range."""
+        table's width, the pool's size, and the prefill length range (none
+        for the card's static chunks) or the decode batch range."""
+        sizes = f"w{max_blocks}-n{self.num_blocks}"
+        if is_prompt and self.prefill_len_range is None:
+            return f"cb-prefill-{sizes}"
         if is_prompt:
-            return f"cb-prefill-w{max_blocks}-n{self.num_blocks}"
+            low, high = self.prefill_len_range
+            return f"cb-prefill-l{low}to{high}-{sizes}"
         low, high = self.decode_batch_range
-        return f"cb-decode-b{low}to{high}-w{max_blocks}-n{self.num_blocks}"
+        return f"cb-decode-b{low}to{high}-{sizes}"
 
     def expected_graphs(self) -> dict[str, str]:
         max_blocks = -(-self.max_model_len // CB_BLOCK_SIZE)
@@ -86,8 +103,8 @@ class SpyrePagedCausalLM(SpyreCausalLM):
         }
 
     def forward(self, step: PagedInputs) -> torch.Tensor:  # type: ignore
-        """One prefill chunk ([1, block_size]) or one decode step ([B, 1]).
-        Returns the logits of each row's last position: [B, vocab]."""
+        """One prefill ([1, L]) or one decode step ([B, 1]).  Returns the
+        logits of each row's last position: [B, vocab]."""
         if self.kv_pool is None:
             raise RuntimeError("a step before the key/value pool exists")
         is_decode = step.input_ids.shape[1] == 1
@@ -97,6 +114,12 @@ class SpyrePagedCausalLM(SpyreCausalLM):
             for t in (step.input_ids, step.position_ids, step.cache_slots,
                       step.block_table, step.ctx_lens):
                 torch._dynamo.mark_dynamic(t, 0, min=low, max=high)
+        elif self.prefill_len_range is not None:
+            # Prefill: one graph for every prompt length.
+            low, high = self.prefill_len_range
+            for t in (step.input_ids, step.position_ids, step.cache_slots,
+                      step.ctx_lens):
+                torch._dynamo.mark_dynamic(t, 1, min=low, max=high)
         logits, _ = self.model(
             self.paged_graph_name(not is_decode, step.block_table.shape[1]),
             step.input_ids,
