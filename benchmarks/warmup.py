@@ -14,7 +14,7 @@ same.
 
 ``--cb`` compares instead the start of a continuous-batching engine
 (``VLLM_SPYRE_USE_CB=1``, ``--max-model-len`` 2048, ``--max-num-seqs`` 16:
-its warm-up compiles one prefill-chunk graph and one decode graph whatever
+its warm-up compiles one prefill graph and one decode graph whatever
 the lengths) with the start of a static engine of ONE shape, the first of
 the given prompt lengths, new tokens and batch sizes (64, 64, 1), each
 with its own empty compile cache, and prints the ratio CB / static.

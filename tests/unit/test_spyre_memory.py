@@ -60,11 +60,18 @@ def test_cb_estimate_sizes_the_pool_asked_for():
                          max_model_len=300, max_num_seqs=16,
                          backend="inductor", override=False)
     assert est.kv_cache == GEOMETRY.kv_bytes(5, 64)
-    assert est.activations == max(GEOMETRY.activation_bytes(1, 64, 300),
-                                  GEOMETRY.activation_bytes(16, 1, 300))
+    # A whole 300-token prefill; the kernel holds no [heads, L, L] scores.
+    assert est.activations == max(
+        GEOMETRY.activation_bytes(1, 300, 300, scores=False),
+        GEOMETRY.activation_bytes(16, 1, 300))
     assert "5 blocks of one sequence of max_model_len=300" in est.sized_for
     est = sm.cb_estimate(0, 0, GEOMETRY, 40, 64, 300, 16, "eager", True)
     assert "--num-gpu-blocks-override 40" in est.sized_for
+    # The torch ops and the card prefill a block at a time, with its
+    # scores.
+    for backend in ("eager", "sendnn"):
+        est = sm.cb_estimate(0, 0, GEOMETRY, 5, 64, 300, 1, backend, False)
+        assert est.activations == GEOMETRY.activation_bytes(1, 64, 300)
 
 
 @pytest.mark.parametrize("files, expected", [

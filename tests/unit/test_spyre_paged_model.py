@@ -34,7 +34,8 @@ class PagedRun:
     def __init__(self, model, attn_name, blocks=9, max_blocks=4, seed=0,
                  whole=False):
         self.model, self.attn_name = model, attn_name
-        #: Prefill in one pass (the CPU's way) instead of 64-token chunks.
+        #: Prefill in one pass (as on the paged kernel) instead of 64-token
+        #: chunks.
         self.whole = whole
         layout = spyre_paged_kv.PoolLayout(CacheLayout.of(model))
         self.pool = layout.allocate(blocks, torch.float32)

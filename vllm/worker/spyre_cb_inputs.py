@@ -5,11 +5,11 @@ prefill of one sequence or a decode step of every running sequence; vLLM's
 block manager has given each sequence its blocks of ``block_size`` tokens.
 
 * A prefill runs in one pass over the whole sequence, its length dynamic
-  (at least ``MIN_PREFILL_LEN``), or, for the card, in chunks of exactly
-  ``block_size`` positions, so one compiled graph serves every prompt
-  length either way.  The chunks are aligned to the end of the sequence:
-  the last chunk ends on its last token (whose logits are sampled) and the
-  first chunk is left-padded.
+  (at least ``MIN_PREFILL_LEN``; on the CPU's paged kernel), or in chunks
+  of exactly ``block_size`` positions (the card, the torch ops), so one
+  compiled graph serves every prompt length either way.  The chunks are
+  aligned to the end of the sequence: the last chunk ends on its last
+  token (whose logits are sampled) and the first chunk is left-padded.
 * A decode step has one position per running sequence; its batch dimension
   is dynamic, and padded to at least ``MIN_DECODE_BATCH`` rows (dynamo
   specialises a size of 1).

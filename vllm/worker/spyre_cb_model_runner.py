@@ -6,8 +6,9 @@ vLLM's block manager gave it.  The runner keeps no batch state between
 steps: everything a step needs is in its sequence-group metadata.
 
 ``execute_model`` is the whole step: paged inputs (``spyre_cb_inputs``) ->
-``SpyrePagedCausalLM`` forward (a prefill in one pass; on the card, chunk by
-chunk) -> the live rows' logits -> vLLM logits processor -> vLLM sampler.
+``SpyrePagedCausalLM`` forward (a prefill in one pass on the paged kernel,
+else chunk by chunk) -> the live rows' logits -> vLLM logits processor ->
+vLLM sampler.
 
 Start-up: ``load_model`` loads and compiles the model; the worker then
 sizes the block pool, ``allocate_pool`` allocates it, and ``warmup`` runs
@@ -47,7 +48,7 @@ _TENSORS = ("input_ids", "position_ids", "cache_slots", "block_table",
 @dataclass(frozen=True)
 class SpyreCBModelInput(ModelRunnerInputBase):
     """One step, built on the driver worker.  A prefill holds its rows (one,
-    or the card's chunks) in ``inputs``; a decode step's first ``num_live``
+    or its chunks) in ``inputs``; a decode step's first ``num_live``
     rows are the sequences, in the order of the step's sequence groups."""
 
     is_prompt: bool
@@ -96,10 +97,10 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
 
     @current_platform.inference_mode()
     def warmup(self) -> None:
-        """Compiles both graphs: a prefill of 65 tokens (of two chunks on
-        the card; shorter if ``max_model_len`` is), then decode steps at the
-        smallest and the largest batch (one dynamic graph), all on the
-        pool's first block, which nothing holds yet."""
+        """Compiles both graphs: a prefill of 65 tokens (two chunks where
+        prefills are chunked; shorter if ``max_model_len`` is), then decode
+        steps at the smallest and the largest batch (one dynamic graph),
+        all on the pool's first block, which nothing holds yet."""
         assert self.model is not None
         self.model.require_precompiled()
         start = time.perf_counter()
@@ -205,7 +206,7 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                             self.max_blocks, self.pad_id, self.pad_block)
 
     def _prefill(self, chunks: PagedInputs) -> torch.Tensor:
-        """Runs the rows (one, or the card's chunks) in order; the last
+        """Runs the rows (one, or the chunks) in order; the last
         one's logits: [1, vocab]."""
         for i in range(chunks.input_ids.shape[0]):
             logits = self._forward(chunks.row(i))

@@ -14,10 +14,11 @@ it with its share of the memory this machine lets the process use:
   continuous batching needs at least the blocks of one ``max_model_len``
   sequence (the pool takes what is left after that) or exactly the blocks
   of ``--num-gpu-blocks-override``;
-* the activations of the largest step (a prefill of a whole shape, or a
-  64-token chunk), and what running the model costs beyond its tensors
-  (``RUNTIME_OVERHEAD``: the compiled graphs and the allocator's slack,
-  measured by ``benchmarks/memory.py``).
+* the activations of the largest step (a prefill of a whole shape; under
+  continuous batching, of a whole ``max_model_len`` sequence on
+  ``inductor``, else a 64-token chunk), and what running the model costs
+  beyond its tensors (``RUNTIME_OVERHEAD``: the compiled graphs and the
+  allocator's slack, measured by ``benchmarks/memory.py``).
 
 The memory available is the machine's, or the cgroup's limit where that is
 lower, times ``--gpu-memory-utilization``, shared by the ranks on this
@@ -98,15 +99,17 @@ class Geometry:
         return (sequences * length * self.layers * 2 * self.kv_heads *
                 self.head_size * (self.kv_item or self.item))
 
-    def activation_bytes(self, rows: int, tokens: int, context: int) -> int:
+    def activation_bytes(self, rows: int, tokens: int, context: int,
+                         scores: bool = True) -> int:
         """Peak live tensors of one step over ``rows × tokens`` new tokens
         attending over ``context`` positions: the residual stream and its
-        norm, q/k/v, the attention scores, the MLP's three intermediates,
-        and the float32 logits of every row."""
+        norm, q/k/v, the attention scores (unless the step's attention
+        never holds them all), the MLP's three intermediates, and the
+        float32 logits of every row."""
         t = rows * tokens
         per_token = (3 * self.hidden + (self.heads + 2 * self.kv_heads) *
                      self.head_size + 3 * self.intermediate)
-        scores = rows * self.heads * tokens * context
+        scores = rows * self.heads * tokens * context if scores else 0
         return (t * per_token + scores) * self.item + rows * self.vocab * 4
 
 
@@ -169,10 +172,18 @@ def pooling_estimate(process: int, weights: int, geometry: Geometry,
 def cb_estimate(process: int, weights: int, geometry: Geometry,
                 blocks: int, block_size: int, max_model_len: int,
                 max_num_seqs: int, backend: str, override: bool) -> Estimate:
-    """Continuous batching: ``blocks`` blocks of the pool, a prefill chunk
-    and a decode step of ``max_num_seqs`` sequences."""
+    """Continuous batching: ``blocks`` blocks of the pool, a prefill and a
+    decode step of ``max_num_seqs`` sequences.  On ``inductor`` a prefill
+    is one pass over a whole ``max_model_len`` sequence, whose paged kernel
+    scores one query position at a time (no ``[heads, L, L]`` scores);
+    elsewhere it runs in chunks of a block, each holding its scores."""
     kv = geometry.kv_bytes(blocks, block_size)
-    act = max(geometry.activation_bytes(1, block_size, max_model_len),
+    if backend == "inductor":
+        prefill = geometry.activation_bytes(1, max_model_len, max_model_len,
+                                            scores=False)
+    else:
+        prefill = geometry.activation_bytes(1, block_size, max_model_len)
+    act = max(prefill,
               geometry.activation_bytes(max_num_seqs, 1, max_model_len))
     pool = (f"--num-gpu-blocks-override {blocks}" if override else
             f"the {blocks} blocks of one sequence of max_model_len="

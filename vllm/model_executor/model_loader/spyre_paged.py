@@ -4,10 +4,12 @@ Continuous batching's model: the same FMS load and ``torch.compile`` as
 ``SpyreCausalLM``, with attention through ``spyre_paged_kv``'s block pools
 instead of a cache per warm-up shape.  Two graphs serve every step:
 
-* a prefill, ``[1, L]``: the whole sequence in one pass, its length
-  marked dynamic (``L >= MIN_PREFILL_LEN``), so one graph serves every
-  prompt length; on the card (``sendnn``), whose graphs have static
-  shapes, a chunk of ``block_size`` positions instead (``L = 64``);
+* a prefill, ``[1, L]``: on the paged C++ kernel (CPU ``inductor``), the
+  whole sequence in one pass, its length marked dynamic (``L >=
+  MIN_PREFILL_LEN``), so one graph serves every prompt length; elsewhere
+  (the card, whose graphs have static shapes, and the torch ops, which
+  hold a ``[heads, L, context]`` score tensor) a chunk of ``block_size``
+  positions (``L = 64``);
 * a decode step, ``[B, 1]``, its batch dimension marked dynamic
   (``B >= MIN_DECODE_BATCH``), so one graph serves every batch size.
 
@@ -48,14 +50,15 @@ class SpyrePagedCausalLM(SpyreCausalLM):
         self.decode_batch_range = (MIN_DECODE_BATCH, max(
             vllm_config.scheduler_config.max_num_seqs, MIN_DECODE_BATCH + 1))
         self.max_model_len = vllm_config.scheduler_config.max_model_len
-        #: Range of the dynamic prefill length, or None where a prefill
-        #: runs in static chunks of ``CB_BLOCK_SIZE`` (the card).  A chunk
-        #: pays for its padding and for the LM head, which a prefill of
-        #: SmolLM2 reads for 4 ms per chunk to keep one row of logits.
-        self.prefill_len_range = None if \
-            spyre_config.dynamo_backend == "sendnn" else (
-                MIN_PREFILL_LEN, max(self.max_model_len,
-                                     MIN_PREFILL_LEN + 1))
+        #: Range of the dynamic prefill length on the paged C++ kernel, or
+        #: None where a prefill runs in static chunks of ``CB_BLOCK_SIZE``.
+        #: A chunk pays for its padding and for the LM head, which a
+        #: prefill of SmolLM2 reads for 4 ms per chunk to keep one row of
+        #: logits; the kernel scores one query position at a time, so a
+        #: whole prompt costs it no more memory than a chunk.
+        on_kernel = self.attn_name == spyre_paged_kv.ATTN_NAME_CPU_KERNEL
+        self.prefill_len_range = (MIN_PREFILL_LEN, max(
+            self.max_model_len, MIN_PREFILL_LEN + 1)) if on_kernel else None
 
     @staticmethod
     def _register_attention() -> None:
@@ -80,7 +83,7 @@ class SpyrePagedCausalLM(SpyreCausalLM):
     def paged_graph_name(self, is_prompt: bool, max_blocks: int) -> str:
         """Names the two graphs by what fixes their shapes: the block
         table's width, the pool's size, and the prefill length range (none
-        for the card's static chunks) or the decode batch range."""
+        for static chunks) or the decode batch range."""
         sizes = f"w{max_blocks}-n{self.num_blocks}"
         if is_prompt and self.prefill_len_range is None:
             return f"cb-prefill-{sizes}"
