@@ -68,7 +68,11 @@ def run_workload(model, backend, plan=PLAN, **kwargs) -> dict:
             total_blocks=manager.num_total_gpu_blocks,
             worker=type(llm.llm_engine.model_executor.driver_worker.worker
                         ).__name__,
-            timings=llm.collective_rpc("get_startup_timings")[0])
+            timings=llm.collective_rpc("get_startup_timings")[0],
+            prefill_shape=tuple(llm.llm_engine.model_executor.driver_worker
+                                .worker.model_runner._chunks(
+                                    list(range(4, 134)),
+                                    [0, 1, 2]).input_ids.shape))
     return seen
 
 
@@ -103,6 +107,14 @@ def test_no_compilation_after_warmup(cb_run):
     assert cb_run["warmup_compiles"] > 0
     assert cb_run["compiled"] == 0
     assert set(cb_run["timings"]) == {"load", "warmup"}
+
+
+def test_prefill_runs_in_one_pass_on_the_paged_kernel(cb_run):
+    """A 130-token prefill: one [1, 130] pass on the paged C++ kernel
+    (inductor), three 64-token chunks on the torch ops (eager)."""
+    from vllm.model_executor.model_loader import spyre_cpu_linear
+    whole = cb_run["backend"] == "inductor" and spyre_cpu_linear.available()
+    assert cb_run["prefill_shape"] == ((1, 130) if whole else (3, 64))
 
 
 def test_every_block_is_free_at_the_end(cb_run):
