@@ -1,5 +1,5 @@
 """A tiny FMS LLaMA over the paged key/value pool of continuous batching:
-prefilled chunk by chunk (the card's way) or in one pass, and decoding
+prefilled chunk by chunk (the card, the torch ops) or in one pass, and decoding
 sequences of different lengths in one batch (one joining mid-way), it gives
 the logits and greedy tokens of FMS's own forward over the whole sequence,
 with both attention ops."""

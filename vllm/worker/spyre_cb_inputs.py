@@ -47,7 +47,7 @@ class PagedInputs:
     ctx_lens: torch.Tensor  # [B, L] int64: tokens each position sees
 
     def row(self, i: int) -> "PagedInputs":
-        """Row ``i`` as a batch of one (one prefill chunk)."""
+        """Row ``i`` as a batch of one (one prefill pass or chunk)."""
         return PagedInputs(*(t[i:i + 1].clone() for t in (
             self.input_ids, self.position_ids, self.cache_slots,
             self.block_table, self.ctx_lens)))

@@ -12,7 +12,7 @@ vLLM sampler.
 
 Start-up: ``load_model`` loads and compiles the model; the worker then
 sizes the block pool, ``allocate_pool`` allocates it, and ``warmup`` runs
-each of the two graphs (prefill chunk, dynamic decode batch) so serving
+each of the two graphs (prefill, dynamic decode batch) so serving
 compiles nothing.  The pool has one block more than vLLM's block manager
 knows of: the spare block that padding positions write to.
 """

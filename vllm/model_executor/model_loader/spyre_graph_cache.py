@@ -2,7 +2,7 @@
 
 With ``TORCH_SENDNN_CACHE_ENABLE=1`` and ``eager`` or ``inductor``, every
 graph the model runs (a static shape's prefill and decode, continuous
-batching's prefill chunk and decode) is compiled ahead of time with
+batching's prefill and decode) is compiled ahead of time with
 dynamo's precompile (``torch.compile(...).aot_compile``): one artifact holds
 the captured graph, its guards and the backend's compiled code.  It is
 written to ``TORCH_SENDNN_CACHE_DIR``; the next start deserialises it, with

@@ -15,7 +15,7 @@ model code runs unchanged:
 * the *compute* op lets every query position attend to the first
   ``ctx_lens[b, l]`` tokens of its sequence, read through the block table.
 
-Both a prefill chunk (one sequence, ``block_size`` positions) and a decode
+Both a prefill (one sequence, whole or a ``block_size`` chunk) and a decode
 step (one position of each running sequence) are the same op with other
 shapes.  On the CPU ``inductor`` path the compute op is the C++ kernel
 ``spyre_cpu::paged_attention``, which reads keys and values straight from
