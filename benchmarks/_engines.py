@@ -163,8 +163,7 @@ def load_fms_model(model_dir: str):
     from fms.models import get_model
     from transformers import AutoConfig
 
-    from vllm.model_executor.model_loader.spyre_families import (
-        fms_model_args)
+    from vllm.model_executor.models.spyre_families import fms_model_args
     args = fms_model_args(model_dir, AutoConfig.from_pretrained(model_dir))
     return get_model(**args, data_type=torch.float32, device_type="cpu")
 

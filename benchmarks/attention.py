@@ -73,7 +73,7 @@ def paged_case(geo: Geometry, lens: list[int], positions: int, gen):
     kernel and the torch-ops calls of one layer."""
     import torch
 
-    from vllm.model_executor.model_loader import spyre_paged_kv
+    from vllm.attention.spyre import paged_cache
     batch = len(lens)
     width = -(-max(lens) // BLOCK)
     blocks = batch * width + 1
@@ -91,10 +91,10 @@ def paged_case(geo: Geometry, lens: list[int], positions: int, gen):
     scale = geo.head_dim**-0.5
 
     def kernel(layer):
-        return spyre_paged_kv._attend_kernel(*layer, scale, kw)
+        return paged_cache._attend_kernel(*layer, scale, kw)
 
     def torch_ops(layer):
-        return spyre_paged_kv._attend_gather(*layer, scale, kw)
+        return paged_cache._attend_gather(*layer, scale, kw)
 
     return layers, kernel, torch_ops
 
@@ -102,7 +102,8 @@ def paged_case(geo: Geometry, lens: list[int], positions: int, gen):
 def static_case(geo: Geometry, batch: int, ctx: int, gen):
     import torch
 
-    from vllm.model_executor.model_loader import spyre_kv_cache
+    from vllm.attention.spyre import static_cache
+    from vllm.attention.spyre.torch_ops import attend_matmul
     layers = []
     for _ in range(geo.layers):
         k, v = (torch.randn(batch, geo.kv_heads, ctx, geo.head_dim,
@@ -114,10 +115,10 @@ def static_case(geo: Geometry, batch: int, ctx: int, gen):
     scale = geo.head_dim**-0.5
 
     def kernel(layer):
-        return spyre_kv_cache._attend_kernel(*layer, mask, scale)
+        return static_cache._attend_kernel(*layer, mask, scale)
 
     def torch_ops(layer):
-        return spyre_kv_cache.attend_matmul(*layer, mask, scale)
+        return attend_matmul(*layer, mask, scale)
 
     return layers, kernel, torch_ops
 
@@ -145,8 +146,8 @@ def main() -> int:
 
     import torch
 
-    from vllm.model_executor.model_loader import spyre_cpu_linear
-    if not spyre_cpu_linear.available():
+    from vllm.attention.spyre import native
+    if not native.available():
         print("the C++ kernels could not be built; nothing to compare")
         return 1
     torch.set_num_threads(cores())

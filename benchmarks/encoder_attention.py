@@ -45,7 +45,8 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
 def packed(texts: int, tokens: int):
     """The [B, L] packing of ``texts`` texts of ``tokens`` tokens."""
     from vllm.platforms.spyre_config import WarmupShape
-    from vllm.worker.spyre_pooling_inputs import first_fit, packed_inputs
+    from vllm.platforms.spyre_pooling_shapes import first_fit
+    from vllm.worker.spyre_pooling_inputs import packed_inputs
     row = -(-tokens // 64) * 64
     per_row = row // tokens
     shape = WarmupShape(row, 0, -(-texts // per_row))
@@ -66,8 +67,8 @@ def main() -> int:
     import torch
     import torch.nn.functional as F
 
-    from vllm.model_executor.model_loader import spyre_cpu_linear
-    if not spyre_cpu_linear.available():
+    from vllm.attention.spyre import native
+    if not native.available():
         print("the C++ kernels could not be built; nothing to compare")
         return 1
     torch.set_num_threads(cores())

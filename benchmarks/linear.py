@@ -52,7 +52,8 @@ def kernels(rows: int):
     import torch
     import torch.nn.functional as F
 
-    from vllm.model_executor.model_loader import spyre_cpu_linear
+    from vllm.attention.spyre import native
+    from vllm.model_executor.layers import spyre_linear
     ops = {
         "aten": (lambda w: w, lambda x, w: F.linear(x, w)),
         "mkl-packed": (
@@ -60,9 +61,9 @@ def kernels(rows: int):
             lambda x, p: torch.ops.mkl._mkl_linear(x, p[0], p[1], None,
                                                    rows)),
     }
-    if spyre_cpu_linear.available():
+    if native.available():
         ops["spyre-packed"] = (
-            lambda w: (spyre_cpu_linear.pack_weight(w), w.shape[0]),
+            lambda w: (spyre_linear.pack_weight(w), w.shape[0]),
             lambda x, p: torch.ops.spyre_cpu.packed_linear(x, p[0], p[1]))
     return ops
 

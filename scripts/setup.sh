@@ -31,6 +31,9 @@ if [ ! -f "$STAMP" ]; then
   touch "$STAMP"
 fi
 
-# This project, always from the working tree.
+# This project, always from the working tree.  setuptools' build/ keeps the
+# files of earlier builds: a module moved or removed since would be
+# installed again from there.
+rm -rf build
 "$PIP" install -q --no-deps --no-build-isolation --force-reinstall .
 "$VENV/bin/python" scripts/provision_model.py

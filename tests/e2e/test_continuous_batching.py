@@ -112,8 +112,8 @@ def test_no_compilation_after_warmup(cb_run):
 def test_prefill_runs_in_one_pass_on_the_paged_kernel(cb_run):
     """A 130-token prefill: one [1, 130] pass on the paged C++ kernel
     (inductor), three 64-token chunks on the torch ops (eager)."""
-    from vllm.model_executor.model_loader import spyre_cpu_linear
-    whole = cb_run["backend"] == "inductor" and spyre_cpu_linear.available()
+    from vllm.attention.spyre import native
+    whole = cb_run["backend"] == "inductor" and native.available()
     assert cb_run["prefill_shape"] == ((1, 130) if whole else (3, 64))
 
 

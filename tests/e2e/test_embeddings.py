@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import MINILM_DIR, compile_count, spyre_llm
-from vllm.model_executor.model_loader import spyre_encoder
+from vllm.attention.spyre import encoder_attention
 from tiny_encoders import (build_tiny_encoder, hf_embeddings, hf_scores,
                            random_texts)
 
@@ -88,8 +88,8 @@ def test_tiny_embeddings_match_transformers(encoders, name, backend):
     with spyre_llm(path, env(backend), task="embed") as llm:
         # inductor runs attention on the C++ kernel, eager on SDPA.
         assert encoder_of(llm).attn_name == (
-            spyre_encoder.ATTN_NAME_CPU if backend == "inductor" else
-            spyre_encoder.ATTN_NAME)
+            encoder_attention.ATTN_NAME_CPU if backend == "inductor" else
+            encoder_attention.ATTN_NAME)
         embed_checked(llm, path, texts, pooling)
 
 
@@ -124,7 +124,7 @@ def test_bfloat16_matrix_products_stay_within_cosine_0_9999(encoders, name):
         model = llm.llm_engine.model_executor.driver_worker.worker \
             .model_runner.model
         assert model.bf16_matmuls
-        assert model.encoder.attn_name == spyre_encoder.ATTN_NAME_CPU_BF16
+        assert model.encoder.attn_name == encoder_attention.ATTN_NAME_CPU_BF16
         embed_checked(llm, path, texts, pooling)
 
 

@@ -211,7 +211,7 @@ def test_configuration_too_large_is_refused_before_loading(tiny_llama, env):
     uses: refused with the numbers, before the model is loaded."""
     from unittest import mock
 
-    from vllm.worker.spyre_model_runner import SpyreRunnerBase
+    from vllm.worker.spyre_runner_base import SpyreRunnerBase
     with mock.patch.object(SpyreRunnerBase, "load_model") as load:
         with pytest.raises(ValueError) as err:
             with spyre_llm(tiny_llama, env, gpu_memory_utilization=0.01):

@@ -5,11 +5,15 @@ size 64 (the card's) checks the lengths around a block boundary."""
 import pytest
 import torch
 
-from vllm.worker.spyre_cb_inputs import (MIN_DECODE_BATCH, MIN_PREFILL_LEN,
-                                         PagedInputs, blocks_needed,
-                                         decode_batch, prefill_chunks,
-                                         parallel_samples_reason,
-                                         rejection_reason, whole_prefill_len)
+from vllm.attention.spyre.paged_inputs import (MIN_DECODE_BATCH,
+                                               MIN_PREFILL_LEN,
+                                               PagedInputs)
+from vllm.platforms.spyre_cb_blocks import (blocks_needed,
+                                            parallel_samples_reason,
+                                            rejection_reason)
+from vllm.worker.spyre_cb_inputs import (decode_batch,
+                                         prefill_chunks,
+                                         whole_prefill_len)
 
 PAD_ID = 0
 

@@ -1,6 +1,6 @@
 """The C++ decode attention kernel against the same attention in torch ops.
 
-``spyre_kv_cache._compute_decode_kernel`` (the kernel) must match
+``static_cache._compute_decode_kernel`` (the kernel) must match
 ``_compute_decode`` (matrix products and softmax) for grouped-query and
 plain multi-head attention, head sizes that do not fill a 16-float vector,
 several query positions per step, and masks as ``DecodeSteps`` builds them;
@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.model_executor.model_loader import spyre_cpu_linear, spyre_kv_cache
+from vllm.attention.spyre import native, static_cache
 from vllm.platforms.spyre_config import WarmupShape
 from vllm.worker.spyre_inputs import DecodeSteps
 
-pytestmark = pytest.mark.skipif(not spyre_cpu_linear.available(),
+pytestmark = pytest.mark.skipif(not native.available(),
                                 reason="no C++ compiler for the kernel")
 
 
@@ -40,9 +40,9 @@ def _inputs(B, L, H, kvh, D, T, seed=0):
 def test_kernel_matches_torch_ops(B, L, H, kvh, D, T):
     q, k, v, mask = _inputs(B, L, H, kvh, D, T)
     for scale in (None, 0.3):
-        ref = spyre_kv_cache._compute_decode(q, k, v, H, kvh, 0.0, scale,
+        ref = static_cache._compute_decode(q, k, v, H, kvh, 0.0, scale,
                                              mask=mask)
-        got = spyre_kv_cache._compute_decode_kernel(q, k, v, H, kvh, 0.0,
+        got = static_cache._compute_decode_kernel(q, k, v, H, kvh, 0.0,
                                                     scale, mask=mask)
         assert got.shape == (B, L, H, D)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
@@ -54,9 +54,9 @@ def test_softmax_over_a_wide_range_of_scores():
     float32 rounding of scores this large, about 1e-5 of them)."""
     B, L, H, kvh, D, T = 2, 1, 8, 2, 64, 200
     q, k, v, mask = _inputs(B, L, H, kvh, D, T, seed=5)
-    ref = spyre_kv_cache._compute_decode(q, k, v, H, kvh, 0.0, 12.0,
+    ref = static_cache._compute_decode(q, k, v, H, kvh, 0.0, 12.0,
                                          mask=mask)
-    got = spyre_kv_cache._compute_decode_kernel(q, k, v, H, kvh, 0.0, 12.0,
+    got = static_cache._compute_decode_kernel(q, k, v, H, kvh, 0.0, 12.0,
                                                 mask=mask)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
@@ -69,17 +69,17 @@ def test_bf16_cache_matches_torch_ops(query_dtype):
     B, L, H, kvh, D, T = 2, 1, 9, 3, 64, 70
     q, k, v, mask = _inputs(B, L, H, kvh, D, T, seed=3)
     q, k, v = q.to(query_dtype), k.bfloat16(), v.bfloat16()
-    got = spyre_kv_cache._compute_decode_kernel(q, k, v, H, kvh, 0.0, None,
+    got = static_cache._compute_decode_kernel(q, k, v, H, kvh, 0.0, None,
                                                 mask=mask)
     assert got.dtype == query_dtype
-    ref = spyre_kv_cache._compute_decode(q.float(), k.float(), v.float(), H,
+    ref = static_cache._compute_decode(q.float(), k.float(), v.float(), H,
                                          kvh, 0.0, None, mask=mask)
     # bfloat16 output: within one rounding of the float32 result.
     tol = 1e-5 if query_dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
     # The torch ops take a bfloat16 cache under a float32 query too.
     if query_dtype == torch.float32:
-        mixed = spyre_kv_cache._compute_decode(q, k, v, H, kvh, 0.0, None,
+        mixed = static_cache._compute_decode(q, k, v, H, kvh, 0.0, None,
                                                mask=mask)
         torch.testing.assert_close(mixed, ref, atol=1e-5, rtol=1e-5)
 
@@ -94,10 +94,10 @@ def test_kernel_with_decode_masks():
         # Stale values in slots not written yet must not matter.
         k[:, :, P + step:] = float("nan")
         v[:, :, P + step:] = float("nan")
-        got = spyre_kv_cache._compute_decode_kernel(q, k, v, H, kvh, 0.0,
+        got = static_cache._compute_decode_kernel(q, k, v, H, kvh, 0.0,
                                                     None, mask=mask)
         k, v = k.nan_to_num(), v.nan_to_num()
-        ref = spyre_kv_cache._compute_decode(q, k, v, H, kvh, 0.0, None,
+        ref = static_cache._compute_decode(q, k, v, H, kvh, 0.0, None,
                                              mask=mask)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
@@ -105,7 +105,7 @@ def test_kernel_with_decode_masks():
 def test_row_that_sees_nothing_gets_zeros():
     q, k, v, mask = _inputs(2, 1, 2, 1, 16, 5)
     mask[1] = False
-    out = spyre_kv_cache._compute_decode_kernel(q, k, v, 2, 1, 0.0, None,
+    out = static_cache._compute_decode_kernel(q, k, v, 2, 1, 0.0, None,
                                                 mask=mask)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert out[0].abs().sum() > 0
@@ -115,7 +115,7 @@ def test_kernel_traced_by_dynamo():
     q, k, v, mask = _inputs(2, 1, 4, 2, 16, 9)
 
     def attend(q, k, v, mask):
-        return spyre_kv_cache._compute_decode_kernel(q, k, v, 4, 2, 0.0,
+        return static_cache._compute_decode_kernel(q, k, v, 4, 2, 0.0,
                                                      None, mask=mask)
 
     compiled = torch.compile(attend, backend="eager", fullgraph=True)

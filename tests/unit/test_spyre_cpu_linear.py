@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.model_executor.model_loader import spyre_cpu_linear
+from vllm.attention.spyre import native
+from vllm.model_executor.layers import spyre_linear
 
-pytestmark = pytest.mark.skipif(not spyre_cpu_linear.available(),
+pytestmark = pytest.mark.skipif(not native.available(),
                                 reason="no C++ compiler for the kernel")
 
 
@@ -25,10 +26,10 @@ def _op(x, packed, n, bias=None):
 
 def test_pack_weight_layout():
     w = torch.arange(70 * 5, dtype=torch.float32).view(70, 5)
-    p = spyre_cpu_linear.pack_weight(w)
-    assert p.shape == (3, 5, spyre_cpu_linear.BLOCK)  # 70 -> 3 blocks of 32
+    p = spyre_linear.pack_weight(w)
+    assert p.shape == (3, 5, spyre_linear.BLOCK)  # 70 -> 3 blocks of 32
     for n in (0, 31, 32, 69):
-        b, c = divmod(n, spyre_cpu_linear.BLOCK)
+        b, c = divmod(n, spyre_linear.BLOCK)
         assert torch.equal(p[b, :, c], w[n])
     assert not p[2, :, 70 - 64:].any()  # padding columns are zero
 
@@ -42,7 +43,7 @@ def test_matches_linear(rows, out_features, in_features, with_bias):
     w = torch.randn(out_features, in_features, generator=g)
     x = torch.randn(rows, in_features, generator=g)
     b = torch.randn(out_features, generator=g) if with_bias else None
-    got = _op(x, spyre_cpu_linear.pack_weight(w), out_features, b)
+    got = _op(x, spyre_linear.pack_weight(w), out_features, b)
     # fp32 sums of up to 576 unit-variance products, in another order
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
 
@@ -50,11 +51,11 @@ def test_matches_linear(rows, out_features, in_features, with_bias):
 def test_pack_weight_layout_bf16():
     """Pairs of input features side by side, one 64-element row per pair."""
     w = torch.randn(70, 6).bfloat16()
-    p = spyre_cpu_linear.pack_weight(w)
+    p = spyre_linear.pack_weight(w)
     assert p.dtype == torch.bfloat16
-    assert p.shape == (3, 3, 2 * spyre_cpu_linear.BLOCK)
+    assert p.shape == (3, 3, 2 * spyre_linear.BLOCK)
     for n in (0, 31, 32, 69):
-        b, c = divmod(n, spyre_cpu_linear.BLOCK)
+        b, c = divmod(n, spyre_linear.BLOCK)
         for k in range(6):
             assert p[b, k // 2, 2 * c + k % 2] == w[n, k]
     assert not p[2, :, 2 * (70 - 64):].any()
@@ -77,7 +78,7 @@ def test_bf16_weights_match_rounded_product(rows, out_features, in_features,
     w = torch.randn(out_features, in_features, generator=g)
     x = torch.randn(rows, in_features, generator=g)
     b = torch.randn(out_features, generator=g) if with_bias else None
-    packed = spyre_cpu_linear.pack_weight(w.bfloat16())
+    packed = spyre_linear.pack_weight(w.bfloat16())
     got = _op(x, packed, out_features, b)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, F.linear(_bf16(x), _bf16(w), b),
@@ -90,8 +91,8 @@ def test_bf16_weights_match_rounded_product(rows, out_features, in_features,
 
 def test_bf16_packed_linear_halves_the_bytes():
     linear = nn.Linear(64, 96)
-    p32 = spyre_cpu_linear.PackedLinear(linear)
-    p16 = spyre_cpu_linear.PackedLinear(linear, dtype=torch.bfloat16)
+    p32 = spyre_linear.PackedLinear(linear)
+    p16 = spyre_linear.PackedLinear(linear, dtype=torch.bfloat16)
     assert p16.packed.nbytes * 2 == p32.packed.nbytes
     x = torch.randn(5, 64)
     torch.testing.assert_close(
@@ -112,7 +113,7 @@ def test_bf16_prompts_on_onednn(onednn):
     its output rounded to bfloat16, and inputs of one position per row on
     the kernel; a weight update reaches both copies."""
     linear = nn.Linear(64, 96)
-    layer = spyre_cpu_linear.PackedLinear(linear, dtype=torch.bfloat16,
+    layer = spyre_linear.PackedLinear(linear, dtype=torch.bfloat16,
                                           prompts_on_onednn=onednn)
     assert (layer.unpacked is not None) == onednn
     gen = torch.Generator().manual_seed(0)
@@ -140,17 +141,17 @@ def test_bf16_prompts_on_onednn(onednn):
 
 def test_prompts_on_onednn_only_for_untied_bf16_on_amx():
     linear = nn.Linear(64, 96)
-    amx = spyre_cpu_linear.has_amx_bf16()
-    assert (spyre_cpu_linear.PackedLinear(linear, dtype=torch.bfloat16)
+    amx = spyre_linear.has_amx_bf16()
+    assert (spyre_linear.PackedLinear(linear, dtype=torch.bfloat16)
             .unpacked is not None) == amx
-    assert spyre_cpu_linear.PackedLinear(linear).unpacked is None
-    assert spyre_cpu_linear.PackedLinear(
+    assert spyre_linear.PackedLinear(linear).unpacked is None
+    assert spyre_linear.PackedLinear(
         linear, tied_to="emb.weight", dtype=torch.bfloat16).unpacked is None
 
 
 def test_bf16_packs_only_even_input_widths():
     model = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(3, 4))
-    assert spyre_cpu_linear.pack_linears(model, torch.bfloat16) == 2
+    assert spyre_linear.pack_linears(model, torch.bfloat16) == 2
     assert type(model[2]) is nn.Linear
 
 
@@ -158,13 +159,13 @@ def test_keeps_leading_dims_and_reads_strided_input():
     g = torch.Generator().manual_seed(7)
     w = torch.randn(96, 40, generator=g)
     x = torch.randn(3, 40, 5, generator=g).transpose(1, 2)  # [3, 5, 40]
-    got = _op(x, spyre_cpu_linear.pack_weight(w), 96)
+    got = _op(x, spyre_linear.pack_weight(w), 96)
     assert got.shape == (3, 5, 96)
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_errors_name_the_mismatch():
-    packed = spyre_cpu_linear.pack_weight(torch.randn(40, 8))
+    packed = spyre_linear.pack_weight(torch.randn(40, 8))
     with pytest.raises(RuntimeError, match="input has 9 features, the "
                        "weight 8"):
         _op(torch.randn(2, 9), packed, 40)
@@ -191,7 +192,7 @@ def tiny_pair():
     model.post_init()
     model.eval().requires_grad_(False)
     packed = copy.deepcopy(model)
-    n = spyre_cpu_linear.pack_linears(packed)
+    n = spyre_linear.pack_linears(packed)
     return model, packed, n
 
 
@@ -206,13 +207,13 @@ def test_pack_linears_replaces_every_linear(tiny_pair):
     torch.testing.assert_close(packed.base_model.embedding.weight,
                                model.base_model.embedding.weight)
     heads = {name: m.tied_to for name, m in packed.named_modules()
-             if isinstance(m, spyre_cpu_linear.PackedLinear)}
+             if isinstance(m, spyre_linear.PackedLinear)}
     assert heads.pop("head") == "base_model.embedding.weight"
     assert set(heads.values()) == {None}
 
 
 def test_repack_replaces_the_weight_in_place():
-    layer = spyre_cpu_linear.PackedLinear(torch.nn.Linear(8, 40))
+    layer = spyre_linear.PackedLinear(torch.nn.Linear(8, 40))
     buffer = layer.packed
     new = torch.randn(40, 8)
     layer.repack(new)
@@ -239,8 +240,7 @@ def test_bf16_linear_rounds_the_product_operands_only():
     """``Bf16Linear``: the weight and input rounded to bfloat16, the
     product and the bias in float32; ``bf16_linears`` swaps every plain
     linear layer."""
-    from vllm.model_executor.model_loader.spyre_cpu_linear import (
-        Bf16Linear, bf16_linears)
+    from vllm.model_executor.layers.spyre_linear import bf16_linears, Bf16Linear
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(48, 32), nn.GELU(),
                           nn.Linear(32, 8, bias=False))

@@ -12,11 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm.model_executor.model_loader import spyre_cpu_linear, spyre_encoder
+from vllm.attention.spyre import encoder_attention, native
 from vllm.platforms.spyre_config import WarmupShape
-from vllm.worker.spyre_pooling_inputs import first_fit, packed_inputs
+from vllm.platforms.spyre_pooling_shapes import first_fit
+from vllm.worker.spyre_pooling_inputs import packed_inputs
 
-pytestmark = pytest.mark.skipif(not spyre_cpu_linear.available(),
+pytestmark = pytest.mark.skipif(not native.available(),
                                 reason="no C++ compiler for the kernel")
 
 
@@ -53,9 +54,9 @@ def _sdpa(q, k, v, mask, scale, dtype=torch.float32):
 def _kernel(q, k, v, starts, scale, bf16):
     """The FMS compute op the encoder registers for this setting."""
     from fms.modules import attention
-    spyre_encoder.register_attention()
-    name = (spyre_encoder.ATTN_NAME_CPU_BF16 if bf16 else
-            spyre_encoder.ATTN_NAME_CPU)
+    encoder_attention.register()
+    name = (encoder_attention.ATTN_NAME_CPU_BF16 if bf16 else
+            encoder_attention.ATTN_NAME_CPU)
     compute = attention.get_attention_type(attn_name=name)["compute_prefill"]
     return compute(q, k, v, q.shape[2], k.shape[2], 0.0, scale,
                    text_starts=starts)

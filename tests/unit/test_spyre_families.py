@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm.model_executor.model_loader import spyre_families as sf
+from vllm.model_executor.models import spyre_families as sf
 
 
 def config(**kw):

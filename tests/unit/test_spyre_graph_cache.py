@@ -1,4 +1,4 @@
-"""Unit tests of vllm/model_executor/model_loader/spyre_graph_cache.py: the
+"""Unit tests of vllm/compilation/spyre_graph_cache.py: the
 entry key, the graph file checks, atomic locked writes, what a miss names,
 and precompiled graphs saved and loaded on a small module (no engine); and
 the graph cache's settings in vllm/platforms/spyre_config.py."""
@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm.model_executor.model_loader import spyre_graph_cache as gc
-from vllm.model_executor.model_loader.spyre_graph_cache import (
-    MAGIC, GraphCache, PrecompiledGraphs)
+from vllm.compilation import spyre_graph_cache as gc
+from vllm.compilation.spyre_graph_cache import (GraphCache,
+                                                MAGIC,
+                                                PrecompiledGraphs)
 from vllm.platforms import spyre_config
 from vllm.platforms.spyre_config import SpyreConfig
 

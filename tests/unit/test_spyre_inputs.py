@@ -6,11 +6,13 @@ import torch
 import torch.nn.functional as F
 
 from vllm.platforms.spyre_config import WarmupShape
-from vllm.worker.spyre_inputs import (DecodeSteps, RequestSize, choose_shape,
-                                      decode_inputs, fits,
-                                      parallel_samples_reason,
-                                      prefill_inputs, rejection_reason,
-                                      select_batch)
+from vllm.platforms.spyre_static_shapes import (choose_shape,
+                                                fits,
+                                                parallel_samples_reason,
+                                                rejection_reason,
+                                                RequestSize,
+                                                select_batch)
+from vllm.worker.spyre_inputs import decode_inputs, DecodeSteps, prefill_inputs
 
 T, F_ = True, False
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm.model_executor.model_loader import spyre_kv_cache
+from vllm.attention.spyre import kv_layout, static_cache
 from vllm.platforms.spyre_config import WarmupShape
 from vllm.worker.spyre_inputs import decode_inputs, prefill_inputs
 
@@ -21,7 +21,7 @@ from conftest import build_tiny_fms
 
 @pytest.fixture(scope="module")
 def tiny_fms():
-    spyre_kv_cache.register()
+    static_cache.register()
     return build_tiny_fms(64)
 
 
@@ -65,12 +65,12 @@ def _static(model, prompts, shape, steps, cache, attn_name):
 
 
 def _attn_names():
-    from vllm.model_executor.model_loader import spyre_cpu_linear
+    from vllm.attention.spyre import native
     kernel = pytest.param(
-        spyre_kv_cache.ATTN_NAME_CPU_KERNEL,
-        marks=pytest.mark.skipif(not spyre_cpu_linear.available(),
+        static_cache.ATTN_NAME_CPU_KERNEL,
+        marks=pytest.mark.skipif(not native.available(),
                                  reason="no C++ compiler for the kernel"))
-    return [spyre_kv_cache.ATTN_NAME, kernel]
+    return [static_cache.ATTN_NAME, kernel]
 
 
 @torch.inference_mode()
@@ -78,7 +78,7 @@ def _attn_names():
 def test_static_cache_matches_fms_growing_cache(tiny_fms, attn_name):
     shape = WarmupShape(prompt_len=8, new_tokens=6, batch_size=3)
     prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [9]]
-    layout = spyre_kv_cache.CacheLayout.of(tiny_fms)
+    layout = kv_layout.CacheLayout.of(tiny_fms)
     assert (layout.layers, layout.kv_heads, layout.k_head_dim) == (2, 2, 16)
     cache = layout.allocate(3, shape.prompt_len + shape.new_tokens,
                             torch.float32)
@@ -113,7 +113,7 @@ def test_written_out_decode_attention_matches_sdpa():
     v = torch.randn(B, kvh, T, D, generator=gen)
     mask = torch.rand(B, 1, T, generator=gen) > 0.4
     mask[..., 0] = True
-    got = spyre_kv_cache._compute_decode(q, k, v, H, kvh, 0.0, None,
+    got = static_cache._compute_decode(q, k, v, H, kvh, 0.0, None,
                                          mask=mask)
     ref = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.repeat_interleave(H // kvh, 1),
@@ -122,7 +122,7 @@ def test_written_out_decode_attention_matches_sdpa():
 
 
 def test_cache_size():
-    layout = spyre_kv_cache.CacheLayout(layers=30, kv_heads=3,
+    layout = kv_layout.CacheLayout(layers=30, kv_heads=3,
                                         k_head_dim=64, v_head_dim=64)
     cache = layout.allocate(2, 10, torch.float32)
     assert len(cache) == 30 and cache[0][0].shape == (2, 3, 10, 64)

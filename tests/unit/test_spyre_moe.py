@@ -4,7 +4,7 @@ one compiled graph for every token count."""
 import pytest
 import torch
 
-from vllm.model_executor.model_loader import spyre_moe
+from vllm.model_executor.layers import spyre_moe
 
 DIM, INNER, EXPERTS, TOP_K = 16, 24, 4, 2
 

@@ -1,6 +1,6 @@
 """The paged key/value pool of continuous batching against plain attention.
 
-``spyre_paged_kv`` stores a step's keys and values into a block pool and
+``paged_cache`` stores a step's keys and values into a block pool and
 attends through a block table.  Checked here:
 
 * the torch-op path (``compute``) equals causal attention over the same
@@ -20,15 +20,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.model_executor.model_loader import spyre_cpu_linear, spyre_paged_kv
-from vllm.model_executor.model_loader.spyre_kv_cache import CacheLayout
+from vllm.attention.spyre import kv_layout, native, paged_cache
+from vllm.attention.spyre.kv_layout import CacheLayout
 from vllm.platforms.spyre_config import CB_BLOCK_SIZE
-from vllm.worker.spyre_cb_inputs import (PagedInputs, blocks_needed,
-                                         decode_batch, prefill_chunks)
+from vllm.attention.spyre.paged_inputs import PagedInputs
+from vllm.platforms.spyre_cb_blocks import blocks_needed
+from vllm.worker.spyre_cb_inputs import decode_batch, prefill_chunks
 
 
 BS = CB_BLOCK_SIZE
-needs_kernel = pytest.mark.skipif(not spyre_cpu_linear.available(),
+needs_kernel = pytest.mark.skipif(not native.available(),
                                   reason="no C++ compiler for the kernel")
 
 # (heads, kv heads, head size): grouped-query, plain multi-head, and head
@@ -93,7 +94,7 @@ def _attend(op, q, pool_k, pool_v, H, kvh, step: PagedInputs, scale=None):
 
 
 def _store(pool, keys, values, step):
-    k, v, rk, rv = spyre_paged_kv._store(keys, values, pool.keys,
+    k, v, rk, rv = paged_cache._store(keys, values, pool.keys,
                                          pool.values,
                                          cache_slots=step.cache_slots)
     assert k is pool.keys and v is pool.values
@@ -142,7 +143,7 @@ def test_torch_ops_decode_matches_contiguous_attention(H, kvh, D):
         assert torch.equal(pool.keys[s], seqs[b][0][n - 1])
         assert torch.equal(pool.values[s], seqs[b][1][n - 1])
     for scale in (None, 0.3):
-        got = _attend(spyre_paged_kv.compute, q, pool.keys, pool.values, H,
+        got = _attend(paged_cache.compute, q, pool.keys, pool.values, H,
                       kvh, step, scale)
         assert got.shape == (4, 1, H, D)
         ref = _reference(q, [k for k, _ in seqs], [v for _, v in seqs],
@@ -156,7 +157,7 @@ def test_torch_ops_decode_with_padding_row():
         H, kvh, D, D, lens=[70])
     assert step.input_ids.shape == (2, 1)  # padded to MIN_DECODE_BATCH
     _store(pool, new_k, new_v, step)
-    got = _attend(spyre_paged_kv.compute, q, pool.keys, pool.values, H, kvh,
+    got = _attend(paged_cache.compute, q, pool.keys, pool.values, H, kvh,
                   step)
     # The live row sees its 70 tokens; the padding row sees the first slot
     # of the spare block.
@@ -195,7 +196,7 @@ def test_torch_ops_prefill_chunks_match_causal_attention(n, H, kvh, D):
     for c in range(chunks.input_ids.shape[0]):
         row = chunks.row(c)
         _store(pool, keys[c:c + 1], values[c:c + 1], row)
-        got = _attend(spyre_paged_kv.compute, q[c:c + 1], pool.keys,
+        got = _attend(paged_cache.compute, q[c:c + 1], pool.keys,
                       pool.values, H, kvh, row)
         # Real positions: causal over the prompt; pads: its first token.
         ref = _reference(q[c:c + 1], [seq_k], [seq_v], row.ctx_lens)
@@ -216,7 +217,7 @@ def test_left_padded_chunk_equals_sdpa_causal():
     for c in range(2):
         row = chunks.row(c)
         _store(pool, keys[c:c + 1], values[c:c + 1], row)
-        outs.append(_attend(spyre_paged_kv.compute, q[c:c + 1], pool.keys,
+        outs.append(_attend(paged_cache.compute, q[c:c + 1], pool.keys,
                             pool.values, H, kvh, row))
     pad = 2 * BS - n
     got = torch.cat(outs, 1)[:, pad:]  # [1, n, H, D]
@@ -255,9 +256,9 @@ def test_kernel_reads_bf16_pools():
     slots = step.cache_slots.flatten()
     assert torch.equal(pool.keys[slots],
                        new_k.flatten(0, 1).bfloat16())
-    ref = _attend(spyre_paged_kv.compute, q, pool.keys, pool.values, H, kvh,
+    ref = _attend(paged_cache.compute, q, pool.keys, pool.values, H, kvh,
                   step, None)
-    got = _attend(spyre_paged_kv.compute_kernel, q, pool.keys, pool.values,
+    got = _attend(paged_cache.compute_kernel, q, pool.keys, pool.values,
                   H, kvh, step, None)
     assert got.dtype == ref.dtype == torch.float32
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
@@ -270,9 +271,9 @@ def test_kernel_decode_matches_torch_ops(H, kvh, D):
     _store(pool, new_k, new_v, step)
     nan_k, nan_v = _poison_unread(pool.keys, pool.values, step)
     for scale in (None, 0.3):
-        ref = _attend(spyre_paged_kv.compute, q, pool.keys, pool.values, H,
+        ref = _attend(paged_cache.compute, q, pool.keys, pool.values, H,
                       kvh, step, scale)
-        got = _attend(spyre_paged_kv.compute_kernel, q, nan_k, nan_v, H,
+        got = _attend(paged_cache.compute_kernel, q, nan_k, nan_v, H,
                       kvh, step, scale)
         assert not got.isnan().any()
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
@@ -288,14 +289,14 @@ def test_kernel_shares_uneven_sequences_among_threads():
         H, kvh, D, D, seed=3, lens=[1, 190, 2, 64])
     _store(pool, new_k, new_v, step)
     nan_k, nan_v = _poison_unread(pool.keys, pool.values, step)
-    ref = _attend(spyre_paged_kv.compute, q, pool.keys, pool.values, H, kvh,
+    ref = _attend(paged_cache.compute, q, pool.keys, pool.values, H, kvh,
                   step)
     threads = torch.get_num_threads()
     outs = []
     try:
         for n in (1, 2, 3, 5, 13):
             torch.set_num_threads(n)
-            outs.append(_attend(spyre_paged_kv.compute_kernel, q, nan_k,
+            outs.append(_attend(paged_cache.compute_kernel, q, nan_k,
                                 nan_v, H, kvh, step))
     finally:
         torch.set_num_threads(threads)
@@ -313,9 +314,9 @@ def test_kernel_prefill_matches_torch_ops(H, kvh, D):
         row = chunks.row(c)
         _store(pool, keys[c:c + 1], values[c:c + 1], row)
         nan_k, nan_v = _poison_unread(pool.keys, pool.values, row)
-        ref = _attend(spyre_paged_kv.compute, q[c:c + 1], pool.keys,
+        ref = _attend(paged_cache.compute, q[c:c + 1], pool.keys,
                       pool.values, H, kvh, row)
-        got = _attend(spyre_paged_kv.compute_kernel, q[c:c + 1], nan_k,
+        got = _attend(paged_cache.compute_kernel, q[c:c + 1], nan_k,
                       nan_v, H, kvh, row)
         assert not got.isnan().any()
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
@@ -326,7 +327,7 @@ def test_kernel_value_head_size_may_differ():
     H, kvh, D, Dv = 4, 2, 16, 24
     pool, _, seqs, step, q, new_k, new_v = _decode_case(H, kvh, D, Dv)
     _store(pool, new_k, new_v, step)
-    got = _attend(spyre_paged_kv.compute_kernel, q, pool.keys, pool.values,
+    got = _attend(paged_cache.compute_kernel, q, pool.keys, pool.values,
                   H, kvh, step)
     assert got.shape == (4, 1, H, Dv)
     ref = _reference(q, [k for k, _ in seqs], [v for _, v in seqs],
@@ -435,17 +436,17 @@ def _compiled_decode_steps(op):
 
 
 def test_torch_ops_trace_with_dynamic_batch():
-    assert _compiled_decode_steps(spyre_paged_kv.compute) == 1
+    assert _compiled_decode_steps(paged_cache.compute) == 1
 
 
 @needs_kernel
 def test_kernel_traces_with_dynamic_batch():
-    assert _compiled_decode_steps(spyre_paged_kv.compute_kernel) == 1
+    assert _compiled_decode_steps(paged_cache.compute_kernel) == 1
 
 
 # ---- PoolLayout ------------------------------------------------------------
 def test_pool_layout_allocates_and_sizes_blocks():
-    layout = spyre_paged_kv.PoolLayout(
+    layout = kv_layout.PoolLayout(
         CacheLayout(layers=3, kv_heads=2, k_head_dim=16, v_head_dim=8))
     pools = layout.allocate(5, torch.float32)
     assert len(pools) == 3
@@ -462,14 +463,14 @@ def test_pool_layout_allocates_and_sizes_blocks():
 
 def test_register_is_idempotent():
     from fms.modules import attention
-    spyre_paged_kv.register()
-    spyre_paged_kv.register()
-    ops = attention.get_attention_type(attn_name=spyre_paged_kv.ATTN_NAME)
-    assert ops["store"] is spyre_paged_kv._store
-    assert ops["compute_decode"] is spyre_paged_kv.compute
+    paged_cache.register()
+    paged_cache.register()
+    ops = attention.get_attention_type(attn_name=paged_cache.ATTN_NAME)
+    assert ops["store"] is paged_cache._store
+    assert ops["compute_decode"] is paged_cache.compute
     kernel = attention.get_attention_type(
-        attn_name=spyre_paged_kv.ATTN_NAME_CPU_KERNEL)
-    assert kernel["compute_decode"] is spyre_paged_kv.compute_kernel
+        attn_name=paged_cache.ATTN_NAME_CPU_KERNEL)
+    assert kernel["compute_decode"] is paged_cache.compute_kernel
     # No separate prefill op: a chunk attends through the pool too.
     assert ops["is_prefill"]() is True
-    assert ops["compute_prefill"] is spyre_paged_kv.compute
+    assert ops["compute_prefill"] is paged_cache.compute

@@ -8,23 +8,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.model_executor.model_loader import spyre_cpu_linear, spyre_paged_kv
-from vllm.model_executor.model_loader.spyre_kv_cache import CacheLayout
+from vllm.attention.spyre import kv_layout, native, paged_cache
+from vllm.attention.spyre.kv_layout import CacheLayout
 from vllm.platforms.spyre_config import CB_BLOCK_SIZE
-from vllm.worker.spyre_cb_inputs import (PagedInputs, blocks_needed,
-                                         decode_batch, prefill_chunks,
+from vllm.attention.spyre.paged_inputs import PagedInputs
+from vllm.platforms.spyre_cb_blocks import blocks_needed
+from vllm.worker.spyre_cb_inputs import (decode_batch,
+                                         prefill_chunks,
                                          whole_prefill_len)
 
 from conftest import build_tiny_fms
 
 BS = CB_BLOCK_SIZE
-needs_kernel = pytest.mark.skipif(not spyre_cpu_linear.available(),
+needs_kernel = pytest.mark.skipif(not native.available(),
                                   reason="no C++ compiler for the kernel")
 
 
 @pytest.fixture(scope="module")
 def tiny_fms():
-    spyre_paged_kv.register()
+    paged_cache.register()
     return build_tiny_fms(256)
 
 
@@ -37,7 +39,7 @@ class PagedRun:
         #: Prefill in one pass (as on the paged kernel) instead of 64-token
         #: chunks.
         self.whole = whole
-        layout = spyre_paged_kv.PoolLayout(CacheLayout.of(model))
+        layout = kv_layout.PoolLayout(CacheLayout.of(model))
         self.pool = layout.allocate(blocks, torch.float32)
         gen = torch.Generator().manual_seed(seed)
         for k, v in self.pool:  # stale values of earlier sequences
@@ -93,9 +95,9 @@ class PagedRun:
 
 
 def _attn_names():
-    kernel = pytest.param(spyre_paged_kv.ATTN_NAME_CPU_KERNEL,
+    kernel = pytest.param(paged_cache.ATTN_NAME_CPU_KERNEL,
                           marks=needs_kernel)
-    return [spyre_paged_kv.ATTN_NAME, kernel]
+    return [paged_cache.ATTN_NAME, kernel]
 
 
 @torch.inference_mode()

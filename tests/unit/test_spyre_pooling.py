@@ -8,10 +8,12 @@ import torch
 
 from vllm.platforms.spyre_config import SpyreConfig, WarmupShape
 from vllm.worker import spyre_memory
-from vllm.worker.spyre_pooling_inputs import (Placement, choose_pooling_shape,
-                                              first_fit, packed_inputs,
-                                              plan_passes, rejection_reason,
-                                              select_texts)
+from vllm.platforms.spyre_pooling_shapes import (choose_pooling_shape,
+                                                 first_fit,
+                                                 Placement,
+                                                 rejection_reason,
+                                                 select_texts)
+from vllm.worker.spyre_pooling_inputs import packed_inputs, plan_passes
 
 P = Placement
 
@@ -209,5 +211,5 @@ def test_pooling_estimate_has_no_cache_and_sizes_the_largest_shape():
 def test_encoder_dtype(dtype, backend, held, bf16):
     """``--dtype bfloat16`` on the CPU: float32 tensors, bfloat16 products
     (the memory check counts the tensors as held)."""
-    from vllm.model_executor.model_loader.spyre_encoder import encoder_dtype
+    from vllm.model_executor.models.spyre_dtypes import encoder_dtype
     assert encoder_dtype(dtype, backend) == (held, bf16)

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm.model_executor.model_loader import spyre_cpu_linear
+from vllm.attention.spyre import native
+from vllm.model_executor.layers import spyre_linear
 from vllm.model_executor.model_loader.spyre_weight_update import (
     CheckpointLayout, _layer_of, check_state_dict, load_in_place)
 
@@ -100,7 +101,7 @@ def test_layer_of(name, layer):
     assert _layer_of(name) == layer
 
 
-@pytest.mark.skipif(not spyre_cpu_linear.available(),
+@pytest.mark.skipif(not native.available(),
                     reason="no C++ compiler for the kernel")
 def test_packed_fms_model_takes_new_weights_in_place():
     """A tiny FMS LLaMA, packed, updated with another one's state dict: its
@@ -119,7 +120,7 @@ def test_packed_fms_model_takes_new_weights_in_place():
         return model.eval().requires_grad_(False)
 
     served, new = llama(0), llama(1)
-    spyre_cpu_linear.pack_linears(served)
+    spyre_linear.pack_linears(served)
     buffers = dict(served.named_buffers())
     # In FMS's own naming (no adapter), the tied head under both names.
     sd = new.state_dict()
@@ -129,7 +130,7 @@ def test_packed_fms_model_takes_new_weights_in_place():
                          source=None, tensor_parallel=False) == len(sd)
     assert all(b is buffers[n] for n, b in served.named_buffers())
     assert not [m for m in served.modules() if hasattr(m, "weight")
-                and isinstance(m, spyre_cpu_linear.PackedLinear)]
+                and isinstance(m, spyre_linear.PackedLinear)]
     ids = torch.randint(0, 100, (2, 9),
                         generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():

@@ -20,31 +20,29 @@ from __future__ import annotations
 
 from vllm.core.scheduler import (Scheduler, SchedulerPrefillOutputs,
                                  SchedulingBudget)
-from vllm.core.spyre_scheduler import refuse_unsupported, waiting_only
-from vllm.platforms.spyre import is_spyre
+from vllm.core.spyre_scheduling import refuse_unsupported, waiting_only
+from vllm.platforms.spyre_cb_blocks import (parallel_samples_reason,
+                                            rejection_reason)
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import SequenceGroup
-from vllm.worker.spyre_cb_inputs import (parallel_samples_reason,
-                                         rejection_reason)
 
 
 class SpyreCBScheduler(Scheduler):
 
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
         """Refuses requests that could never be scheduled, up front."""
-        if is_spyre():
-            refuse_unsupported(seq_group)
-            params = seq_group.sampling_params
-            prompt_len = seq_group.first_seq.get_prompt_len()
-            if params is not None and params.max_tokens is None:
-                # "As many as the context allows", as upstream stops them.
-                params.max_tokens = self._max_tokens(prompt_len, params)
-            reason = rejection_reason(
-                prompt_len, params.max_tokens if params else 1,
-                self.scheduler_config.max_model_len,
-                self.cache_config.block_size, self._usable_blocks())
-            if reason is not None:
-                raise ValueError(reason)
+        refuse_unsupported(seq_group)
+        params = seq_group.sampling_params
+        prompt_len = seq_group.first_seq.get_prompt_len()
+        if params is not None and params.max_tokens is None:
+            # "As many as the context allows", as upstream stops them.
+            params.max_tokens = self._max_tokens(prompt_len, params)
+        reason = rejection_reason(
+            prompt_len, params.max_tokens if params else 1,
+            self.scheduler_config.max_model_len,
+            self.cache_config.block_size, self._usable_blocks())
+        if reason is not None:
+            raise ValueError(reason)
         super().add_seq_group(seq_group)
 
     def refuse_parallel_samples(self, prompt_len: int,
@@ -52,13 +50,12 @@ class SpyreCBScheduler(Scheduler):
         """Refuses a request whose ``n`` samples could never decode side by
         side.  Called by the engine before it fans the request out into
         ``n`` groups of one sample (see ``vllm.engine.spyre_admission``)."""
-        if is_spyre():
-            reason = parallel_samples_reason(
-                params.n, prompt_len, self._max_tokens(prompt_len, params),
-                self.scheduler_config.max_num_seqs,
-                self.cache_config.block_size, self._usable_blocks())
-            if reason is not None:
-                raise ValueError(reason)
+        reason = parallel_samples_reason(
+            params.n, prompt_len, self._max_tokens(prompt_len, params),
+            self.scheduler_config.max_num_seqs,
+            self.cache_config.block_size, self._usable_blocks())
+        if reason is not None:
+            raise ValueError(reason)
 
     def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         if params.max_tokens is not None:
@@ -75,7 +72,7 @@ class SpyreCBScheduler(Scheduler):
                            ) -> SchedulerPrefillOutputs:
         """Upstream's prefill scheduling, shown only the oldest waiting
         request: one sequence per prefill step."""
-        if not is_spyre() or len(self.waiting) <= 1:
+        if len(self.waiting) <= 1:
             return super()._schedule_prefills(budget, curr_loras,
                                               enable_chunking,
                                               partial_prefill_metadata)

@@ -20,11 +20,10 @@ from typing import Optional
 
 from vllm.core.scheduler import (Scheduler, SchedulerPrefillOutputs,
                                  SchedulingBudget)
-from vllm.core.spyre_scheduler import waiting_only
-from vllm.platforms.spyre import is_spyre
+from vllm.core.spyre_scheduling import waiting_only
 from vllm.platforms.spyre_config import SpyreConfig, WarmupShape
+from vllm.platforms.spyre_pooling_shapes import rejection_reason, select_texts
 from vllm.sequence import SequenceGroup
-from vllm.worker.spyre_pooling_inputs import rejection_reason, select_texts
 
 
 class SpyrePoolingScheduler(Scheduler):
@@ -34,7 +33,7 @@ class SpyrePoolingScheduler(Scheduler):
         """``spyre_config`` is bound by the platform (``scheduler_cls`` is a
         ``functools.partial``)."""
         super().__init__(*args, **kwargs)
-        self.packing = is_spyre() and spyre_config is not None
+        self.packing = spyre_config is not None
         self.warmup_shapes: tuple[WarmupShape, ...] = (
             spyre_config.warmup_shapes if self.packing else ())
 

@@ -15,19 +15,19 @@ Decoding, aborts, freeing and output bookkeeping are upstream's.
 """
 from __future__ import annotations
 
-import contextlib
-from collections import deque
 from typing import Optional
 
 from vllm.core.scheduler import (Scheduler, SchedulerPrefillOutputs,
                                  SchedulingBudget)
+from vllm.core.spyre_scheduling import refuse_unsupported, waiting_only
 from vllm.logger import init_logger
-from vllm.platforms.spyre import is_spyre
 from vllm.platforms.spyre_config import SpyreConfig, WarmupShape
+from vllm.platforms.spyre_static_shapes import (RequestSize,
+                                                parallel_samples_reason,
+                                                rejection_reason,
+                                                select_batch)
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import SequenceGroup
-from vllm.worker.spyre_inputs import (RequestSize, parallel_samples_reason,
-                                      rejection_reason, select_batch)
 
 logger = init_logger(__name__)
 
@@ -40,7 +40,7 @@ class SpyreScheduler(Scheduler):
         ``functools.partial``), since the engine hands a scheduler only the
         scheduler, cache and LoRA configs."""
         super().__init__(*args, **kwargs)
-        self.static_batching = is_spyre() and spyre_config is not None
+        self.static_batching = spyre_config is not None
         self.warmup_shapes: tuple[WarmupShape, ...] = (
             spyre_config.warmup_shapes if self.static_batching else ())
         #: The shape of the batch now running (None when idle).
@@ -120,36 +120,3 @@ class SpyreScheduler(Scheduler):
     def _size(seq_group: SequenceGroup) -> RequestSize:
         return RequestSize(seq_group.first_seq.get_prompt_len(),
                            seq_group.sampling_params.max_tokens or 0)
-
-
-def refuse_unsupported(seq_group: SequenceGroup) -> None:
-    """Both Spyre schedulers refuse, up front, sampling features that would
-    otherwise be ignored without a word."""
-    params = seq_group.sampling_params
-    if params is None:
-        return
-    if params.prompt_logprobs is not None:
-        raise ValueError(
-            "prompt_logprobs is not supported on Spyre: the compiled graphs "
-            "return the logits of the last position only.")
-    if params.guided_decoding is not None:
-        # vLLM 0.10's V0 engine builds no logits processor for it.
-        raise ValueError(
-            "Guided decoding (guided_json, guided_regex, guided_choice, "
-            "guided_grammar, structured response_format) is not supported "
-            "on Spyre: vLLM's V0 engine does not apply it, and the output "
-            "would not follow the constraint.")
-
-
-@contextlib.contextmanager
-def waiting_only(scheduler: Scheduler, chosen: list[SequenceGroup]):
-    """Upstream's prefill scheduling, inside the block, sees only
-    ``chosen`` of the waiting queue; whatever it leaves waiting keeps its
-    place ahead of the other waiting requests."""
-    picked = {id(g) for g in chosen}
-    rest = deque(g for g in scheduler.waiting if id(g) not in picked)
-    scheduler.waiting = deque(chosen)
-    try:
-        yield
-    finally:
-        scheduler.waiting.extend(rest)

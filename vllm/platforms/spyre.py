@@ -5,11 +5,16 @@ vLLM calls it in every process (API server, MQLLMEngine, workers) to resolve
 ``current_platform``.  ``SpyrePlatform.check_and_update_config`` runs once, in
 the process that builds the ``VllmConfig``: it parses the Spyre environment
 variables, checks the model's family (``spyre_families``: architecture,
-sliding window; ``spyre_encoder`` for pooling models), derives the engine
+sliding window; ``spyre_encoder_families`` for pooling models), derives the engine
 limits (from the warm-up shapes under static batching and for pooling
 models, from vLLM's own flags under continuous batching), selects the
 Spyre executor, worker and scheduler of that mode, and stores the parsed
 settings in ``vllm_config.additional_config`` for every other process.
+
+Choosing every mode's classes makes this module the top of the project's
+layers (``pyproject.toml``'s import contract): it imports them, at
+configuration time, and no other module imports it; ``is_spyre`` lives
+with the settings, at the bottom.
 """
 from __future__ import annotations
 
@@ -22,8 +27,8 @@ import torch
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 from vllm.platforms.spyre_config import (ADDITIONAL_CONFIG_KEY, CB_BLOCK_SIZE,
-                                         SpyreConfig, sendnn_available,
-                                         usage_stats_unset)
+                                         PLATFORM_QUALNAME, SpyreConfig,
+                                         sendnn_available, usage_stats_unset)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -38,13 +43,7 @@ SPYRE_POOLING_WORKER_CLS = \
 
 def register() -> Optional[str]:
     """Entry point of the ``vllm.platform_plugins`` group."""
-    return "vllm.platforms.spyre.SpyrePlatform"
-
-
-def is_spyre() -> bool:
-    """True when vLLM runs on the Spyre platform."""
-    from vllm.platforms import current_platform
-    return isinstance(current_platform, SpyrePlatform)
+    return PLATFORM_QUALNAME
 
 
 class SpyrePlatform(Platform):
@@ -144,14 +143,13 @@ class SpyrePlatform(Platform):
         # Imported here: vllm.model_executor imports vllm.config, which
         # resolves the platform.
         if pooling:
-            from vllm.model_executor.model_loader.spyre_encoder import (
+            from vllm.model_executor.models.spyre_encoder_families import (
                 check_parallel, encoder_family)
             check_parallel(encoder_family(model_config.hf_config),
                            parallel_config.tensor_parallel_size)
             _configure_pooling(vllm_config, spyre)
         else:
-            from vllm.model_executor.model_loader.spyre_families import (
-                family_of)
+            from vllm.model_executor.models.spyre_families import family_of
             family = family_of(model_config.hf_config)
             if spyre.use_cb:
                 _configure_continuous_batching(vllm_config, spyre)

@@ -7,7 +7,9 @@ every engine and worker process receives the same values, pickled with the
 rest of the vLLM config, and never reads the environment again.
 
 The configuration page ``docs/configuration.md`` is generated from
-``SPYRE_ENV_VARS`` by ``render_env_var_table``.
+``SPYRE_ENV_VARS`` by ``render_env_var_table``.  ``is_spyre`` tells any
+module whether Spyre is vLLM's platform without importing the platform
+module, which sits above every mode it configures.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ WARMUP_ENV_VARS = ("VLLM_SPYRE_WARMUP_PROMPT_LENS",
 POOLING_IGNORED_ENV_VARS = ("VLLM_SPYRE_WARMUP_NEW_TOKENS",
                             "VLLM_SPYRE_USE_CB")
 ADDITIONAL_CONFIG_KEY = "spyre"
+#: The platform class that the ``spyre`` platform plugin activates.
+PLATFORM_QUALNAME = "vllm.platforms.spyre.SpyrePlatform"
 #: vLLM's own switches for its usage statistics; any one of them set is the
 #: user's choice, which the platform keeps.
 USAGE_STATS_ENV_VARS = ("VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK",
@@ -473,3 +477,11 @@ def usage_stats_unset(environ: Optional[Mapping[str, str]] = None) -> bool:
     keeps them on)."""
     env = os.environ if environ is None else environ
     return not any(name in env for name in USAGE_STATS_ENV_VARS)
+
+
+def is_spyre() -> bool:
+    """True when vLLM runs on the Spyre platform (its class compared by
+    qualified name: the platform module is not imported)."""
+    from vllm.platforms import current_platform
+    cls = type(current_platform)
+    return f"{cls.__module__}.{cls.__qualname__}" == PLATFORM_QUALNAME

@@ -18,85 +18,21 @@ block manager has given each sequence its blocks of ``block_size`` tokens.
   its sequence it sees.  Padding positions write their keys and values into
   a spare block that no sequence owns, and see one token.
 
-The scheduler uses ``rejection_reason`` to refuse requests that could never
-run.  Nothing here touches a model or global state.
+The step's tensors are a ``PagedInputs`` (``vllm.attention.spyre``), which
+the model reads; the scheduler's limits are in
+``vllm.platforms.spyre_cb_blocks``.  Nothing here touches a model or global
+state.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-#: Smallest decode batch: rows beyond the running sequences are padding.
-MIN_DECODE_BATCH = 2
-#: Fewest positions of a prefill run in one pass (dynamo specialises a
-#: length of 1 as it does a batch of 1): a one-token prompt is left-padded.
-MIN_PREFILL_LEN = 2
+from vllm.attention.spyre.paged_inputs import (MIN_DECODE_BATCH,
+                                               MIN_PREFILL_LEN, PagedInputs)
+from vllm.platforms.spyre_cb_blocks import blocks_needed
 
-
-@dataclass(frozen=True)
-class PagedInputs:
-    """Tensors of one forward pass over the block pool (B rows of L
-    positions).  A prefill holds its chunks as rows, run one at a time."""
-
-    input_ids: torch.Tensor  # [B, L] int64
-    position_ids: torch.Tensor  # [B, L] int64
-    cache_slots: torch.Tensor  # [B, L] int64: pool slot each position writes
-    block_table: torch.Tensor  # [B, max_blocks] int64
-    ctx_lens: torch.Tensor  # [B, L] int64: tokens each position sees
-
-    def row(self, i: int) -> "PagedInputs":
-        """Row ``i`` as a batch of one (one prefill pass or chunk)."""
-        return PagedInputs(*(t[i:i + 1].clone() for t in (
-            self.input_ids, self.position_ids, self.cache_slots,
-            self.block_table, self.ctx_lens)))
-
-
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
-def rejection_reason(prompt_len: int, max_tokens: int, max_model_len: int,
-                     block_size: int, usable_blocks: int) -> Optional[str]:
-    """Why a request can never run under continuous batching, or None."""
-    total = prompt_len + max_tokens
-    if total > max_model_len:
-        return (f"The request needs {total} tokens (prompt length "
-                f"{prompt_len} + max_tokens {max_tokens}), more than "
-                f"max_model_len={max_model_len}. Shorten the prompt or "
-                "lower max_tokens, or raise --max-model-len.")
-    need = blocks_needed(total, block_size)
-    if need > usable_blocks:
-        return (f"The request needs {need} key/value blocks of {block_size} "
-                f"tokens (prompt length {prompt_len} + max_tokens "
-                f"{max_tokens}), more than the {usable_blocks} usable blocks "
-                "of the whole pool. Shorten the prompt or lower max_tokens, "
-                "or raise --num-gpu-blocks-override or "
-                "--gpu-memory-utilization.")
-    return None
-
-
-
-def parallel_samples_reason(n: int, prompt_len: int, max_tokens: int,
-                            max_num_seqs: int, block_size: int,
-                            usable_blocks: int) -> Optional[str]:
-    """Why the ``n`` samples of one request (``n`` or ``best_of``) can never
-    run side by side under continuous batching, or None."""
-    if n > max_num_seqs:
-        return (f"n={n} parallel samples of one request are more than "
-                f"--max-num-seqs={max_num_seqs}, the most sequences that "
-                "decode at once. Lower n (or best_of), or raise "
-                "--max-num-seqs.")
-    need = n * blocks_needed(prompt_len + max_tokens, block_size)
-    if need > usable_blocks:
-        return (f"n={n} parallel samples of {prompt_len} + {max_tokens} "
-                f"tokens need {need} key/value blocks of {block_size} "
-                f"tokens, more than the {usable_blocks} usable blocks of the "
-                "whole pool. Lower n (or best_of), shorten the prompt or "
-                "lower max_tokens, or raise --num-gpu-blocks-override or "
-                "--gpu-memory-utilization.")
-    return None
 
 def _table_row(block_ids: Sequence[int], max_blocks: int,
                pad_block: int) -> list[int]:

@@ -26,18 +26,18 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
+from vllm.attention.spyre.paged_inputs import PagedInputs
 from vllm.model_executor.layers.sampler import SamplerOutput
-from vllm.model_executor.model_loader.spyre_paged import SpyrePagedCausalLM
+from vllm.model_executor.models.spyre_paged_causal_lm import SpyrePagedCausalLM
 from vllm.model_executor.sampling_metadata import SamplingMetadata
 from vllm.platforms import current_platform
+from vllm.platforms.spyre_cb_blocks import blocks_needed
 from vllm.platforms.spyre_config import CB_BLOCK_SIZE, SpyreConfig
 from vllm.sequence import IntermediateTensors, SequenceGroupMetadata
 from vllm.worker.model_runner_base import ModelRunnerInputBase
-from vllm.worker.spyre_cb_inputs import (PagedInputs, blocks_needed,
-                                         decode_batch, prefill_chunks,
+from vllm.worker.spyre_cb_inputs import (decode_batch, prefill_chunks,
                                          whole_prefill_len)
-from vllm.worker.spyre_model_runner import (SpyreRunnerBase, only_seq,
-                                            sample)
+from vllm.worker.spyre_runner_base import SpyreRunnerBase, only_seq, sample
 
 logger = init_logger(__name__)
 

@@ -1,7 +1,7 @@
 """SpyreCBWorker: one Spyre card under continuous batching.
 
 The platform installs this worker when ``VLLM_SPYRE_USE_CB=1``.  It differs
-from ``SpyreWorker`` in how the key/value cache is sized and when the model
+from the static ``SpyreWorker`` in how the key/value cache is sized and when the model
 is warmed up:
 
 * ``load_model`` checks that the model and the smallest useful pool fit
@@ -21,16 +21,16 @@ from __future__ import annotations
 import psutil
 
 from vllm.logger import init_logger
+from vllm.platforms.spyre_cb_blocks import blocks_needed
 from vllm.platforms.spyre_config import CB_BLOCK_SIZE
 from vllm.worker import spyre_memory
-from vllm.worker.spyre_cb_inputs import blocks_needed
 from vllm.worker.spyre_cb_model_runner import SpyreCBModelRunner
-from vllm.worker.spyre_worker import SpyreWorker
+from vllm.worker.spyre_worker_base import SpyreWorkerBase
 
 logger = init_logger(__name__)
 
 
-class SpyreCBWorker(SpyreWorker):
+class SpyreCBWorker(SpyreWorkerBase):
     """Executes continuous batching on one Spyre card (or the CPU)."""
 
     model_runner: SpyreCBModelRunner  # type: ignore[assignment]

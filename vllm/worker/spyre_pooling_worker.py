@@ -3,7 +3,7 @@ cross-encoder scores).
 
 The platform installs this worker when vLLM runs a model with the pooling
 runner (``task="embed"``, ``"score"``, ``"classify"``).  Start-up is
-``SpyreWorker``'s (memory check, load, compile, warm-up of every shape);
+``SpyreWorkerBase``'s (memory check, load, compile, warm-up of every shape);
 the difference is what is sized: a pooling model keeps no key/value cache
 (vLLM's engine never asks a pooling worker for blocks), so the memory
 check counts the weights and the largest shape's activations only.
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from vllm.model_executor.model_loader.spyre_encoder import encoder_dtype
+from vllm.model_executor.models.spyre_dtypes import encoder_dtype
 from vllm.worker import spyre_memory
 from vllm.worker.spyre_pooling_model_runner import SpyrePoolingModelRunner
-from vllm.worker.spyre_worker import SpyreWorker
+from vllm.worker.spyre_worker_base import SpyreWorkerBase
 
 
-class SpyrePoolingWorker(SpyreWorker):
+class SpyrePoolingWorker(SpyreWorkerBase):
     """Executes a pooling model on one Spyre card (or the CPU)."""
 
     model_runner: SpyrePoolingModelRunner  # type: ignore[assignment]

@@ -18,7 +18,7 @@ which uses this module:
   given).  Nothing is replaced, so every compiled graph, which reads the
   weights as inputs, sees the new values at its next call: nothing is
   recompiled and no second copy of the weights is kept.  Layers packed for
-  the CPU kernel (``spyre_cpu_linear.PackedLinear``) get a staging weight
+  the CPU kernel (``spyre_linear.PackedLinear``) get a staging weight
   for the copy, packed in place and dropped before the next layer.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
-from vllm.model_executor.model_loader.spyre_cpu_linear import PackedLinear
+from vllm.model_executor.layers.spyre_linear import PackedLinear
 
 #: Hugging Face names of the output head, present in a state dict of a
 #: model whose head is tied to its embedding (``model.state_dict()``) but

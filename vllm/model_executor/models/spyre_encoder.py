@@ -22,185 +22,31 @@ tensor parallelism, shards the weights.  An architecture FMS lacks
 """
 from __future__ import annotations
 
-import functools
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
+from vllm.attention.spyre import encoder_attention, native
+from vllm.attention.spyre.encoder_attention import (ATTN_NAME, ATTN_NAME_BF16,
+                                                    ATTN_NAME_CPU,
+                                                    ATTN_NAME_CPU_BF16)
+from vllm.compilation.spyre_compile import compile_graphs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
+from vllm.model_executor.layers import spyre_linear
 from vllm.model_executor.layers.pooler import (ClassifierPooler, CLSPool,
                                                DispatchPooler, MeanPool,
                                                Pooler)
-from vllm.model_executor.model_loader import (spyre_cpu_linear,
-                                              spyre_graph_cache)
-from vllm.model_executor.model_loader.spyre import serving_dtype
-from vllm.model_executor.model_loader.spyre_hf_encoder import (
-    HF_ENCODER_FAMILIES, HFEncoder, HFEncoderFamily)
+from vllm.model_executor.models.spyre_dtypes import encoder_dtype
+from vllm.model_executor.models.spyre_encoder_families import (
+    HFEncoderFamily, check_parallel, encoder_family)
+from vllm.model_executor.models.spyre_hf_encoder import HFEncoder
 from vllm.platforms.spyre_config import SpyreConfig
 
 logger = init_logger(__name__)
-
-#: FMS attention op of an encoder: SDPA with the given mask, not causal.
-ATTN_NAME = "sdpa_bidirectional"
-#: The same in bfloat16 (``--dtype bfloat16`` on the CPU backends).
-ATTN_NAME_BF16 = "spyre_encoder_bf16"
-#: The C++ kernel (``spyre_cpu::encoder_attention``) of the CPU ``inductor``
-#: path, float32 and with bfloat16 products.
-ATTN_NAME_CPU = "spyre_encoder_cpu"
-ATTN_NAME_CPU_BF16 = "spyre_encoder_cpu_bf16"
-
-
-def _store(keys: torch.Tensor, values: torch.Tensor, key_cache, value_cache,
-           **attn_kwargs):
-    """No cache: a pass attends over its own keys and values."""
-    return keys, values, keys, values
-
-
-def _compute_bf16(query: torch.Tensor, keys: torch.Tensor,
-                  values: torch.Tensor, nheads: int, kvheads: int,
-                  p_dropout: float, scale_factor, **attn_kwargs):
-    """Bidirectional attention of ``[B, L, H, D]`` queries, keys and values
-    under the ``[B, L, L]`` mask, its two products in bfloat16 (float32
-    accumulation in PyTorch's CPU kernel); returns float32
-    ``[B, L, H, D]`` as FMS expects."""
-    bf16 = torch.bfloat16
-    out = torch.nn.functional.scaled_dot_product_attention(
-        *(t.transpose(2, 1).to(bf16) for t in (query, keys, values)),
-        attn_mask=attn_kwargs["mask"].unsqueeze(1), scale=scale_factor)
-    return out.transpose(2, 1).contiguous().to(query.dtype)
-
-
-def _compute_kernel(query: torch.Tensor, keys: torch.Tensor,
-                    values: torch.Tensor, nheads: int, kvheads: int,
-                    p_dropout: float, scale_factor, *, bf16_products: bool,
-                    **attn_kwargs):
-    """The C++ kernel: each text of a packed row attends to its own
-    tokens only (``text_starts``), read straight from FMS's ``[B, L, H,
-    D]`` projections, so the masked-out pairs cost nothing.  SDPA with the
-    block-diagonal mask computes every pair of slots of a row, and in
-    bfloat16 it runs no faster than in float32 here."""
-    scale = query.shape[-1]**-0.5 if scale_factor is None else scale_factor
-    return torch.ops.spyre_cpu.encoder_attention(
-        query, keys, values, attn_kwargs["text_starts"], scale,
-        bf16_products)
-
-
-def register_attention() -> None:
-    """Registers the encoder attention ops with FMS once per process."""
-    from fms.modules import attention
-    ops = {
-        ATTN_NAME_BF16: _compute_bf16,
-        ATTN_NAME_CPU: functools.partial(_compute_kernel,
-                                         bf16_products=False),
-        ATTN_NAME_CPU_BF16: functools.partial(_compute_kernel,
-                                              bf16_products=True),
-    }
-    for name, compute in ops.items():
-        try:
-            attention.get_attention_type(attn_name=name)
-        except KeyError:
-            attention.register_attention_op(name, _store, compute)
-
-
-@dataclass(frozen=True)
-class EncoderFamily:
-    """How one Hugging Face encoder architecture maps onto FMS."""
-
-    hf_architecture: str
-    #: FMS architecture whose ``hf`` adapter reads the checkpoint.
-    fms_architecture: str
-    #: Prefix FMS's adapter expects before the encoder's weights; a base
-    #: model's checkpoint (``BertModel``) stores them without it.
-    prefix: str
-    #: A cross-encoder: a classification head on the first token.
-    classify: bool
-    #: RoBERTa numbers positions after the padding id.
-    roberta_positions: bool
-
-    def params(self, hf_config) -> dict:
-        """FMS model parameters from the Hugging Face config (FMS's own
-        parameter builders)."""
-        from fms.models.hf.config_utils import param_builders
-        build = (param_builders.build_roberta_params if
-                 self.roberta_positions else param_builders.build_bert_params)
-        return build(hf_config, is_classify=self.classify)
-
-    def first_position(self, hf_config) -> int:
-        """The position embedding row (in FMS's table) of a text's first
-        token: 0 for BERT; for RoBERTa the padding id + 1 in the Hugging
-        Face table, whose first two rows FMS's adapter drops."""
-        if not self.roberta_positions:
-            return 0
-        pad = hf_config.pad_token_id
-        if pad is None or pad < 1:
-            raise NotImplementedError(
-                f"{self.hf_architecture} with pad_token_id={pad} is not "
-                "supported on Spyre: FMS's RoBERTa adapter expects position "
-                "ids numbered after a padding id of 1 or more.")
-        return pad - 1
-
-
-def encoder_dtype(dtype: torch.dtype,
-                  backend: str) -> tuple[torch.dtype, bool]:
-    """The dtype an encoder's tensors are held in, and whether its matrix
-    products run in bfloat16.  ``--dtype bfloat16`` on the CPU backends
-    keeps the tensors float32 but runs every matrix product in bfloat16
-    (``Bf16Linear``, ``ATTN_NAME_BF16``): embeddings then stay within
-    cosine 0.9999 of float32 (docs/embeddings.md), which a model held
-    wholly in bfloat16 does not."""
-    if backend != "sendnn" and dtype == torch.bfloat16:
-        return torch.float32, True
-    return serving_dtype(dtype, backend), False
-
-
-def _families() -> dict[str, EncoderFamily]:
-    rows = [
-        ("BertModel", "bert", "bert.", False, False),
-        ("BertForSequenceClassification", "bert_classification", "bert.",
-         True, False),
-        ("RobertaModel", "roberta", "roberta.", False, True),
-        ("XLMRobertaModel", "roberta", "roberta.", False, True),
-        ("RobertaForSequenceClassification", "roberta_classification",
-         "roberta.", True, True),
-        ("XLMRobertaForSequenceClassification", "roberta_classification",
-         "roberta.", True, True),
-    ]
-    return {r[0]: EncoderFamily(*r) for r in rows}
-
-
-ENCODER_FAMILIES = _families()
-
-
-def encoder_family(hf_config) -> EncoderFamily | HFEncoderFamily:
-    """The family of a pooling model's architecture: FMS's where FMS has
-    it, else the Hugging Face body's (``spyre_hf_encoder``);
-    NotImplementedError naming the supported ones otherwise."""
-    for arch in getattr(hf_config, "architectures", None) or ():
-        if arch in ENCODER_FAMILIES:
-            return ENCODER_FAMILIES[arch]
-        if arch in HF_ENCODER_FAMILIES:
-            return HF_ENCODER_FAMILIES[arch]
-    listed = ", ".join([*ENCODER_FAMILIES, *HF_ENCODER_FAMILIES])
-    raise NotImplementedError(
-        f"Pooling models of architecture {hf_config.architectures} are not "
-        f"supported on Spyre; supported encoders: {listed}.")
-
-
-def check_parallel(family: EncoderFamily | HFEncoderFamily,
-                   tp_size: int) -> None:
-    """NotImplementedError for tensor parallelism on a Hugging Face body,
-    which is not sharded."""
-    if isinstance(family, HFEncoderFamily) and tp_size > 1:
-        raise NotImplementedError(
-            f"--tensor-parallel-size {tp_size} is not supported for "
-            f"{family.hf_architecture} on Spyre: it runs on the Hugging "
-            "Face encoder body, which is not sharded (FMS's BERT and "
-            "RoBERTa encoders are); use --tensor-parallel-size 1.")
 
 
 class _Encoder(nn.Module):
@@ -267,13 +113,13 @@ class SpyreEncoderModel(nn.Module):
     def _choose_attention(self, backend: str) -> None:
         """FMS's attention op: SDPA (in bfloat16 under ``--dtype
         bfloat16``), or the C++ kernel on ``inductor``."""
-        register_attention()
+        encoder_attention.register()
         if self.bf16_matmuls:
-            n = spyre_cpu_linear.bf16_linears(self.encoder.base_model)
+            n = spyre_linear.bf16_linears(self.encoder.base_model)
             self.encoder.attn_name = ATTN_NAME_BF16
             logger.info("Matrix products of %d linear layers and of "
                         "attention in bfloat16", n)
-        if backend == "inductor" and spyre_cpu_linear.available():
+        if backend == "inductor" and native.available():
             self.encoder.attn_name = (ATTN_NAME_CPU_BF16 if self.bf16_matmuls
                                       else ATTN_NAME_CPU)
 
@@ -282,7 +128,7 @@ class SpyreEncoderModel(nn.Module):
         start = time.perf_counter()
         encoder = HFEncoder(path, self.family, self.dtype)
         if self.bf16_matmuls:
-            n = spyre_cpu_linear.bf16_linears(encoder)
+            n = spyre_linear.bf16_linears(encoder)
             logger.info("Matrix products of %d linear layers in bfloat16", n)
         logger.info("Loaded the Hugging Face %s encoder body from %s in "
                     "%.1f s (FMS has no such encoder)",
@@ -407,28 +253,13 @@ class SpyreEncoderModel(nn.Module):
 
     # ---- compile --------------------------------------------------------
     def _compile(self, encoder: nn.Module) -> Callable:
-        backend = self.spyre_config.dynamo_backend
-        if backend == "sendnn":
-            import torch_sendnn  # noqa: F401  registers the backend
+        """One graph per warm-up shape, as on the card; with ``inductor``
+        the weights are frozen into the graphs (large matrix products,
+        every token of the batch at once: inductor pre-packs them for
+        oneDNN)."""
         limit = max(64, 4 * len(self.spyre_config.warmup_shapes))
-        torch._dynamo.config.cache_size_limit = max(
-            torch._dynamo.config.cache_size_limit, limit)
-        torch._dynamo.config.accumulated_cache_size_limit = max(
-            torch._dynamo.config.accumulated_cache_size_limit, 4 * limit)
-        options: dict = {}
-        if backend != "sendnn":
-            options["guard_filter_fn"] = \
-                torch.compiler.skip_guard_on_all_nn_modules_unsafe
-        if backend == "inductor":
-            # Large matrix products (every token of the batch at once):
-            # frozen weights let inductor pre-pack them for oneDNN.
-            options.update(cpp_wrapper=True, freezing=True,
-                           size_asserts=False, alignment_asserts=False)
-            torch._dynamo.config.prepare_freezing = True
-        # One graph per warm-up shape, as on the card.
-        return spyre_graph_cache.DynamoGraphs(encoder, backend=backend,
-                                              dynamic=False,
-                                              options=options or None)
+        return compile_graphs(encoder, self.spyre_config.dynamo_backend,
+                              cache_size_limit=limit, freeze=True)
 
     @staticmethod
     def graph_name(batch_size: int, prompt_len: int) -> str:

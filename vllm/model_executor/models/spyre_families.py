@@ -57,7 +57,7 @@ def _as_loaded(model) -> None:
 
 
 def _dense_experts(model) -> None:
-    from vllm.model_executor.model_loader.spyre_moe import use_dense_experts
+    from vllm.model_executor.layers.spyre_moe import use_dense_experts
     use_dense_experts(model)
 
 

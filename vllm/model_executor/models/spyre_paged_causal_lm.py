@@ -1,7 +1,7 @@
 """SpyrePagedCausalLM: the FMS decoder over a paged key/value cache.
 
 Continuous batching's model: the same FMS load and ``torch.compile`` as
-``SpyreCausalLM``, with attention through ``spyre_paged_kv``'s block pools
+``SpyreCausalLM``, with attention through ``paged_cache``'s block pools
 instead of a cache per warm-up shape.  Two graphs serve every step:
 
 * a prefill, ``[1, L]``: on the paged C++ kernel (CPU ``inductor``), the
@@ -22,13 +22,14 @@ from typing import Optional
 
 import torch
 
+from vllm.attention.spyre import paged_cache
+from vllm.attention.spyre.kv_layout import PoolLayout
+from vllm.attention.spyre.paged_inputs import (MIN_DECODE_BATCH,
+                                               MIN_PREFILL_LEN, PagedInputs)
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
-from vllm.model_executor.model_loader import spyre_paged_kv
-from vllm.model_executor.model_loader.spyre import SpyreCausalLM
+from vllm.model_executor.models.spyre_causal_lm import SpyreCausalLM
 from vllm.platforms.spyre_config import CB_BLOCK_SIZE, SpyreConfig
-from vllm.worker.spyre_cb_inputs import (MIN_DECODE_BATCH,
-                                         MIN_PREFILL_LEN, PagedInputs)
 
 logger = init_logger(__name__)
 
@@ -36,13 +37,13 @@ logger = init_logger(__name__)
 class SpyrePagedCausalLM(SpyreCausalLM):
     """FMS causal LM reading and writing a block pool."""
 
-    ATTN_NAMES = (spyre_paged_kv.ATTN_NAME,
-                  spyre_paged_kv.ATTN_NAME_CPU_KERNEL)
+    ATTN_NAMES = (paged_cache.ATTN_NAME,
+                  paged_cache.ATTN_NAME_CPU_KERNEL)
 
     def __init__(self, *, vllm_config: VllmConfig,
                  spyre_config: SpyreConfig) -> None:
         super().__init__(vllm_config=vllm_config, spyre_config=spyre_config)
-        self.pool_layout = spyre_paged_kv.PoolLayout(self.cache_layout)
+        self.pool_layout = PoolLayout(self.cache_layout)
         #: Per layer (keys, values), allocated by ``allocate_pool``.
         self.kv_pool: Optional[list] = None
         self.num_blocks = 0
@@ -56,13 +57,13 @@ class SpyrePagedCausalLM(SpyreCausalLM):
         #: prefill of SmolLM2 reads for 4 ms per chunk to keep one row of
         #: logits; the kernel scores one query position at a time, so a
         #: whole prompt costs it no more memory than a chunk.
-        on_kernel = self.attn_name == spyre_paged_kv.ATTN_NAME_CPU_KERNEL
+        on_kernel = self.attn_name == paged_cache.ATTN_NAME_CPU_KERNEL
         self.prefill_len_range = (MIN_PREFILL_LEN, max(
             self.max_model_len, MIN_PREFILL_LEN + 1)) if on_kernel else None
 
     @staticmethod
     def _register_attention() -> None:
-        spyre_paged_kv.register()
+        paged_cache.register()
 
     def block_bytes(self) -> int:
         """Bytes one block of the pool takes on this rank."""

@@ -43,6 +43,8 @@ logger = init_logger(__name__)
 MAGIC = b"SPYRE-GRAPH 1\n"
 #: Files whose bytes are the model code the graphs are traced from.
 _CODE_SUFFIXES = (".py", ".cpp")
+#: Packages (under ``vllm``) holding the model code graphs are traced from.
+_MODEL_CODE_DIRS = ("attention", "compilation", "model_executor")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
@@ -61,13 +63,17 @@ def weights_identity(model_dir: str) -> str:
 
 
 def code_identity() -> str:
-    """Digest of this project's model code (loader, attention, kernels)."""
-    here = Path(__file__).resolve().parent
+    """Digest of this project's model code: the Spyre modules and kernels
+    under ``vllm/attention``, ``vllm/compilation`` and
+    ``vllm/model_executor`` (loader, models, layers, attention ops)."""
+    root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for p in sorted(here.glob("spyre*")):
-        if p.suffix in _CODE_SUFFIXES:
-            h.update(p.name.encode())
-            h.update(p.read_bytes())
+    for part in _MODEL_CODE_DIRS:
+        for p in sorted((root / part).rglob("*")):
+            rel = p.relative_to(root).as_posix()
+            if p.suffix in _CODE_SUFFIXES and "spyre" in rel:
+                h.update(rel.encode())
+                h.update(p.read_bytes())
     return h.hexdigest()[:16]
 
 

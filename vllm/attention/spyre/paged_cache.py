@@ -24,13 +24,10 @@ gathered into a contiguous tensor and attended with torch ops.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from vllm.model_executor.model_loader.spyre_kv_cache import (CacheLayout,
-                                                             attend_matmul,
-                                                             decode_op)
+from vllm.attention.spyre.fms_registry import register_ops
+from vllm.attention.spyre.torch_ops import attend_matmul, decode_op
 from vllm.platforms.spyre_config import CB_BLOCK_SIZE
 
 #: Name under which the op is registered with FMS.
@@ -86,32 +83,7 @@ compute_kernel = decode_op(_attend_kernel)
 def register() -> None:
     """Registers the ops with FMS once per process.  Every step attends
     through the pool, so there is no separate prefill op."""
-    from fms.modules import attention
-    for name, op in ((ATTN_NAME, compute),
-                     (ATTN_NAME_CPU_KERNEL, compute_kernel)):
-        try:
-            attention.get_attention_type(attn_name=name)
-        except KeyError:
-            attention.register_attention_op(name, _store, op)
-
-
-@dataclass(frozen=True)
-class PoolLayout:
-    """The block pools of every layer of one (possibly sharded) model, in
-    blocks of ``CB_BLOCK_SIZE`` tokens (the size both attention paths use)."""
-
-    cache: CacheLayout
-
-    def block_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes one block takes over all layers (keys and values)."""
-        return self.cache.nbytes(1, CB_BLOCK_SIZE, dtype)
-
-    def allocate(self, num_blocks: int, dtype: torch.dtype
-                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Zeroed pools, one (keys, values) pair per layer, each
-        ``[num_blocks * CB_BLOCK_SIZE, kv_heads, head_dim]``."""
-        slots = num_blocks * CB_BLOCK_SIZE
-        c = self.cache
-        return [(torch.zeros(slots, c.kv_heads, c.k_head_dim, dtype=dtype),
-                 torch.zeros(slots, c.kv_heads, c.v_head_dim, dtype=dtype))
-                for _ in range(c.layers)]
+    register_ops({
+        ATTN_NAME: dict(store_op=_store, compute_op=compute),
+        ATTN_NAME_CPU_KERNEL: dict(store_op=_store, compute_op=compute_kernel),
+    })

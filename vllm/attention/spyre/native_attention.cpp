@@ -28,7 +28,7 @@
 // weighted sum are float32 either way; a bfloat16 output is rounded once
 // at the end.
 //
-// Same conventions as spyre_cpu_linear.cpp (GCC vector extensions).
+// Same conventions as native_linear.cpp (GCC vector extensions).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -1,6 +1,6 @@
 """Encoders FMS does not implement, run on the Hugging Face encoder body.
 
-FMS has BERT and RoBERTa (``spyre_encoder.ENCODER_FAMILIES``).  For a
+FMS has BERT and RoBERTa (``spyre_encoder_families.ENCODER_FAMILIES``).  For a
 pooling architecture that vLLM registers and transformers implements but
 FMS does not, the encoder body is the transformers model itself, loaded
 from the checkpoint and compiled with the configured backend like FMS's.
@@ -22,31 +22,12 @@ SDPA).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
-
-@dataclass(frozen=True)
-class HFEncoderFamily:
-    """How one Hugging Face encoder architecture runs on its own body."""
-
-    hf_architecture: str
-    #: A cross-encoder: a classification head on the pooled text.
-    classify: bool
-
-    def first_position(self, hf_config) -> int:
-        """Positions count from 0 (rotary embeddings)."""
-        return 0
-
-
-HF_ENCODER_FAMILIES = {
-    f.hf_architecture: f
-    for f in (HFEncoderFamily("ModernBertForSequenceClassification",
-                              classify=True), )
-}
+from vllm.model_executor.models.spyre_encoder_families import HFEncoderFamily
 
 
 class HFEncoder(nn.Module):

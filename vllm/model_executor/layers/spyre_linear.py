@@ -4,15 +4,14 @@ A decode step on the CPU is bound by reading the weights: every step
 multiplies a few activation rows (one per sequence) by every weight matrix
 of the model.  MKL's matrix-vector and small-matrix products read those
 weights at 13-17 GB/s on the reference machine, against 20-22 GB/s for a
-plain sum.  ``spyre_cpu_linear.cpp`` packs each weight once, at load time,
+plain sum.  ``spyre_cpu::packed_linear`` packs each weight once, at load time,
 into contiguous column blocks and multiplies up to 12 rows per pass from
 registers, which streams them at 18-20 GB/s.
 
-The kernel is a ``torch.library`` op, ``spyre_cpu::packed_linear``, built on
-first use with PyTorch's C++ extension loader (the C++ compiler that
-inductor needs anyway) and cached in ``TORCH_EXTENSIONS_DIR``.  Inductor
-calls it like any other external kernel, so one packed copy of the weights
-serves the graphs of every warm-up shape.
+The kernel is a ``torch.library`` op of the project's native extension
+(``vllm.attention.spyre.native``, which builds it on first use beside the
+attention kernels).  Inductor calls it like any other external kernel, so
+one packed copy of the weights serves the graphs of every warm-up shape.
 
 A prompt is another matter: its many rows make the product bound by
 arithmetic, not by reading.  Where the CPU has AMX (``amx_bf16``), a
@@ -21,98 +20,19 @@ positions per row (prefills) through oneDNN, whose AMX tiles multiply
 them 3-4 times faster than the kernel's ``vdpbf16ps``; decode steps (one
 position per row) stay on the kernel.
 
-The same build holds ``spyre_cpu::decode_attention``,
-``spyre_cpu::paged_attention`` and ``spyre_cpu::encoder_attention``
-(``spyre_cpu_attention.cpp``), which ``spyre_kv_cache`` (static batching),
-``spyre_paged_kv`` (continuous batching) and ``spyre_encoder`` (pooling
-models) use for attention on this path.
+Where the extension cannot be built, ``bf16_linears`` gives bfloat16
+products on oneDNN instead (``Bf16Linear``).
 """
 from __future__ import annotations
 
-import platform
-import time
-from pathlib import Path
 from typing import Optional
 
 import torch
 from torch import nn
 
-from vllm.logger import init_logger
-
-logger = init_logger(__name__)
-
-#: Output columns per packed block; must match kBlock in the C++ source.
+#: Output columns per packed block; must match kBlock in
+#: ``vllm/attention/spyre/native_linear.cpp``.
 BLOCK = 32
-_SOURCES = [Path(__file__).with_suffix(".cpp"),
-            Path(__file__).with_name("spyre_cpu_attention.cpp")]
-_NATIVE_FLAG = {"x86_64": "-march=native", "s390x": "-march=native",
-                "ppc64le": "-mcpu=native", "aarch64": "-mcpu=native"}
-_loaded: Optional[bool] = None
-
-
-def available() -> bool:
-    """Builds (first time on a machine) and loads the kernels; False, with
-    a warning, where they cannot be built."""
-    global _loaded
-    if _loaded is None:
-        _loaded = _load()
-    return _loaded
-
-
-def _load() -> bool:
-    from torch.utils.cpp_extension import load
-    flags = ["-O3", "-fopenmp"]
-    native = _NATIVE_FLAG.get(platform.machine())
-    if native:
-        flags.append(native)
-    start = time.perf_counter()
-    try:
-        load(name="spyre_cpu_linear",
-             sources=[str(p) for p in _SOURCES],
-             extra_cflags=flags,
-             extra_ldflags=["-fopenmp"],
-             is_python_module=False)
-    except Exception as e:  # no compiler, or an unsupported platform
-        logger.warning(
-            "The packed CPU linear kernel could not be built (%s); linear "
-            "layers stay on MKL", e)
-        return False
-    torch.library.register_fake("spyre_cpu::packed_linear")(_fake)
-    torch.library.register_fake("spyre_cpu::decode_attention")(
-        _fake_attention)
-    torch.library.register_fake("spyre_cpu::paged_attention")(
-        _fake_paged_attention)
-    torch.library.register_fake("spyre_cpu::encoder_attention")(
-        _fake_encoder_attention)
-    logger.info("Loaded the packed CPU linear kernel in %.1f s",
-                time.perf_counter() - start)
-    return True
-
-
-def _fake(input: torch.Tensor, packed: torch.Tensor, out_features: int,
-          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return input.new_empty((*input.shape[:-1], out_features))
-
-
-def _fake_attention(query: torch.Tensor, keys: torch.Tensor,
-                    values: torch.Tensor, mask: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    return query.new_empty((*query.shape[:3], values.shape[-1]))
-
-
-def _fake_paged_attention(query: torch.Tensor, key_pool: torch.Tensor,
-                          value_pool: torch.Tensor, block_table: torch.Tensor,
-                          ctx_lens: torch.Tensor, block_size: int,
-                          scale: float) -> torch.Tensor:
-    return query.new_empty((*query.shape[:3], value_pool.shape[-1]))
-
-
-def _fake_encoder_attention(query: torch.Tensor, keys: torch.Tensor,
-                            values: torch.Tensor, text_starts: torch.Tensor,
-                            scale: float,
-                            bf16_products: bool) -> torch.Tensor:
-    return query.new_empty((*query.shape[:3], values.shape[-1]))
-
 
 _amx: Optional[bool] = None
 

@@ -1,0 +1,102 @@
+"""The native CPU kernels: one C++ extension, built on first use.
+
+The CPU stand-in for the card runs its hot loops in C++ kernels of this
+project, registered as ``torch.library`` ops of the ``spyre_cpu`` library so
+that inductor calls them like any other external kernel:
+
+* ``spyre_cpu::packed_linear`` (``native_linear.cpp``): linear layers whose
+  weights were packed once (``vllm.model_executor.layers.spyre_linear``);
+* ``spyre_cpu::decode_attention``, ``spyre_cpu::paged_attention`` and
+  ``spyre_cpu::encoder_attention`` (``native_attention.cpp``): attention
+  over the static cache (``static_cache``), the block pool
+  (``paged_cache``) and the packed texts of an encoder
+  (``encoder_attention``).
+
+``available`` builds both sources into one extension with PyTorch's C++
+extension loader (the compiler inductor needs anyway), cached in
+``TORCH_EXTENSIONS_DIR``, loads it and registers each op's fake (shape-only)
+implementation for tracing.  A machine without a compiler gets ``False`` and
+a warning, and every caller keeps its torch-op path.
+"""
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_SOURCES = [Path(__file__).with_name("native_linear.cpp"),
+            Path(__file__).with_name("native_attention.cpp")]
+_NATIVE_FLAG = {"x86_64": "-march=native", "s390x": "-march=native",
+                "ppc64le": "-mcpu=native", "aarch64": "-mcpu=native"}
+_loaded: Optional[bool] = None
+
+
+def available() -> bool:
+    """Builds (first time on a machine) and loads the kernels; False, with
+    a warning, where they cannot be built."""
+    global _loaded
+    if _loaded is None:
+        _loaded = _load()
+    return _loaded
+
+
+def _load() -> bool:
+    from torch.utils.cpp_extension import load
+    flags = ["-O3", "-fopenmp"]
+    native = _NATIVE_FLAG.get(platform.machine())
+    if native:
+        flags.append(native)
+    start = time.perf_counter()
+    try:
+        load(name="spyre_cpu_kernels",
+             sources=[str(p) for p in _SOURCES],
+             extra_cflags=flags,
+             extra_ldflags=["-fopenmp"],
+             is_python_module=False)
+    except Exception as e:  # no compiler, or an unsupported platform
+        logger.warning(
+            "The native CPU kernels could not be built (%s); linear layers "
+            "stay on MKL and attention on torch ops", e)
+        return False
+    torch.library.register_fake("spyre_cpu::packed_linear")(_fake)
+    torch.library.register_fake("spyre_cpu::decode_attention")(
+        _fake_attention)
+    torch.library.register_fake("spyre_cpu::paged_attention")(
+        _fake_paged_attention)
+    torch.library.register_fake("spyre_cpu::encoder_attention")(
+        _fake_encoder_attention)
+    logger.info("Loaded the native CPU kernels in %.1f s",
+                time.perf_counter() - start)
+    return True
+
+
+def _fake(input: torch.Tensor, packed: torch.Tensor, out_features: int,
+          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return input.new_empty((*input.shape[:-1], out_features))
+
+
+def _fake_attention(query: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    return query.new_empty((*query.shape[:3], values.shape[-1]))
+
+
+def _fake_paged_attention(query: torch.Tensor, key_pool: torch.Tensor,
+                          value_pool: torch.Tensor, block_table: torch.Tensor,
+                          ctx_lens: torch.Tensor, block_size: int,
+                          scale: float) -> torch.Tensor:
+    return query.new_empty((*query.shape[:3], value_pool.shape[-1]))
+
+
+def _fake_encoder_attention(query: torch.Tensor, keys: torch.Tensor,
+                            values: torch.Tensor, text_starts: torch.Tensor,
+                            scale: float,
+                            bf16_products: bool) -> torch.Tensor:
+    return query.new_empty((*query.shape[:3], values.shape[-1]))

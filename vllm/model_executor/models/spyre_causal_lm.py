@@ -1,0 +1,286 @@
+"""SpyreCausalLM: an FMS decoder, compiled with torch.compile, for vLLM.
+
+The model is loaded by ``vllm.model_executor.model_loader.spyre`` and
+compiled by ``vllm.compilation.spyre_compile``.  The model runner calls
+``forward`` once per engine step with the fixed-shape tensors built by
+``vllm.worker.spyre_inputs``: a prefill over a whole padded batch fills the
+first ``prompt_len`` slots of the batch's key/value cache, each decode step
+writes one more slot.  The caches belong to this module: one per warm-up
+shape, allocated when the shape is first run (at warm-up) and written in
+place ever after (``vllm.attention.spyre.static_cache``).  ``forward`` returns
+the next-token logits of every row; vLLM's own ``LogitsProcessor`` and
+``Sampler`` then run on the rows that are still live, as in vLLM's Neuron
+backend (``SpyreSampler`` takes all-greedy steps on a shorter path with the
+same result).
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+from torch import nn
+
+from vllm.attention.spyre import native, static_cache
+from vllm.attention.spyre.kv_layout import CacheLayout
+from vllm.compilation import spyre_graph_cache
+from vllm.compilation.spyre_compile import compile_graphs
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.model_executor.layers import spyre_linear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.sampler import SamplerOutput
+from vllm.model_executor.layers.spyre_sampler import SpyreSampler
+from vllm.model_executor.model_loader import (spyre as spyre_loader,
+                                              spyre_weight_update)
+from vllm.model_executor.models import spyre_families
+from vllm.model_executor.models.spyre_dtypes import (precision_of,
+                                                     serving_dtype)
+from vllm.model_executor.sampling_metadata import SamplingMetadata
+from vllm.platforms.spyre_config import SpyreConfig
+
+logger = init_logger(__name__)
+
+class SpyreCausalLM(nn.Module):
+    """FMS causal LM, compiled for the configured backend."""
+
+    #: FMS attention ops: in torch ops, and on the CPU kernels.
+    ATTN_NAMES = (static_cache.ATTN_NAME,
+                  static_cache.ATTN_NAME_CPU_KERNEL)
+
+    def __init__(self, *, vllm_config: VllmConfig,
+                 spyre_config: SpyreConfig) -> None:
+        super().__init__()
+        self.spyre_config = spyre_config
+        model_config = vllm_config.model_config
+        #: The dtype served, and where it is held.
+        self.served_dtype = serving_dtype(model_config.dtype,
+                                          spyre_config.dynamo_backend)
+        self.precision = precision_of(model_config.dtype,
+                                      spyre_config.dynamo_backend)
+        #: The dtype the FMS model is loaded in.
+        self.dtype = self.precision.model
+        if self.served_dtype != model_config.dtype:
+            logger.warning(
+                "dtype %s is slow or unsupported on the CPU; using float32",
+                model_config.dtype)
+        vocab_size = model_config.hf_text_config.vocab_size
+        self.logits_processor = LogitsProcessor(vocab_size,
+                                                logits_as_input=True)
+        self.sampler = SpyreSampler()
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.model_path = model_config.model
+        self.hf_config = model_config.hf_config
+        self.fms_model = spyre_loader.load_fms_decoder(
+            model_config.model, model_config.hf_config, self.dtype,
+            self.tp_size, spyre_config.dynamo_backend)
+        #: FMS attention op of every forward.
+        self.attn_name = self.ATTN_NAMES[0]
+        #: Whether the graphs hold the weights as constants (inductor
+        #: freezing) rather than reading them as inputs.
+        self.frozen = False
+        if spyre_config.dynamo_backend == "inductor":
+            self._use_cpu_kernels()
+        else:
+            self._bf16_products()
+        self._register_attention()
+        self.cache_layout = CacheLayout.of(self.fms_model)
+        self.model = self._compile(self.fms_model)
+        #: One key/value cache per (batch size, cache length).
+        self.kv_caches: dict[tuple[int, int], list] = {}
+        #: The cache of the running batch.
+        self.kv_cache: Optional[list] = None
+
+    def _use_cpu_kernels(self) -> None:
+        """``inductor``: linear layers go to the packed CPU kernel
+        (``spyre_linear``), their weights packed in
+        ``precision.linear``, and decode attention to its companion kernel.
+        A machine where they cannot be built keeps MKL/oneDNN and the
+        attention written in torch ops."""
+        if not native.available():
+            self._bf16_products()
+            return
+        start = time.perf_counter()
+        n = spyre_linear.pack_linears(self.fms_model, self.precision.linear)
+        self.attn_name = self.ATTN_NAMES[1]
+        logger.info("Packed the weights of %d linear layers in %s in %.1f s",
+                    n, str(self.precision.linear).removeprefix("torch."),
+                    time.perf_counter() - start)
+
+    def _bf16_products(self) -> None:
+        """bfloat16 products under a float32 model where the kernels are
+        not otherwise used (``eager``, or no C++ compiler): on the packed
+        kernel if it builds, which keeps the products' sums float32, else
+        through oneDNN (``Bf16Linear``, whose outputs are rounded to
+        bfloat16)."""
+        if self.precision.linear != torch.bfloat16 or \
+                self.precision.model == torch.bfloat16:
+            return
+        if native.available():
+            spyre_linear.pack_linears(self.fms_model, torch.bfloat16)
+        else:
+            spyre_linear.bf16_linears(self.fms_model)
+
+    @staticmethod
+    def _register_attention() -> None:
+        static_cache.register()
+
+    def _compile(self, model: nn.Module):
+        """The compiled model (``compile_graphs``): each warm-up shape needs
+        two graphs (prefill, decode), with room for every configured shape.
+        With ``inductor`` the weights are frozen into the graphs unless the
+        graph cache is on (a cached graph cannot hold them) or
+        ``VLLM_SPYRE_INDUCTOR_FREEZING=0`` keeps them graph inputs (for
+        weights updated in place)."""
+        backend = self.spyre_config.dynamo_backend
+        cache = self._graph_cache(backend)
+        self.frozen = (backend == "inductor" and cache is None
+                       and self.spyre_config.inductor_freezing)
+        limit = max(64, 8 * len(self.spyre_config.warmup_shapes))
+        return compile_graphs(model, backend, cache_size_limit=limit,
+                              freeze=self.frozen, cache=cache)
+
+    def _graph_cache(self, backend: str):
+        """This rank's entry of the graph cache, or None when it is off
+        (or the backend is sendnn, whose cache is torch_sendnn's)."""
+        directory = self.spyre_config.graph_cache_dir
+        if directory is None or backend == "sendnn":
+            return None
+        from vllm.distributed import get_tensor_model_parallel_rank
+        parts = spyre_graph_cache.key_parts(
+            model=self.model_path,
+            hf_config=self.hf_config,
+            backend=backend,
+            options={"freezing": False, "cpp_wrapper": backend == "inductor",
+                     "attention": self.attn_name},
+            tp_size=self.tp_size,
+            dtype=self.served_dtype)
+        return spyre_graph_cache.GraphCache(
+            directory, parts, rank=get_tensor_model_parallel_rank())
+
+    # ---- weights ---------------------------------------------------------
+    def update_weights_in_place(self, state_dict) -> int:
+        """Loads new weights (Hugging Face naming, full tensors; this rank
+        keeps its shard) into the compiled model without recompiling
+        (``spyre_weight_update``); returns how many tensors were loaded.
+        A state dict that does not match the checkpoint is refused with the
+        old weights kept."""
+        backend = self.spyre_config.dynamo_backend
+        family = spyre_families.family_of(self.hf_config)
+        if backend == "sendnn":
+            raise NotImplementedError(
+                "In-place weight updates with the sendnn backend are not "
+                "supported on Spyre")
+        if not family.serves_checkpoint_layout:
+            raise NotImplementedError(
+                f"In-place weight updates of {family.hf_architecture} "
+                "models are not supported on Spyre")
+        if self.frozen:
+            raise NotImplementedError(
+                "In-place weight updates of a model compiled with its "
+                "weights frozen into the graphs (inductor freezing) are not "
+                "supported on Spyre: start the engine with "
+                "VLLM_SPYRE_INDUCTOR_FREEZING=0 (or the graph cache on, "
+                "TORCH_SENDNN_CACHE_ENABLE=1), which keep the weights graph "
+                "inputs")
+        layout = spyre_weight_update.CheckpointLayout.read(
+            self.model_path, self.hf_config)
+        spyre_weight_update.check_state_dict(state_dict, layout)
+        return spyre_weight_update.load_in_place(
+            self.fms_model, state_dict, layout,
+            architecture=family.fms_architecture, source=family.source,
+            tensor_parallel=self.tp_size > 1)
+
+    # ---- graphs ---------------------------------------------------------
+    @staticmethod
+    def graph_name(is_prompt: bool, batch_size: int, length: int,
+                   cache_len: int) -> str:
+        if is_prompt:
+            return f"prefill-b{batch_size}-p{length}-c{cache_len}"
+        return f"decode-b{batch_size}-c{cache_len}"
+
+    def expected_graphs(self) -> dict[str, str]:
+        """Every graph warm-up will run: name -> what it serves."""
+        graphs = {}
+        for s in self.spyre_config.warmup_shapes:
+            graphs[self.graph_name(True, s.batch_size, s.prompt_len,
+                                   s.max_len)] = f"prefill of shape {s}"
+            if s.new_tokens > 1:
+                graphs[self.graph_name(False, s.batch_size, 1,
+                                       s.max_len)] = f"decode of shape {s}"
+        return graphs
+
+    def require_precompiled(self) -> None:
+        """Strict mode (``VLLM_SPYRE_REQUIRE_PRECOMPILED=1``): refuses to
+        start, listing every graph the cache lacks, before compiling any."""
+        if not self.spyre_config.require_precompiled:
+            return
+        cache = self.model.cache
+        missing = [
+            what for name, what in self.expected_graphs().items()
+            if not cache.has(name)
+        ]
+        if missing:
+            raise RuntimeError(
+                f"VLLM_SPYRE_REQUIRE_PRECOMPILED=1: {len(missing)} graph(s) "
+                f"are missing from the graph cache {cache.dir} "
+                f"(rank {cache.rank}): {'; '.join(missing)}. Start once "
+                "without VLLM_SPYRE_REQUIRE_PRECOMPILED (same model, "
+                "backend, shapes and tensor parallel size) to fill it.")
+
+    def graph_cache_stats(self) -> dict[str, int]:
+        """Graphs loaded, compiled and rejected by the cache since start
+        (empty when it is off)."""
+        cache = getattr(self.model, "cache", None)
+        return dict(cache.stats) if cache is not None else {}
+
+    def _cache_for(self, batch_size: int, cache_len: int) -> list:
+        key = (batch_size, cache_len)
+        cache = self.kv_caches.get(key)
+        if cache is None:
+            cache = self.cache_layout.allocate(batch_size, cache_len,
+                                               self.precision.kv)
+            self.kv_caches[key] = cache
+            logger.info(
+                "Allocated the key/value cache of batch size %d x %d slots "
+                "(%.1f MiB)", batch_size, cache_len,
+                self.cache_layout.nbytes(batch_size, cache_len,
+                                         self.precision.kv) /
+                2**20)
+        return cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor, cache_slots: torch.Tensor,
+                cache_len: int, is_prompt: bool) -> torch.Tensor:
+        """Runs one step of the whole padded batch.
+
+        input_ids, positions: [B, L]; mask: [B, L, kv_len] (True = attend);
+        cache_slots: [L], the cache slots this step writes.
+        Returns the next-token logits of every row: [B, vocab].
+        """
+        if is_prompt:
+            self.kv_cache = self._cache_for(input_ids.shape[0], cache_len)
+        elif self.kv_cache is None:
+            raise RuntimeError("decode step without a prefill")
+        logits, _ = self.model(
+            self.graph_name(is_prompt, input_ids.shape[0],
+                            input_ids.shape[1], cache_len),
+            input_ids,
+            position_ids=positions,
+            past_key_value_states=self.kv_cache,
+            use_cache=True,
+            last_n_tokens=1,
+            mask=mask,
+            attn_name=self.attn_name,
+            cache_slots=cache_slots,
+            spyre_prefill=is_prompt,
+        )
+        return logits[:, -1, :]  # [B, vocab]
+
+    def compute_logits(self, hidden_states: torch.Tensor,
+                       sampling_metadata: SamplingMetadata) -> torch.Tensor:
+        return self.logits_processor(None, hidden_states, sampling_metadata)
+
+    def sample(self, logits: torch.Tensor,
+               sampling_metadata: SamplingMetadata) -> SamplerOutput:
+        return self.sampler(logits, sampling_metadata)

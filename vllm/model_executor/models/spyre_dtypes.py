@@ -1,0 +1,62 @@
+"""The dtypes a Spyre model is served and held in.
+
+A card holds a model in the dtype served.  The CPU backends serve float32
+and bfloat16 only, and hold a bfloat16 model's matrix-product weights (and,
+for a decoder, its key/value cache) in bfloat16 with everything else in
+float32: the bytes a step reads halve while norms, softmax and the residual
+stream keep float32's precision.  Decoders (``precision_of``) and encoders
+(``encoder_dtype``) read their dtypes here; so does the memory estimate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES_ON_CPU = (torch.float32, torch.bfloat16)
+
+
+def serving_dtype(dtype: torch.dtype, backend: str) -> torch.dtype:
+    """The dtype a model is served in: the configured one, except on the
+    CPU backends, which serve other dtypes than float32 and bfloat16 in
+    float32."""
+    if backend != "sendnn" and dtype not in _DTYPES_ON_CPU:
+        return torch.float32
+    return dtype
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Where a served dtype is held."""
+
+    #: The model's own tensors: embeddings, norms, the residual stream and
+    #: every activation between matrix products.
+    model: torch.dtype
+    #: Linear-layer weights (and so the inputs of their products).
+    linear: torch.dtype
+    #: The key/value cache.
+    kv: torch.dtype
+
+
+def precision_of(dtype: torch.dtype, backend: str) -> Precision:
+    """bfloat16 on the CPU backends keeps the weights of the matrix
+    products and the key/value cache in bfloat16, the bytes a decode step
+    reads, and everything else in float32; a card holds all of it in the
+    dtype served."""
+    served = serving_dtype(dtype, backend)
+    if backend != "sendnn" and served == torch.bfloat16:
+        return Precision(torch.float32, torch.bfloat16, torch.bfloat16)
+    return Precision(served, served, served)
+
+
+def encoder_dtype(dtype: torch.dtype,
+                  backend: str) -> tuple[torch.dtype, bool]:
+    """The dtype an encoder's tensors are held in, and whether its matrix
+    products run in bfloat16.  ``--dtype bfloat16`` on the CPU backends
+    keeps the tensors float32 but runs every matrix product in bfloat16
+    (``Bf16Linear``, ``ATTN_NAME_BF16``): embeddings then stay within
+    cosine 0.9999 of float32 (docs/embeddings.md), which a model held
+    wholly in bfloat16 does not."""
+    if backend != "sendnn" and dtype == torch.bfloat16:
+        return torch.float32, True
+    return serving_dtype(dtype, backend), False

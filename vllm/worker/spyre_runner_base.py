@@ -1,0 +1,100 @@
+"""What every Spyre model runner shares: ``SpyreRunnerBase`` and the
+helpers of a step.
+
+The static-batching, continuous-batching and pooling runners each subclass
+``SpyreRunnerBase``, which holds the settings, loads the runner's
+``model_cls`` under the vLLM config, keeps per-request generators and the
+start-up timings, and says where the graphs came from (compiled or the
+graph cache).  ``pad_token_id``, ``sample`` (vLLM's logits processor and
+sampler over the live rows) and ``only_seq`` serve their steps.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+from torch import nn
+
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.logger import init_logger
+from vllm.model_executor.layers.sampler import SamplerOutput
+from vllm.model_executor.sampling_metadata import SamplingMetadata
+from vllm.platforms.spyre_config import SpyreConfig
+from vllm.sequence import SequenceGroupMetadata
+from vllm.worker.model_runner_base import ModelRunnerBase, T
+
+logger = init_logger(__name__)
+
+
+class SpyreRunnerBase(ModelRunnerBase[T]):
+    """What both Spyre runners share: the settings, the model load (of
+    ``model_cls``), per-request generators and start-up timings."""
+
+    #: The model class each runner loads (``SpyreCausalLM``, ...).
+    model_cls: type
+
+    def __init__(self, vllm_config: VllmConfig,
+                 spyre_config: SpyreConfig) -> None:
+        super().__init__(vllm_config)
+        self.spyre_config = spyre_config
+        self.generators: dict[str, torch.Generator] = {}
+        self.model: Optional[nn.Module] = None
+        self.pad_id = 0
+        #: Seconds spent in each start-up phase ("load", "warmup ...").
+        self.startup_timings: dict[str, float] = {}
+
+    def load_model(self) -> None:
+        start = time.perf_counter()
+        with set_current_vllm_config(self.vllm_config):
+            self.model = self.model_cls(vllm_config=self.vllm_config,
+                                        spyre_config=self.spyre_config)
+        self.pad_id = pad_token_id(self.model_config)
+        self.startup_timings["load"] = time.perf_counter() - start
+        logger.info("Spyre model load took %.1f s",
+                    self.startup_timings["load"])
+
+    def get_model(self) -> nn.Module:
+        assert self.model is not None
+        return self.model
+
+    def graph_source(self, before: dict[str, int]) -> str:
+        """How the graphs run since ``before`` (the model's cache stats
+        then) came to be: loaded from the graph cache, or compiled."""
+        assert self.model is not None
+        after = self.model.graph_cache_stats()
+        if not after:
+            return "compiled"
+        compiled = after.get("compiled", 0) - before.get("compiled", 0)
+        loaded = after.get("loaded", 0) - before.get("loaded", 0)
+        if compiled and loaded:
+            return f"{loaded} graph(s) cached, {compiled} compiled"
+        return "compiled, now cached" if compiled else "cached"
+
+
+def pad_token_id(model_config) -> int:
+    """The token that fills padding positions: the model's pad token, else
+    its end-of-sequence token, else 0."""
+    hf = model_config.hf_text_config
+    pad = getattr(hf, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(hf, "eos_token_id", None)
+    if isinstance(pad, list):
+        pad = pad[0]
+    return int(pad or 0)
+
+
+def sample(model: nn.Module, logits: torch.Tensor,
+           sampling_metadata: SamplingMetadata) -> SamplerOutput:
+    """vLLM's logits processor and sampler over the live rows' logits
+    ([N, vocab], in the order of the step's sequence groups)."""
+    logits = model.compute_logits(logits, sampling_metadata)
+    return model.sample(logits, sampling_metadata)
+
+
+def only_seq(meta: SequenceGroupMetadata):
+    if len(meta.seq_data) != 1:
+        raise NotImplementedError(
+            "Sequence groups of more than one sequence (beam search) are "
+            "not supported on Spyre")
+    return next(iter(meta.seq_data.values()))

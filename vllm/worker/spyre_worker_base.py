@@ -1,0 +1,189 @@
+"""SpyreWorkerBase: what the static, continuous-batching and pooling
+workers share.
+
+Start-up runs in named phases: ``init_device`` (threads, gloo process
+group), ``load_model`` (check that the configuration fits in memory, load
+the model, compile it, then warm up so that serving compiles nothing) and
+the cache phase, which each mode sizes its own way.  Each engine step
+arrives at ``execute_model`` (upstream's ``LocalOrDistributedWorkerBase``),
+which hands the batch to the mode's model runner.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.distributed import (ensure_model_parallel_initialized,
+                              init_distributed_environment)
+from vllm.logger import init_logger
+from vllm.model_executor import set_random_seed
+from vllm.model_executor.models.spyre_dtypes import precision_of
+from vllm.platforms import current_platform
+from vllm.platforms.spyre_config import (SpyreConfig,
+                                         malloc_threshold_unset)
+from vllm.sequence import ExecuteModelRequest
+from vllm.worker import spyre_memory
+from vllm.worker.spyre_runner_base import SpyreRunnerBase
+from vllm.worker.worker_base import (LocalOrDistributedWorkerBase, WorkerBase,
+                                     WorkerInput)
+
+logger = init_logger(__name__)
+
+
+class SpyreWorkerBase(LocalOrDistributedWorkerBase):
+    """What every Spyre worker does the same way: settings, threads, the
+    process group, the memory check, the load and warm-up phases, weight
+    updates and the start-up reports.  A subclass names its runner
+    (``runner_cls``) and says what its mode holds in memory
+    (``memory_estimate``) and how its cache is sized."""
+
+    model_runner: SpyreRunnerBase
+    #: The model runner class of the worker's mode.
+    runner_cls: type
+
+    def __init__(self,
+                 vllm_config: VllmConfig,
+                 local_rank: int,
+                 rank: int,
+                 distributed_init_method: str,
+                 is_driver_worker: bool = False) -> None:
+        WorkerBase.__init__(self, vllm_config=vllm_config)
+        self.local_rank = local_rank
+        self.rank = rank
+        self.distributed_init_method = distributed_init_method
+        self.is_driver_worker = is_driver_worker
+        self.spyre_config = SpyreConfig.from_vllm_config(vllm_config)
+        if self.lora_config is not None:
+            raise NotImplementedError("LoRA is not supported on Spyre")
+        if self.speculative_config is not None:
+            raise NotImplementedError(
+                "Speculative decoding is not supported on Spyre")
+        self.model_runner = self.runner_cls(vllm_config, self.spyre_config)
+
+    def init_device(self) -> None:
+        """Sets intra-op threads and joins the gloo process group."""
+        threads = _default_threads()
+        torch.set_num_threads(threads)
+        logger.info("Spyre worker %d: %d intra-op threads", self.rank,
+                    threads)
+        if spyre_memory.keep_large_buffers(malloc_threshold_unset()):
+            logger.info("Spyre worker %d: large buffers stay in the heap "
+                        "between passes (glibc mmap threshold %d MiB)",
+                        self.rank, spyre_memory.HEAP_THRESHOLD >> 20)
+        init_distributed_environment(
+            world_size=self.parallel_config.world_size,
+            rank=self.rank,
+            local_rank=self.local_rank,
+            distributed_init_method=self.distributed_init_method,
+            backend=current_platform.dist_backend,
+        )
+        ensure_model_parallel_initialized(
+            self.parallel_config.tensor_parallel_size,
+            self.parallel_config.pipeline_parallel_size)
+        set_random_seed(self.model_config.seed)
+
+    def load_model(self) -> None:
+        """Checks that the configuration fits in memory, loads and compiles
+        the model, then warms up every shape."""
+        self.check_memory()
+        self.model_runner.load_model()
+        self.model_runner.warmup()
+
+    def check_memory(self) -> None:
+        """``ValueError`` before anything is loaded when this rank's
+        estimated memory does not fit its share (``spyre_memory``)."""
+        estimate = self.memory_estimate()
+        #: Kept for ``benchmarks/memory.py`` (``collective_rpc``).
+        self.startup_memory_estimate = estimate
+        limit = spyre_memory.memory_limit()
+        ranks = spyre_memory.ranks_on_this_machine(
+            self.parallel_config.world_size)
+        util = self.cache_config.gpu_memory_utilization
+        logger.info(
+            "Spyre memory check: rank %d needs about %s, sized for %s; "
+            "%.2f GiB available to each of %d rank(s) on this machine",
+            self.rank, estimate.describe(), estimate.sized_for,
+            limit * util / ranks / spyre_memory.GiB, ranks)
+        spyre_memory.check(estimate, limit, util, ranks)
+
+    def get_memory_estimate(self) -> spyre_memory.Estimate:
+        """The estimate ``check_memory`` made at start-up."""
+        return self.startup_memory_estimate
+
+    def memory_estimate(self) -> spyre_memory.Estimate:
+        """What this rank will hold in memory, in the worker's mode."""
+        raise NotImplementedError
+
+    def held_dtype(self) -> torch.dtype:
+        """The dtype the model's own tensors are held in."""
+        return precision_of(self.model_config.dtype,
+                            self.spyre_config.dynamo_backend).model
+
+    def _memory_parts(self) -> tuple[int, spyre_memory.Geometry]:
+        """This rank's weight bytes and cache geometry, at the dtype
+        served.  bfloat16 on the CPU holds the cache in bfloat16 and the
+        rest in float32; its weights are counted at float32 (an upper
+        bound: the linear layers' weights are held in bfloat16)."""
+        item = torch.empty((), dtype=self.held_dtype()).element_size()
+        kv = precision_of(self.model_config.dtype,
+                          self.spyre_config.dynamo_backend).kv
+        kv_item = torch.empty((), dtype=kv).element_size()
+        return (spyre_memory.weights_of(self.vllm_config, item),
+                spyre_memory.geometry_of(self.vllm_config, item, kv_item))
+
+    def get_startup_timings(self) -> dict[str, float]:
+        """Seconds per start-up phase (model load, warm-up of each shape)."""
+        return dict(self.model_runner.startup_timings)
+
+    def get_graph_cache_stats(self) -> dict[str, int]:
+        """Graphs this rank loaded from the graph cache, compiled, and
+        rejected (a corrupt, foreign or stale file); empty when the cache
+        is off."""
+        model = self.model_runner.model
+        return model.graph_cache_stats() if model is not None else {}
+
+    def update_weights_in_place(self, state_dict) -> dict:
+        """Loads new weights into the compiled model, nothing recompiled:
+        ``state_dict`` maps Hugging Face names to the full tensors of the
+        checkpoint the model was loaded from (each rank keeps its shard).
+        Called on every rank by ``LLM.collective_rpc`` between requests; a
+        mismatching state dict is refused with a ``ValueError`` naming the
+        tensors, and the old weights stay.  Returns the tensors loaded and
+        the seconds taken."""
+        model = self.model_runner.model
+        if model is None:
+            raise RuntimeError("update_weights_in_place before load_model")
+        start = time.perf_counter()
+        count = model.update_weights_in_place(state_dict)
+        seconds = time.perf_counter() - start
+        logger.info("Spyre worker %d: loaded %d tensors in place in %.2f s",
+                    self.rank, count, seconds)
+        return {"tensors": count, "seconds": seconds}
+
+    @property
+    def do_metadata_broadcast(self) -> bool:
+        return self.parallel_config.world_size > 1
+
+    @property
+    def kv_cache(self) -> Optional[list[list[torch.Tensor]]]:
+        return None
+
+    def prepare_worker_input(
+            self, execute_model_req: ExecuteModelRequest) -> WorkerInput:
+        return WorkerInput(
+            num_seq_groups=len(execute_model_req.seq_group_metadata_list))
+
+    def execute_worker(self, worker_input: WorkerInput) -> None:
+        """No cache swaps or copies: preempted sequences are recomputed."""
+
+
+def _default_threads() -> int:
+    """Intra-op threads: OMP_NUM_THREADS if set, else every usable core."""
+    value = os.environ.get("OMP_NUM_THREADS")
+    if value and value.isdigit() and int(value) > 0:
+        return int(value)
+    return max(1, len(os.sched_getaffinity(0)))
