@@ -1,5 +1,7 @@
-"""Shared pieces of the offline benchmarks (offline.py, roofline.py,
-warmup.py) and of the mixed workload of serving_load.py.
+"""Shared pieces of the benchmarks: of the offline ones (offline.py,
+roofline.py, warmup.py), of the mixed workload of serving_load.py, and the
+command line and kernel check the single-engine and kernel benchmarks
+share.
 
 * the workload: prompts of exactly P tokens cut from ``data/text.txt``;
   for the server, requests of random but exact prompt lengths and
@@ -8,13 +10,17 @@ warmup.py) and of the mixed workload of serving_load.py.
   ``spyre_cb_env``); the engine drivers themselves are in ``_engines.py``;
 * ``Child``: one engine per process (multiprocessing 'spawn' and a Pipe),
   so that engines never share threads, compiled graphs or dynamo state;
-* the zero-compilation check, medians, fixed-width tables, JSON output.
+* the zero-compilation check, medians, fixed-width tables, JSON output;
+* the command line's common options (``benchmark_parser``,
+  ``add_shape_options``, ``add_json_option``) and the check that the C++
+  kernels are there (``native_kernels_available``).
 
 Nothing here imports torch, transformers or vLLM at module level: a child
 process must be able to set its environment before vLLM is imported.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing
 import os
@@ -32,6 +38,44 @@ TEXT = Path(__file__).resolve().parent / "data" / "text.txt"
 RESULTS = REPO / "benchmarks" / "results"
 STRIDE = 13  # row i of a batch starts at token i * STRIDE of the text
 PROMPT_LEN_MULTIPLE = 64  # Spyre warm-up prompt lengths are multiples of 64
+
+
+# ---- command line ----------------------------------------------------------
+
+def benchmark_parser(doc: str, model: str = DEFAULT_MODEL,
+                     backend: bool = False) -> argparse.ArgumentParser:
+    """An argument parser described by the first line of ``doc`` (the
+    benchmark's module docstring), with ``--model`` (default ``model``)
+    and, if ``backend``, ``--backend`` (inductor or eager, default
+    inductor)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--model", default=model)
+    if backend:
+        ap.add_argument("--backend", default="inductor",
+                        choices=["inductor", "eager"])
+    return ap
+
+
+def add_shape_options(ap: argparse.ArgumentParser) -> None:
+    """Adds ``--prompt-len`` and ``--new-tokens``, 64 tokens each."""
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+
+
+def add_json_option(ap: argparse.ArgumentParser, name: str) -> None:
+    """Adds ``--json``, the result file, by default ``name`` in
+    benchmarks/results/."""
+    ap.add_argument("--json", default=str(RESULTS / name))
+
+
+def native_kernels_available() -> bool:
+    """Whether the C++ kernels (``spyre_cpu``) are built; if not, prints
+    that a benchmark comparing them has nothing to compare."""
+    from vllm.attention.spyre import native
+    if not native.available():
+        print("the C++ kernels could not be built; nothing to compare")
+        return False
+    return True
 
 
 # ---- workload --------------------------------------------------------------

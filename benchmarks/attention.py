@@ -28,15 +28,14 @@ agree (``torch.testing.assert_close`` defaults for float32).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from _common import (DEFAULT_MODEL, RESULTS, cores, machine_info, parse_ints,
-                     table, write_json)
+from _common import (add_json_option, benchmark_parser, cores, machine_info,
+                     native_kernels_available, parse_ints, table, write_json)
 
 BLOCK = 64  # continuous batching's block size (CB_BLOCK_SIZE)
 CHUNK = 64  # positions of a prefill chunk
@@ -136,19 +135,15 @@ def best_pass(layers, attend, repeats: int):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--batch-sizes", type=parse_ints, default=[8, 16])
     ap.add_argument("--contexts", type=parse_ints, default=[128, 512])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", default=str(RESULTS / "attention.json"))
+    add_json_option(ap, "attention.json")
     args = ap.parse_args()
 
     import torch
-
-    from vllm.attention.spyre import native
-    if not native.available():
-        print("the C++ kernels could not be built; nothing to compare")
+    if not native_kernels_available():
         return 1
     torch.set_num_threads(cores())
     geo = Geometry.of(args.model)

@@ -21,13 +21,13 @@ for every generated position the script compares:
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from dataclasses import dataclass
 
-from _common import (DEFAULT_MODEL, RESULTS, build_prompts, compile_count,
-                     machine_info, spyre_env, table, text_ids, write_json)
+from _common import (add_json_option, add_shape_options, benchmark_parser,
+                     build_prompts, compile_count, machine_info, spyre_env,
+                     table, text_ids, write_json)
 
 
 def generate(model: str, backend: str, prompts: list[list[int]],
@@ -106,15 +106,11 @@ def judge(model: str, prompts: list[list[int]],
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--backend", default="inductor",
-                    choices=["inductor", "eager"])
+    ap = benchmark_parser(__doc__, backend=True)
     ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    add_shape_options(ap)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--json", default=str(RESULTS / "bf16_quality.json"))
+    add_json_option(ap, "bf16_quality.json")
     args = ap.parse_args()
 
     ids = text_ids(args.model)

@@ -20,12 +20,13 @@ of each from SDPA fp32 (the float32 kernel must agree to rounding).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from _common import REPO, RESULTS, cores, machine_info, table, write_json
+from _common import (REPO, add_json_option, benchmark_parser, cores,
+                     machine_info, native_kernels_available, table,
+                     write_json)
 
 from attention import best_pass
 
@@ -56,20 +57,16 @@ def packed(texts: int, tokens: int):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=DEFAULT_EMBEDDER)
+    ap = benchmark_parser(__doc__, model=DEFAULT_EMBEDDER)
     ap.add_argument("--cases", type=parse_cases,
                     default=parse_cases("32x32,32x256,8x256"))
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", default=str(RESULTS / "encoder_attention.json"))
+    add_json_option(ap, "encoder_attention.json")
     args = ap.parse_args()
 
     import torch
     import torch.nn.functional as F
-
-    from vllm.attention.spyre import native
-    if not native.available():
-        print("the C++ kernels could not be built; nothing to compare")
+    if not native_kernels_available():
         return 1
     torch.set_num_threads(cores())
     cfg = json.loads((Path(args.model) / "config.json").read_text())

@@ -19,15 +19,14 @@ median of the others; any compilation during a timed call fails the run.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import time
 
-from _common import (DEFAULT_MODEL, RESULTS, Child, build_prompts,
-                     compile_count, machine_info, spyre_env, table,
-                     text_ids, write_json)
+from _common import (Child, add_json_option, add_shape_options,
+                     benchmark_parser, build_prompts, compile_count,
+                     machine_info, spyre_env, table, text_ids, write_json)
 
 USAGE_SWITCHES = ("VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK", "DO_NOT_TRACK")
 SETTINGS = {"default": {}, "usage stats on": {"VLLM_NO_USAGE_STATS": "0"}}
@@ -69,15 +68,11 @@ class Engine:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--backend", default="inductor",
-                    choices=["inductor", "eager"])
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap = benchmark_parser(__doc__, backend=True)
+    add_shape_options(ap)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--batches", type=int, default=3)
-    ap.add_argument("--json", default=str(RESULTS / "first-batch.json"))
+    add_json_option(ap, "first-batch.json")
     args = ap.parse_args()
     if args.batches < 2:
         ap.error("--batches must be at least 2: the first against the rest")

@@ -40,6 +40,11 @@ CB slower).
         (add spyre-cb-inductor,spyre-cb-eager for continuous batching,
         llamacpp-f32,llamacpp-bf16,llamacpp-q4_1 for llama.cpp)
         [--json PATH] [--plot PATH] [--allow-mismatch]
+
+The decode tokens/s plot is written only with ``--plot``; the one in
+docs/performance.md:
+
+    python benchmarks/offline.py --plot docs/images/offline-throughput.png
 """
 from __future__ import annotations
 
@@ -48,8 +53,9 @@ import itertools
 import sys
 from pathlib import Path
 
-from _common import (DEFAULT_MODEL, REPO, RESULTS, STRIDE, TEXT, Workload,
-                     cores, leading_matches, machine_info, parse_ints, table,
+from _common import (STRIDE, TEXT, Workload, add_json_option,
+                     add_shape_options, benchmark_parser, cores,
+                     leading_matches, machine_info, parse_ints, table,
                      write_json)
 from _engines import (ENGINES, is_cb, is_ours, measure, start_engines,
                       stop_engines)
@@ -165,19 +171,23 @@ def plot(path: str, engines: list[str], work: Workload, summaries: dict):
     print(f"wrote {path}", flush=True)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL)
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line."""
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--batch-sizes", default="1,4,8,16")
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    add_shape_options(ap)
     ap.add_argument("--repetitions", type=int, default=3)
     ap.add_argument("--engines", default="spyre-inductor,spyre-eager,hf,fms")
-    ap.add_argument("--json", default=str(RESULTS / "offline.json"))
-    ap.add_argument("--plot", default=str(REPO / "docs" / "images" /
-                                          "offline-throughput.png"))
+    add_json_option(ap, "offline.json")
+    ap.add_argument("--plot", help="write the decode tokens/s plot here "
+                    "(default: no plot)")
     ap.add_argument("--allow-mismatch", action="store_true",
                     help="exit 0 even if engines generate different ids")
+    return ap
+
+
+def main() -> int:
+    ap = build_parser()
     args = ap.parse_args()
     engines = args.engines.split(",")
     unknown = [e for e in engines if e not in ENGINES]
@@ -212,7 +222,8 @@ def main() -> int:
             for b in work.batch_sizes}) for e in engines},
         comparisons=found, compilations=compiled,
         ids_match=not mismatched))
-    plot(args.plot, engines, work, summaries)
+    if args.plot:
+        plot(args.plot, engines, work, summaries)
     print_table(engines, work, summaries, found, args.repetitions)
     if compiled:
         print(f"FAILED: {compiled} compilation(s) during timed runs")
@@ -276,6 +287,7 @@ def print_table(engines, work, summaries, found, repetitions) -> None:
         print("WARNING: rows were preempted (and recomputed) in the timed "
               f"runs of {', '.join(preempted)}: not every decode step ran "
               f"the whole batch, so {CB_STEP} there is not the step cost.")
+
 
 if __name__ == "__main__":
     sys.exit(main())

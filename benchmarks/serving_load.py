@@ -33,14 +33,20 @@ it:
 The default workload runs ``static`` with ``eager``, as before; the mixed
 workload runs ``cb,static`` with ``inductor`` and prints one side-by-side
 table with each server's warm-up seconds (from its log), a CB/static ratio
-line, JSON and a plot.
+line and JSON.
 
     python benchmarks/serving_load.py [--url http://127.0.0.1:8000]
         [--requests 200] [--concurrency 16] [--max-tokens 16] [--json FILE]
     python benchmarks/serving_load.py --workload mixed [--modes cb,static]
         [--backend inductor] [--static-shapes 256:128:8,512:128:4]
         [--max-num-seqs 16[,8]] [--max-model-len 640] [--json FILE]
-        [--plot docs/images/continuous-batching.png] [--start-timeout 3600]
+        [--plot PATH] [--start-timeout 3600]
+
+The comparison's plot is written only with ``--plot``; the one in
+docs/continuous-batching.md:
+
+    python benchmarks/serving_load.py --workload mixed --max-num-seqs 10,11
+        --plot docs/images/continuous-batching.png
 """
 from __future__ import annotations
 
@@ -305,7 +311,9 @@ def served(url: str) -> str:
 
 # ---- command line ----------------------------------------------------------
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """The command line ``argv`` (default: the script's), with the
+    defaults that depend on the workload filled in."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", help="a running server; default: start one "
                     "per mode")
@@ -346,9 +354,9 @@ def parse_args() -> argparse.Namespace:
                     help="seconds a server may take to become healthy")
     ap.add_argument("--json", help="write the result here (mixed default: "
                     "benchmarks/results/serving-cb-vs-static.json)")
-    ap.add_argument("--plot", help="the comparison's plot (mixed default: "
-                    "docs/images/continuous-batching.png); '' for none")
-    args = ap.parse_args()
+    ap.add_argument("--plot", help="write the comparison's plot here "
+                    "(default: no plot)")
+    args = ap.parse_args(argv)
     mixed = args.workload == "mixed"
     if args.max_tokens is None:
         args.max_tokens = 128 if mixed else 16
@@ -365,8 +373,6 @@ def parse_args() -> argparse.Namespace:
             args.max_prompt if mixed else 80, args.max_tokens)
     if mixed and args.json is None:
         args.json = str(RESULTS / "serving-cb-vs-static.json")
-    if mixed and args.plot is None:
-        args.plot = str(REPO / "docs" / "images" / "continuous-batching.png")
     modes = args.modes.split(",")
     if not modes or any(m not in MODES for m in modes):
         ap.error(f"--modes {args.modes!r}: choose from {','.join(MODES)}")

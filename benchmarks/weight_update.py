@@ -23,7 +23,6 @@ one rank (TP=1):
 """
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import sys
@@ -31,9 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import (DEFAULT_MODEL, RESULTS, Child, compile_count, cores,
-                     machine_info, parse_ints, spyre_env, table, text_ids,
-                     write_json)
+from _common import (Child, add_json_option, add_shape_options,
+                     benchmark_parser, compile_count, cores, machine_info,
+                     parse_ints, spyre_env, table, text_ids, write_json)
 
 
 class Pusher:
@@ -105,15 +104,11 @@ class Restart:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--backend", default="inductor",
-                    choices=["inductor", "eager"])
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap = benchmark_parser(__doc__, backend=True)
+    add_shape_options(ap)
     ap.add_argument("--batch-sizes", default="1,4,8")
     ap.add_argument("--pushes", type=int, default=5)
-    ap.add_argument("--json", default=str(RESULTS / "weight-update.json"))
+    add_json_option(ap, "weight-update.json")
     args = ap.parse_args()
     shapes = [(args.prompt_len, args.new_tokens, b)
               for b in parse_ints(args.batch_sizes)]

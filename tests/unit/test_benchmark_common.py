@@ -1,9 +1,11 @@
 """The arithmetic and workloads of the benchmarks (benchmarks/_common.py,
 the pure parts of benchmarks/serving_load.py) and roofline.py's read of
-the memory bandwidth: what the printed tables are computed from."""
+the memory bandwidth: what the printed tables are computed from; the
+command line the benchmarks share, and that none writes a plot unasked."""
 from __future__ import annotations
 
 import sys
+import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -224,3 +226,91 @@ def test_read_bandwidth_is_stream_reads_or_else_torch_sums(monkeypatch):
     assert roofline.read_bandwidth(1 / 64, repeats=1) > 0
     monkeypatch.setattr(roofline, "stream_read", lambda: None)
     assert set(roofline.read_bandwidths(1 / 64, repeats=1)) == {"torch.sum"}
+
+
+def test_benchmark_parser_shared_options_and_defaults():
+    ap = _common.benchmark_parser("What it measures.\n\nThe details.")
+    assert ap.description == "What it measures."
+    assert vars(ap.parse_args([])) == {"model": _common.DEFAULT_MODEL}
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--backend", "eager"])  # only with backend=True
+
+    ap = _common.benchmark_parser("Doc.", model="/m/a", backend=True)
+    _common.add_shape_options(ap)
+    ap.add_argument("--batch", type=int, default=8)
+    _common.add_json_option(ap, "x.json")
+    assert vars(ap.parse_args([])) == dict(
+        model="/m/a", backend="inductor", prompt_len=64, new_tokens=64,
+        batch=8, json=str(_common.RESULTS / "x.json"))
+    assert vars(ap.parse_args([
+        "--model", "/m/b", "--backend", "eager", "--prompt-len", "16",
+        "--new-tokens", "4", "--json", "/tmp/r.json"])) == dict(
+        model="/m/b", backend="eager", prompt_len=16, new_tokens=4, batch=8,
+        json="/tmp/r.json")
+    for bad in (["--backend", "sendnn"], ["--prompt-len", "sixty"]):
+        with pytest.raises(SystemExit):
+            ap.parse_args(bad)
+    # The options are listed in the order they were added.
+    usage = ap.format_usage()
+    flags = ["--model", "--backend", "--prompt-len", "--new-tokens",
+             "--batch", "--json"]
+    assert [usage.index(f + " ") for f in flags] == sorted(
+        usage.index(f + " ") for f in flags)
+
+
+def _fake_kernels(monkeypatch, built: bool) -> None:
+    """Makes the kernel module's ``available()`` answer ``built``."""
+    package = types.ModuleType("vllm.attention.spyre")
+    package.native = SimpleNamespace(available=lambda: built)
+    monkeypatch.setitem(sys.modules, package.__name__, package)
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_native_kernels_available_says_why_not(monkeypatch, capsys, built):
+    _fake_kernels(monkeypatch, built)
+    assert _common.native_kernels_available() is built
+    out = capsys.readouterr().out
+    assert out == ("" if built else
+                   "the C++ kernels could not be built; nothing to compare\n")
+
+
+@pytest.mark.parametrize("name", ["attention", "encoder_attention"])
+def test_kernel_benchmarks_stop_without_the_kernels(monkeypatch, capsys,
+                                                    name):
+    """Without the C++ kernels a kernel benchmark exits 1 before it builds
+    any case or writes any result."""
+    import importlib
+    module = importlib.import_module(name)
+    _fake_kernels(monkeypatch, False)
+    monkeypatch.setattr(module, "write_json", pytest.fail)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py"])
+    assert module.main() == 1
+    assert "nothing to compare" in capsys.readouterr().out
+
+
+def _docs_defaults(args) -> list[str]:
+    """The parsed values that are paths under docs/."""
+    docs = str(REPO / "docs")
+    return [v for v in vars(args).values()
+            if isinstance(v, str) and v.startswith(docs)]
+
+
+def test_offline_writes_no_plot_unless_asked():
+    import offline
+    args = offline.build_parser().parse_args([])
+    assert args.plot is None
+    assert _docs_defaults(args) == []
+    assert args.json == str(_common.RESULTS / "offline.json")
+    png = "docs/images/offline-throughput.png"
+    assert offline.build_parser().parse_args(["--plot", png]).plot == png
+
+
+def test_serving_load_writes_no_plot_unless_asked():
+    for workload in ("default", "mixed"):
+        args = serving_load.parse_args(["--workload", workload])
+        assert args.plot is None
+        assert _docs_defaults(args) == []
+    assert args.json == str(_common.RESULTS / "serving-cb-vs-static.json")
+    png = "docs/images/continuous-batching.png"
+    assert serving_load.parse_args(["--workload", "mixed", "--plot",
+                                    png]).plot == png
