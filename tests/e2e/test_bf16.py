@@ -83,7 +83,8 @@ def bf16_layers(llm) -> dict[str, int]:
     def inspect(worker):
         from torch import nn
 
-        from vllm.model_executor.layers.spyre_linear import Bf16Linear, PackedLinear
+        from vllm.model_executor.layers.spyre_linear import (Bf16Linear,
+                                                             PackedLinear)
         spyre = worker.model_runner.model
         model = spyre.fms_model
         mods = list(model.modules())

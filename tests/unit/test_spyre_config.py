@@ -13,7 +13,8 @@ from vllm.platforms.spyre_config import (ADDITIONAL_CONFIG_KEY,
                                          parse_warmup_shapes,
                                          render_env_var_table)
 
-from spyre_env import no_sendnn, shapes_env, with_sendnn  # noqa: F401 (fixtures)
+from spyre_env import (no_sendnn, shapes_env,  # noqa: F401 (fixtures)
+                       with_sendnn)
 
 
 # ---------------------------------------------------------------- defaults

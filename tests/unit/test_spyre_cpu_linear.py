@@ -240,7 +240,8 @@ def test_bf16_linear_rounds_the_product_operands_only():
     """``Bf16Linear``: the weight and input rounded to bfloat16, the
     product and the bias in float32; ``bf16_linears`` swaps every plain
     linear layer."""
-    from vllm.model_executor.layers.spyre_linear import bf16_linears, Bf16Linear
+    from vllm.model_executor.layers.spyre_linear import (Bf16Linear,
+                                                         bf16_linears)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(48, 32), nn.GELU(),
                           nn.Linear(32, 8, bias=False))

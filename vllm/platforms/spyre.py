@@ -5,10 +5,10 @@ vLLM calls it in every process (API server, MQLLMEngine, workers) to resolve
 ``current_platform``.  ``SpyrePlatform.check_and_update_config`` runs once, in
 the process that builds the ``VllmConfig``: it parses the Spyre environment
 variables, checks the model's family (``spyre_families``: architecture,
-sliding window; ``spyre_encoder_families`` for pooling models), derives the engine
-limits (from the warm-up shapes under static batching and for pooling
-models, from vLLM's own flags under continuous batching), selects the
-Spyre executor, worker and scheduler of that mode, and stores the parsed
+sliding window; ``spyre_encoder_families`` for pooling models), derives
+the engine limits (from the warm-up shapes under static batching and for
+pooling models, from vLLM's own flags under continuous batching), selects
+the Spyre executor, worker and scheduler of that mode, and stores the parsed
 settings in ``vllm_config.additional_config`` for every other process.
 
 Choosing every mode's classes makes this module the top of the project's
