@@ -23,7 +23,6 @@ tensor parallelism, shards the weights.  An architecture FMS lacks
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -40,6 +39,8 @@ from vllm.model_executor.layers import spyre_linear
 from vllm.model_executor.layers.pooler import (ClassifierPooler, CLSPool,
                                                DispatchPooler, MeanPool,
                                                Pooler)
+from vllm.model_executor.model_loader import (
+    spyre_encoder_loader as encoder_loader)
 from vllm.model_executor.models.spyre_dtypes import encoder_dtype
 from vllm.model_executor.models.spyre_encoder_families import (
     HFEncoderFamily, check_parallel, encoder_family)
@@ -137,86 +138,18 @@ class SpyreEncoderModel(nn.Module):
         return encoder
 
     def _load(self, path: str) -> _Encoder:
-        from fms.models.roberta import (RoBERTaClassificationConfig,
-                                        RoBERTaConfig)
-        from fms.utils.serialization import load_state_dict_into_model
+        """The FMS encoder modules, built from the family's configuration
+        and filled from the checkpoint (``spyre_encoder_loader``)."""
         start = time.perf_counter()
-        params = self.family.params(self.hf_config)
-        # Positions are always given (packed texts restart at 0), so FMS
-        # must not derive them from a padding id, nor zero the embedding of
-        # a token that happens to have that id.
-        params.update(pos_emb="roberta", pad_id=None, p_dropout=0.0)
-        config_cls = (RoBERTaClassificationConfig
-                      if self.family.classify else RoBERTaConfig)
-        config = config_cls(**params)
-        encoder = _Encoder(config, self._strategy(), self.family.classify)
-        encoder.to(self.dtype)
-        with torch.no_grad():
-            for tensor in _float_tensors(encoder):
-                tensor.fill_(float("nan"))
-        state_dict = self._checkpoint(path)
-        load_state_dict_into_model(
-            encoder, state_dict, architecture=self.family.fms_architecture,
-            source="hf", dtype=self.dtype,
-            distributed_strategy="tp" if self.tp_size > 1 else None)
-        missing = [name for name, t in _named_float_tensors(encoder)
-                   if torch.isnan(t).any()]
-        if missing:
-            raise ValueError(
-                f"The checkpoint in {path} does not provide these weights "
-                f"of the {self.family.hf_architecture} encoder: "
-                f"{', '.join(missing)}")
-        encoder.eval()
-        encoder.requires_grad_(False)
+        config = encoder_loader.fms_encoder_config(self.family, self.hf_config)
+        encoder = _Encoder(config, encoder_loader.tp_strategy(self.tp_size),
+                           self.family.classify)
+        encoder_loader.load_encoder_weights(encoder, path, self.family,
+                                            self.dtype, self.tp_size)
         logger.info("Loaded FMS %s encoder from %s in %.1f s",
                     self.family.fms_architecture, path,
                     time.perf_counter() - start)
         return encoder
-
-    def _strategy(self):
-        from fms.distributed.strategy import (NoOpStrategy,
-                                              TensorParallelStrategy)
-        if self.tp_size == 1:
-            return NoOpStrategy
-
-        class LayersOnly(TensorParallelStrategy):
-            """Shards the encoder blocks; the embeddings stay whole (gloo,
-            the CPU process group, lacks the all-gather FMS's sharded
-            embedding needs, and they are a small part of an encoder)."""
-
-            def _distribute_module(self, module, final_layers=False):
-                return module
-
-        import torch.distributed as dist
-        return LayersOnly(group=dist.group.WORLD)
-
-    def _checkpoint(self, path: str) -> dict[str, torch.Tensor]:
-        """The checkpoint's tensors, named as FMS's adapter expects: the
-        family's prefix added where a base model's checkpoint lacks it,
-        and the pooler a base model never uses left out."""
-        folder = Path(path)
-        files = sorted(folder.glob("*.safetensors"))
-        tensors: dict[str, torch.Tensor] = {}
-        if files:
-            from safetensors.torch import load_file
-            for f in files:
-                tensors.update(load_file(str(f)))
-        else:
-            for f in sorted(folder.glob("*.bin")):
-                tensors.update(torch.load(f, map_location="cpu",
-                                          weights_only=True))
-        prefix = self.family.prefix
-        named = {}
-        for name, tensor in tensors.items():
-            if name.startswith(("embeddings.", "encoder.", "pooler.")):
-                name = prefix + name
-            if name.endswith("position_ids"):
-                continue  # a buffer some checkpoints carry, not a weight
-            if not self.family.classify and name.startswith(prefix +
-                                                            "pooler."):
-                continue
-            named[name] = tensor
-        return named
 
     def _build_pooler(self, model_config) -> Pooler:
         """vLLM's poolers, by task, as vLLM's BERT and RoBERTa models build
@@ -280,15 +213,3 @@ class SpyreEncoderModel(nn.Module):
         hidden = self.model(self.graph_name(B, L), input_ids, position_ids,
                             token_type_ids, mask, text_starts)
         return hidden.reshape(B * L, -1)
-
-
-def _named_float_tensors(module: nn.Module):
-    for name, t in list(module.named_parameters()) + list(
-            module.named_buffers()):
-        if t.is_floating_point():
-            yield name, t
-
-
-def _float_tensors(module: nn.Module):
-    return [t for _, t in _named_float_tensors(module)]
-
