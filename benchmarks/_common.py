@@ -219,6 +219,21 @@ def cb_max_model_len(prompt_len: int, new_tokens: int) -> int:
     return padded_prompt_len(prompt_len + new_tokens)
 
 
+#: The backend label of our engine on PyTorch's own ops
+#: (``VLLM_SPYRE_NATIVE_KERNELS=0``), for comparison with the C++ kernels.
+TORCH_OPS = "eager-torch-ops"
+
+
+def backend_env(backend: str) -> dict[str, str]:
+    """Environment selecting a backend label: ``eager`` or ``inductor``
+    (on the C++ kernels where they build), or ``TORCH_OPS``."""
+    if backend == TORCH_OPS:
+        return {"VLLM_SPYRE_DYNAMO_BACKEND": "eager",
+                "VLLM_SPYRE_NATIVE_KERNELS": "0"}
+    return {"VLLM_SPYRE_DYNAMO_BACKEND": backend,
+            "VLLM_SPYRE_NATIVE_KERNELS": "1"}
+
+
 def spyre_env(backend: str,
               shapes: Sequence[tuple[int, int, int]]) -> dict[str, str]:
     """Environment selecting our engine's backend and warm-up shapes,
@@ -228,7 +243,7 @@ def spyre_env(backend: str,
         return ",".join(str(s[i]) for s in shapes)
     shapes = [(padded_prompt_len(p), g, b) for p, g, b in shapes]
     return {
-        "VLLM_SPYRE_DYNAMO_BACKEND": backend,
+        **backend_env(backend),
         "VLLM_SPYRE_WARMUP_PROMPT_LENS": join(0),
         "VLLM_SPYRE_WARMUP_NEW_TOKENS": join(1),
         "VLLM_SPYRE_WARMUP_BATCH_SIZES": join(2),
@@ -237,7 +252,7 @@ def spyre_env(backend: str,
 
 def spyre_cb_env(backend: str) -> dict[str, str]:
     """Environment selecting continuous batching with ``backend``."""
-    return {"VLLM_SPYRE_DYNAMO_BACKEND": backend, "VLLM_SPYRE_USE_CB": "1"}
+    return {**backend_env(backend), "VLLM_SPYRE_USE_CB": "1"}
 
 
 # ---- child processes -------------------------------------------------------

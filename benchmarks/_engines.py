@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
-from _common import (Child, Run, Timings, Workload, cb_max_model_len,
-                     compile_count, spyre_cb_env, spyre_env)
+from _common import (TORCH_OPS, Child, Run, Timings, Workload,
+                     cb_max_model_len, compile_count, spyre_cb_env, spyre_env)
 from _peers import LlamaCppDriver
 
 
@@ -247,12 +247,15 @@ class Engine:
 ENGINES: dict[str, Engine] = {
     "spyre-inductor": Engine(SpyreDriver, "inductor", ours=True),
     "spyre-eager": Engine(SpyreDriver, "eager", ours=True),
+    "spyre-eager-torch-ops": Engine(SpyreDriver, TORCH_OPS, ours=True),
     "spyre-inductor-graph-cache": Engine(SpyreGraphCacheDriver, "inductor",
                                          ours=True),
     "spyre-cb-inductor": Engine(SpyreCBDriver, "inductor", ours=True,
                                 static_peer="spyre-inductor"),
     "spyre-cb-eager": Engine(SpyreCBDriver, "eager", ours=True,
                              static_peer="spyre-eager"),
+    "spyre-cb-eager-torch-ops": Engine(SpyreCBDriver, TORCH_OPS, ours=True,
+                                       static_peer="spyre-eager-torch-ops"),
     "hf": Engine(HFDriver),
     "fms": Engine(FMSDriver, "inductor"),
     "fms-eager": Engine(FMSDriver, "eager"),

@@ -63,8 +63,9 @@ from typing import Optional
 
 import httpx
 
-from _common import (RESULTS, cb_max_model_len, machine_info, mixed_requests,
-                     parse_ints, text_ids, write_json)
+from _common import (RESULTS, TORCH_OPS, backend_env, cb_max_model_len,
+                     machine_info, mixed_requests, parse_ints, text_ids,
+                     write_json)
 from _serving_report import plot, print_comparison, ratios
 
 REPO = Path(__file__).resolve().parent.parent
@@ -213,15 +214,13 @@ def server_setup(mode: str, args,
     first of ``--max-num-seqs``)."""
     if mode == "cb":
         seqs = max_num_seqs or args.max_num_seqs[0]
-        env = {"VLLM_SPYRE_DYNAMO_BACKEND": args.backend,
-               "VLLM_SPYRE_USE_CB": "1"}
+        env = {**backend_env(args.backend), "VLLM_SPYRE_USE_CB": "1"}
         cli = ("--max-num-seqs", str(seqs),
                "--max-model-len", str(args.max_model_len))
         return env, cli, (f"continuous batching, --max-num-seqs {seqs} "
                           f"--max-model-len {args.max_model_len}")
     shapes = parse_shapes(args.static_shapes)
-    env = {"VLLM_SPYRE_DYNAMO_BACKEND": args.backend,
-           "VLLM_SPYRE_USE_CB": "0"}
+    env = {**backend_env(args.backend), "VLLM_SPYRE_USE_CB": "0"}
     for i, name in enumerate(("PROMPT_LENS", "NEW_TOKENS", "BATCH_SIZES")):
         env[f"VLLM_SPYRE_WARMUP_{name}"] = ",".join(str(s[i]) for s in shapes)
     return env, (), "static batching, warm-up shapes " + ", ".join(
@@ -335,7 +334,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", help="servers to start, of cb,static "
                     "(default workload: static; mixed: cb,static)")
-    ap.add_argument("--backend", choices=["eager", "inductor"],
+    ap.add_argument("--backend", choices=["eager", "inductor", TORCH_OPS],
                     help="VLLM_SPYRE_DYNAMO_BACKEND of the servers "
                     "(default workload: eager; mixed: inductor)")
     ap.add_argument("--batch-size", type=int, default=8,

@@ -78,10 +78,24 @@ def smollm2() -> Path:
 
 # ---- engines ---------------------------------------------------------------
 
+#: The backend label of the pure torch-op path: ``eager`` with
+#: ``VLLM_SPYRE_NATIVE_KERNELS=0``.
+TORCH_OPS = "eager-torch-ops"
+
+
+def backend_env(label: str) -> dict:
+    """The settings of a backend label: ``eager``, ``inductor`` (both on
+    the C++ kernels where they build) or ``TORCH_OPS``."""
+    if label == TORCH_OPS:
+        return {"VLLM_SPYRE_DYNAMO_BACKEND": "eager",
+                "VLLM_SPYRE_NATIVE_KERNELS": "0"}
+    return {"VLLM_SPYRE_DYNAMO_BACKEND": label}
+
+
 def spyre_env(backend: str, prompt_lens, new_tokens, batch_sizes) -> dict:
     join = lambda xs: ",".join(str(x) for x in xs)  # noqa: E731
     return {
-        "VLLM_SPYRE_DYNAMO_BACKEND": backend,
+        **backend_env(backend),
         "VLLM_SPYRE_WARMUP_PROMPT_LENS": join(prompt_lens),
         "VLLM_SPYRE_WARMUP_NEW_TOKENS": join(new_tokens),
         "VLLM_SPYRE_WARMUP_BATCH_SIZES": join(batch_sizes),

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import (HFReference, compile_count, first_logprob, spyre_engine,
-                      spyre_llm)
+from conftest import (TORCH_OPS, HFReference, backend_env, compile_count,
+                      first_logprob, spyre_engine, spyre_llm)
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +30,8 @@ LOGPROB_ATOL = 1e-3
 
 
 def cb_env(backend: str) -> dict:
-    return {"VLLM_SPYRE_USE_CB": "1", "VLLM_SPYRE_DYNAMO_BACKEND": backend}
+    """Continuous batching on a backend label (``conftest.backend_env``)."""
+    return {"VLLM_SPYRE_USE_CB": "1", **backend_env(backend)}
 
 
 def make_requests(vocab: int, plan=PLAN) -> list[tuple[list[int], int]]:
@@ -81,7 +82,7 @@ def hf_tiny(tiny_llama):
     return HFReference(tiny_llama)
 
 
-@pytest.fixture(scope="module", params=["eager", "inductor"])
+@pytest.fixture(scope="module", params=["eager", "inductor", TORCH_OPS])
 def cb_run(request, tiny_llama):
     return dict(run_workload(tiny_llama, request.param),
                 backend=request.param)
@@ -111,9 +112,9 @@ def test_no_compilation_after_warmup(cb_run):
 
 def test_prefill_runs_in_one_pass_on_the_paged_kernel(cb_run):
     """A 130-token prefill: one [1, 130] pass on the paged C++ kernel
-    (inductor), three 64-token chunks on the torch ops (eager)."""
+    (eager and inductor), three 64-token chunks on the torch ops."""
     from vllm.attention.spyre import native
-    whole = cb_run["backend"] == "inductor" and native.available()
+    whole = cb_run["backend"] != TORCH_OPS and native.available()
     assert cb_run["prefill_shape"] == ((1, 130) if whole else (3, 64))
 
 

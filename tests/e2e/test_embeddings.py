@@ -80,15 +80,20 @@ def embed_checked(llm, model_dir, texts, pooling) -> None:
     assert sims.min() >= 0.9999, sims
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("backend", ["eager", "inductor", "torch-ops"])
 @pytest.mark.parametrize("name", ["bert", "roberta"])
 def test_tiny_embeddings_match_transformers(encoders, name, backend):
+    from vllm.attention.spyre import native
     path, pooling = encoders[name]
     texts = random_texts(50, 256, **TINY_TOKENS)
-    with spyre_llm(path, env(backend), task="embed") as llm:
-        # inductor runs attention on the C++ kernel, eager on SDPA.
+    settings = (env("eager", VLLM_SPYRE_NATIVE_KERNELS="0")
+                if backend == "torch-ops" else env(backend))
+    with spyre_llm(path, settings, task="embed") as llm:
+        # Both CPU backends run attention on the C++ kernel; the torch-op
+        # path on SDPA.
+        kernel = backend != "torch-ops" and native.available()
         assert encoder_of(llm).attn_name == (
-            encoder_attention.ATTN_NAME_CPU if backend == "inductor" else
+            encoder_attention.ATTN_NAME_CPU if kernel else
             encoder_attention.ATTN_NAME)
         embed_checked(llm, path, texts, pooling)
 

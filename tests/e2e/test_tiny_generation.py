@@ -2,14 +2,16 @@
 ``vllm.LLM`` gives the same greedy tokens as Hugging Face transformers, on
 both CPU backends, with several warm-up shapes, more prompts than one batch
 holds, mixed prompt lengths and ``max_tokens``; and serving after warm-up
-compiles nothing."""
+compiles nothing.  Both backends run on the C++ kernels where they build;
+``eager-torch-ops`` keeps PyTorch's own ops (``VLLM_SPYRE_NATIVE_KERNELS=0``)
+and is compared the same way."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import (HFReference, compile_count, first_logprob, spyre_env,
-                      spyre_llm)
+from conftest import (TORCH_OPS, HFReference, compile_count, first_logprob,
+                      spyre_env, spyre_llm)
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +32,7 @@ def make_requests(vocab: int) -> list[tuple[list[int], int]]:
             for n, m in plan]
 
 
-@pytest.fixture(scope="module", params=["eager", "inductor"])
+@pytest.fixture(scope="module", params=["eager", "inductor", TORCH_OPS])
 def tiny_run(request, tiny_llama):
     """Generates every request once per backend; yields what was seen."""
     from vllm import SamplingParams, TokensPrompt
@@ -49,14 +51,33 @@ def tiny_run(request, tiny_llama):
         outputs = llm.generate(prompts, params, use_tqdm=False)
         compiled = compile_count() - before
         timings = llm.collective_rpc("get_startup_timings")[0]
+        model = llm.llm_engine.model_executor.driver_worker.worker \
+            .model_runner.model
+        packed = sum(type(m).__name__ == "PackedLinear"
+                     for m in model.fms_model.modules())
+        kernels = dict(native=model.native, attn_name=model.attn_name,
+                       packed=packed)
     yield dict(backend=backend, reqs=reqs, outputs=outputs,
                compiled=compiled, warmup_compiles=warmup_compiles,
-               timings=timings)
+               timings=timings, kernels=kernels)
 
 
 @pytest.fixture(scope="module")
 def hf_tiny(tiny_llama):
     return HFReference(tiny_llama)
+
+
+def test_both_backends_run_on_the_native_kernels(tiny_run):
+    """eager skips the compiler, not the kernels: the linear layers are
+    packed and decode attention is the C++ op on both CPU backends; the
+    torch-op path keeps MKL and the attention in torch ops."""
+    from vllm.attention.spyre import native, static_cache
+    on = tiny_run["backend"] != TORCH_OPS and native.available()
+    kernels = tiny_run["kernels"]
+    assert kernels["native"] is on
+    assert kernels["attn_name"] == (static_cache.ATTN_NAME_CPU_KERNEL
+                                    if on else static_cache.ATTN_NAME)
+    assert (kernels["packed"] > 0) is on
 
 
 def test_greedy_ids_match_transformers(tiny_run, hf_tiny):

@@ -178,7 +178,7 @@ def test_every_field_reaches_the_workers():
         use_cb=True, backend_reason="reason", world_size=2,
         devices=("0", "1"), ignored_vars=("VLLM_SPYRE_WARMUP_NEW_TOKENS", ),
         graph_cache_dir="/tmp/g", require_precompiled=True,
-        inductor_freezing=False, pooling=True)
+        inductor_freezing=False, native_kernels=False, pooling=True)
     # A field added later must be set here too.
     assert all(getattr(cfg, f.name) != f.default for f in fields(cfg)
                if f.default is not MISSING)
@@ -325,6 +325,7 @@ def test_env_var_declarations_are_consistent(no_sendnn):
         "TORCH_SENDNN_CACHE_DIR",
         "VLLM_SPYRE_REQUIRE_PRECOMPILED",
         "VLLM_SPYRE_INDUCTOR_FREEZING",
+        "VLLM_SPYRE_NATIVE_KERNELS",
     }
     # Every declared default parses: the defaults spelled out explicitly
     # give the same config as no environment at all.

@@ -111,3 +111,13 @@ def test_bad_use_cb_value(no_sendnn, value):
     assert f"VLLM_SPYRE_USE_CB={value!r} is invalid" in msg
     assert "0 (static batching)" in msg
     assert "1 (continuous batching)" in msg
+
+
+@pytest.mark.parametrize("value", ["2", "yes", "", "on"])
+def test_bad_native_kernels_value(no_sendnn, value):
+    with pytest.raises(ValueError) as exc:
+        SpyreConfig.from_env(environ={"VLLM_SPYRE_NATIVE_KERNELS": value})
+    msg = str(exc.value)
+    assert f"VLLM_SPYRE_NATIVE_KERNELS={value!r} is invalid" in msg
+    assert "1 (the C++ kernels where they build)" in msg
+    assert "0 (PyTorch's own ops)" in msg

@@ -58,19 +58,24 @@ def test_static_estimate_sums_caches_and_takes_the_largest_step():
 def test_cb_estimate_sizes_the_pool_asked_for():
     est = sm.cb_estimate(0, 0, GEOMETRY, blocks=5, block_size=64,
                          max_model_len=300, max_num_seqs=16,
-                         backend="inductor", override=False)
+                         backend="inductor", override=False, on_kernel=True)
     assert est.kv_cache == GEOMETRY.kv_bytes(5, 64)
     # A whole 300-token prefill; the kernel holds no [heads, L, L] scores.
     assert est.activations == max(
         GEOMETRY.activation_bytes(1, 300, 300, scores=False),
         GEOMETRY.activation_bytes(16, 1, 300))
     assert "5 blocks of one sequence of max_model_len=300" in est.sized_for
-    est = sm.cb_estimate(0, 0, GEOMETRY, 40, 64, 300, 16, "eager", True)
+    est = sm.cb_estimate(0, 0, GEOMETRY, 40, 64, 300, 16, "eager", True,
+                         True)
     assert "--num-gpu-blocks-override 40" in est.sized_for
+    # The kernel on eager prefills whole sequences too.
+    assert est.activations == GEOMETRY.activation_bytes(1, 300, 300,
+                                                        scores=False)
     # The torch ops and the card prefill a block at a time, with its
     # scores.
-    for backend in ("eager", "sendnn"):
-        est = sm.cb_estimate(0, 0, GEOMETRY, 5, 64, 300, 1, backend, False)
+    for backend in ("eager", "inductor", "sendnn"):
+        est = sm.cb_estimate(0, 0, GEOMETRY, 5, 64, 300, 1, backend, False,
+                             False)
         assert est.activations == GEOMETRY.activation_bytes(1, 64, 300)
 
 

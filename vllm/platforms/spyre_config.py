@@ -126,6 +126,13 @@ SPYRE_ENV_VARS: tuple[EnvVar, ...] = (
         "constants (the fastest steps); `0` keeps them graph inputs, which "
         "new weights loaded in place (`update_weights_in_place`) need. "
         "The graph cache always keeps them inputs."),
+    EnvVar(
+        "VLLM_SPYRE_NATIVE_KERNELS", lambda: "1", "`1`",
+        "`1` runs the linear layers and attention on this project's C++ "
+        "kernels on both CPU backends (`eager` and `inductor`) wherever "
+        "they build; `0` keeps PyTorch's own ops (MKL/oneDNN products, "
+        "attention in torch ops), to compare the two. The card (`sendnn`) "
+        "never uses them."),
 )
 _ENV_BY_NAME = {v.name: v for v in SPYRE_ENV_VARS}
 
@@ -177,6 +184,8 @@ class SpyreConfig:
     require_precompiled: bool = False
     #: inductor may freeze the weights into its graphs (cache off).
     inductor_freezing: bool = True
+    #: The CPU backends may run on the project's C++ kernels.
+    native_kernels: bool = True
     #: A pooling model (embeddings, scores): shapes generate no tokens.
     pooling: bool = False
 
@@ -242,12 +251,13 @@ class SpyreConfig:
         cache_dir, strict = _parse_graph_cache(
             get("TORCH_SENDNN_CACHE_ENABLE"), get("TORCH_SENDNN_CACHE_DIR"),
             get("VLLM_SPYRE_REQUIRE_PRECOMPILED"), backend)
-        freezing = get("VLLM_SPYRE_INDUCTOR_FREEZING")
-        if freezing not in ("0", "1"):
-            raise ValueError(
-                f"VLLM_SPYRE_INDUCTOR_FREEZING={freezing!r} is invalid: use "
-                "1 (weights frozen into inductor's graphs) or 0 (weights "
-                "graph inputs, updatable in place).")
+        freezing = _parse_switch(
+            "VLLM_SPYRE_INDUCTOR_FREEZING", get("VLLM_SPYRE_INDUCTOR_FREEZING"),
+            "1 (weights frozen into inductor's graphs) or 0 (weights graph "
+            "inputs, updatable in place)")
+        native = _parse_switch(
+            "VLLM_SPYRE_NATIVE_KERNELS", get("VLLM_SPYRE_NATIVE_KERNELS"),
+            "1 (the C++ kernels where they build) or 0 (PyTorch's own ops)")
         return cls(dynamo_backend=backend,
                    warmup_shapes=shapes,
                    use_cb=use_cb == "1",
@@ -257,7 +267,8 @@ class SpyreConfig:
                    ignored_vars=ignored,
                    graph_cache_dir=cache_dir,
                    require_precompiled=strict,
-                   inductor_freezing=freezing == "1",
+                   inductor_freezing=freezing,
+                   native_kernels=native,
                    pooling=pooling)
 
     @property
@@ -330,6 +341,12 @@ class SpyreConfig:
                 "The vLLM config carries no Spyre settings: the Spyre "
                 "platform's check_and_update_config did not run.")
         return cls.from_dict(extra[ADDITIONAL_CONFIG_KEY])
+
+
+def _parse_switch(name: str, raw: str, meaning: str) -> bool:
+    if raw not in ("0", "1"):
+        raise ValueError(f"{name}={raw!r} is invalid: use {meaning}.")
+    return raw == "1"
 
 
 def _parse_int_list(name: str, raw: str) -> list[int]:

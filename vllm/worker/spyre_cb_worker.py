@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import psutil
 
+from vllm.attention.spyre import native
 from vllm.logger import init_logger
 from vllm.platforms.spyre_cb_blocks import blocks_needed
 from vllm.platforms.spyre_config import CB_BLOCK_SIZE
@@ -50,10 +51,13 @@ class SpyreCBWorker(SpyreWorkerBase):
         override = self.cache_config.num_gpu_blocks_override
         max_model_len = self.scheduler_config.max_model_len
         blocks = override or blocks_needed(max_model_len, CB_BLOCK_SIZE)
+        backend = self.spyre_config.dynamo_backend
+        on_kernel = native.in_use(backend,
+                                  self.spyre_config.native_kernels)[0]
         return spyre_memory.cb_estimate(
             spyre_memory.process_rss(), weights, geometry, blocks,
             CB_BLOCK_SIZE, max_model_len, self.scheduler_config.max_num_seqs,
-            self.spyre_config.dynamo_backend, override is not None)
+            backend, override is not None, on_kernel)
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """Blocks that fit this rank's share of the memory vLLM may use,

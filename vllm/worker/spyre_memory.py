@@ -171,14 +171,16 @@ def pooling_estimate(process: int, weights: int, geometry: Geometry,
 
 def cb_estimate(process: int, weights: int, geometry: Geometry,
                 blocks: int, block_size: int, max_model_len: int,
-                max_num_seqs: int, backend: str, override: bool) -> Estimate:
+                max_num_seqs: int, backend: str, override: bool,
+                on_kernel: bool) -> Estimate:
     """Continuous batching: ``blocks`` blocks of the pool, a prefill and a
-    decode step of ``max_num_seqs`` sequences.  On ``inductor`` a prefill
-    is one pass over a whole ``max_model_len`` sequence, whose paged kernel
-    scores one query position at a time (no ``[heads, L, L]`` scores);
-    elsewhere it runs in chunks of a block, each holding its scores."""
+    decode step of ``max_num_seqs`` sequences.  On the paged C++ kernel
+    (``on_kernel``) a prefill is one pass over a whole ``max_model_len``
+    sequence, which the kernel scores one query position at a time (no
+    ``[heads, L, L]`` scores); elsewhere it runs in chunks of a block,
+    each holding its scores."""
     kv = geometry.kv_bytes(blocks, block_size)
-    if backend == "inductor":
+    if on_kernel:
         prefill = geometry.activation_bytes(1, max_model_len, max_model_len,
                                             scores=False)
     else:

@@ -15,8 +15,11 @@ that inductor calls them like any other external kernel:
 ``available`` builds both sources into one extension with PyTorch's C++
 extension loader (the compiler inductor needs anyway), cached in
 ``TORCH_EXTENSIONS_DIR``, loads it and registers each op's fake (shape-only)
-implementation for tracing.  A machine without a compiler gets ``False`` and
-a warning, and every caller keeps its torch-op path.
+implementation for tracing.  ``in_use`` decides, for a model, whether it
+runs on them: on both CPU backends (``eager`` skips the compiler, not the
+kernels) unless ``VLLM_SPYRE_NATIVE_KERNELS=0`` asks for PyTorch's own ops.
+A machine without a compiler gets ``False`` and a warning, and every caller
+keeps its torch-op path.
 """
 from __future__ import annotations
 
@@ -36,6 +39,8 @@ _SOURCES = [Path(__file__).with_name("native_linear.cpp"),
 _NATIVE_FLAG = {"x86_64": "-march=native", "s390x": "-march=native",
                 "ppc64le": "-mcpu=native", "aarch64": "-mcpu=native"}
 _loaded: Optional[bool] = None
+#: Why the build failed, when it did.
+_failure = ""
 
 
 def available() -> bool:
@@ -45,6 +50,20 @@ def available() -> bool:
     if _loaded is None:
         _loaded = _load()
     return _loaded
+
+
+def in_use(backend: str, wanted: bool) -> tuple[bool, str]:
+    """Whether a model on ``backend`` runs on these kernels, and why (or
+    why not): on both CPU backends, ``eager`` and ``inductor``, wherever
+    they build, unless ``VLLM_SPYRE_NATIVE_KERNELS=0`` (``wanted``) keeps
+    PyTorch's own ops; never on the card (``sendnn``)."""
+    if backend == "sendnn":
+        return False, "the card runs the graphs (backend sendnn)"
+    if not wanted:
+        return False, "VLLM_SPYRE_NATIVE_KERNELS=0"
+    if not available():
+        return False, f"they could not be built ({_failure})"
+    return True, f"backend {backend}"
 
 
 def _load() -> bool:
@@ -61,6 +80,8 @@ def _load() -> bool:
              extra_ldflags=["-fopenmp"],
              is_python_module=False)
     except Exception as e:  # no compiler, or an unsupported platform
+        global _failure
+        _failure = str(e).splitlines()[0] if str(e) else type(e).__name__
         logger.warning(
             "The native CPU kernels could not be built (%s); linear layers "
             "stay on MKL and attention on torch ops", e)

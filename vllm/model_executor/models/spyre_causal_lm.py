@@ -79,10 +79,15 @@ class SpyreCausalLM(nn.Module):
         #: Whether the graphs hold the weights as constants (inductor
         #: freezing) rather than reading them as inputs.
         self.frozen = False
-        if spyre_config.dynamo_backend == "inductor":
+        #: Whether the model runs on the project's C++ kernels.
+        self.native, why = native.in_use(spyre_config.dynamo_backend,
+                                         spyre_config.native_kernels)
+        if self.native:
             self._use_cpu_kernels()
         else:
             self._bf16_products()
+        logger.info("Spyre native CPU kernels %s (%s)",
+                    "in use" if self.native else "not in use", why)
         self._register_attention()
         self.cache_layout = CacheLayout.of(self.fms_model)
         self.model = self._compile(self.fms_model)
@@ -92,14 +97,9 @@ class SpyreCausalLM(nn.Module):
         self.kv_cache: Optional[list] = None
 
     def _use_cpu_kernels(self) -> None:
-        """``inductor``: linear layers go to the packed CPU kernel
-        (``spyre_linear``), their weights packed in
-        ``precision.linear``, and decode attention to its companion kernel.
-        A machine where they cannot be built keeps MKL/oneDNN and the
-        attention written in torch ops."""
-        if not native.available():
-            self._bf16_products()
-            return
+        """The CPU backends: linear layers go to the packed CPU kernel
+        (``spyre_linear``), their weights packed in ``precision.linear``,
+        and decode attention to its companion kernel."""
         start = time.perf_counter()
         n = spyre_linear.pack_linears(self.fms_model, self.precision.linear)
         self.attn_name = self.ATTN_NAMES[1]
@@ -108,18 +108,13 @@ class SpyreCausalLM(nn.Module):
                     time.perf_counter() - start)
 
     def _bf16_products(self) -> None:
-        """bfloat16 products under a float32 model where the kernels are
-        not otherwise used (``eager``, or no C++ compiler): on the packed
-        kernel if it builds, which keeps the products' sums float32, else
-        through oneDNN (``Bf16Linear``, whose outputs are rounded to
-        bfloat16)."""
+        """bfloat16 products under a float32 model off the kernels
+        (``VLLM_SPYRE_NATIVE_KERNELS=0``, or no C++ compiler): through
+        oneDNN (``Bf16Linear``, whose outputs are rounded to bfloat16)."""
         if self.precision.linear != torch.bfloat16 or \
                 self.precision.model == torch.bfloat16:
             return
-        if native.available():
-            spyre_linear.pack_linears(self.fms_model, torch.bfloat16)
-        else:
-            spyre_linear.bf16_linears(self.fms_model)
+        spyre_linear.bf16_linears(self.fms_model)
 
     @staticmethod
     def _register_attention() -> None:

@@ -113,16 +113,20 @@ class SpyreEncoderModel(nn.Module):
 
     def _choose_attention(self, backend: str) -> None:
         """FMS's attention op: SDPA (in bfloat16 under ``--dtype
-        bfloat16``), or the C++ kernel on ``inductor``."""
+        bfloat16``), or the C++ kernel on the CPU backends
+        (``native.in_use``)."""
         encoder_attention.register()
         if self.bf16_matmuls:
             n = spyre_linear.bf16_linears(self.encoder.base_model)
             self.encoder.attn_name = ATTN_NAME_BF16
             logger.info("Matrix products of %d linear layers and of "
                         "attention in bfloat16", n)
-        if backend == "inductor" and native.available():
+        use, why = native.in_use(backend, self.spyre_config.native_kernels)
+        if use:
             self.encoder.attn_name = (ATTN_NAME_CPU_BF16 if self.bf16_matmuls
                                       else ATTN_NAME_CPU)
+        logger.info("Spyre native CPU attention kernel %s (%s)",
+                    "in use" if use else "not in use", why)
 
     # ---- load -----------------------------------------------------------
     def _load_hf(self, path: str) -> HFEncoder:
