@@ -1,9 +1,9 @@
 """The project's modules keep their layers: the import contracts of
 ``pyproject.toml`` (import-linter) hold on the installed package, every
 module of this repository is named in them, and no import cycle joins the
-project's modules.  A change that imports upwards (a scheduler importing a
-worker, a model importing a runner) or adds a module outside the contract
-fails here."""
+project's modules.  A change that imports upwards (a model importing a
+runner, the settings importing the platform), makes a scheduler import a
+worker, or adds a module outside the contract fails here."""
 import re
 import tomllib
 from pathlib import Path
@@ -54,7 +54,7 @@ def test_import_contracts_hold(capsys):
                         no_logo=True)
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "2 kept, 0 broken" in out
+    assert "3 kept, 0 broken" in out
 
 
 def test_every_project_module_is_in_a_layer():
@@ -141,4 +141,19 @@ def test_the_contract_sees_the_project_imports(tmp_path):
         '    "vllm.model_executor.models.spyre_causal_lm",\n'
         '    "vllm.worker.spyre_model_runner",\n]\n')
     assert lint_imports(config_filename=str(broken), no_cache=True,
+                        no_logo=True) != 0
+
+
+def test_the_contract_refuses_a_scheduler_importing_a_worker(tmp_path):
+    """The forbidden contract catches an import that the layers allow (a
+    scheduler sits above the workers): with the CB scheduler's own import
+    of ``spyre_cb_blocks`` forbidden, the linter reports it."""
+    probe = tmp_path / "contracts.toml"
+    probe.write_text(
+        '[tool.importlinter]\nroot_package = "vllm"\n\n'
+        '[[tool.importlinter.contracts]]\nname = "probe"\n'
+        'type = "forbidden"\n'
+        'source_modules = ["vllm.core.spyre_cb_scheduler"]\n'
+        'forbidden_modules = ["vllm.platforms.spyre_cb_blocks"]\n')
+    assert lint_imports(config_filename=str(probe), no_cache=True,
                         no_logo=True) != 0

@@ -314,3 +314,13 @@ def test_strict_mode_is_refused_with_sendnn(monkeypatch):
             "VLLM_SPYRE_DYNAMO_BACKEND": "sendnn",
             "TORCH_SENDNN_CACHE_ENABLE": "1",
             "VLLM_SPYRE_REQUIRE_PRECOMPILED": "1"})
+
+
+def test_a_cached_graph_is_never_frozen(tmp_path):
+    """compile_graphs refuses frozen weights with a graph cache entry: the
+    cache keeps weights graph inputs (docs/performance.md)."""
+    from vllm.compilation.spyre_compile import compile_graphs
+    cache = GraphCache(str(tmp_path), PARTS, rank=0)
+    with pytest.raises(ValueError, match="cannot hold frozen weights"):
+        compile_graphs(torch.nn.Linear(2, 2), "inductor",
+                       cache_size_limit=64, freeze=True, cache=cache)

@@ -45,6 +45,9 @@ def compile_graphs(
     the graphs, which a cached graph cannot hold (the caller passes
     ``freeze=False`` with a ``cache``).
     """
+    if freeze and cache is not None:
+        raise ValueError("a cached graph cannot hold frozen weights: "
+                         "compile with freeze=False or without a cache")
     if backend == "sendnn":
         import torch_sendnn  # noqa: F401  registers the backend
     dynamo = torch._dynamo.config

@@ -43,8 +43,10 @@ logger = init_logger(__name__)
 MAGIC = b"SPYRE-GRAPH 1\n"
 #: Files whose bytes are the model code the graphs are traced from.
 _CODE_SUFFIXES = (".py", ".cpp")
-#: Packages (under ``vllm``) holding the model code graphs are traced from.
-_MODEL_CODE_DIRS = ("attention", "compilation", "model_executor")
+#: Packages (under ``vllm``) holding the model code graphs are traced from
+#: and the settings built into them (``CB_BLOCK_SIZE``).
+_MODEL_CODE_DIRS = ("attention", "compilation", "model_executor",
+                    "platforms")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
@@ -65,7 +67,8 @@ def weights_identity(model_dir: str) -> str:
 def code_identity() -> str:
     """Digest of this project's model code: the Spyre modules and kernels
     under ``vllm/attention``, ``vllm/compilation`` and
-    ``vllm/model_executor`` (loader, models, layers, attention ops)."""
+    ``vllm/model_executor`` (loader, models, layers, attention ops), and
+    the settings under ``vllm/platforms``."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for part in _MODEL_CODE_DIRS:

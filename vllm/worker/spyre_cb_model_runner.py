@@ -24,9 +24,9 @@ from typing import Any, Optional
 
 import torch
 
+from vllm.attention.spyre.paged_inputs import PagedInputs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
-from vllm.attention.spyre.paged_inputs import PagedInputs
 from vllm.model_executor.layers.sampler import SamplerOutput
 from vllm.model_executor.models.spyre_paged_causal_lm import SpyrePagedCausalLM
 from vllm.model_executor.sampling_metadata import SamplingMetadata

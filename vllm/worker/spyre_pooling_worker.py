@@ -30,6 +30,12 @@ class SpyrePoolingWorker(SpyreWorkerBase):
         return encoder_dtype(self.model_config.dtype,
                              self.spyre_config.dynamo_backend)[0]
 
+    def determine_num_available_blocks(self) -> tuple[int, int]:
+        """Never asked: vLLM's V0 engine skips the cache phase for pooling
+        models, which keep no key/value cache."""
+        raise NotImplementedError(
+            "Pooling models keep no key/value cache on Spyre")
+
     def memory_estimate(self) -> spyre_memory.Estimate:
         """The weights and the largest shape's activations; no cache."""
         weights, geometry = self._memory_parts()

@@ -28,7 +28,7 @@ logger = init_logger(__name__)
 
 
 class SpyreRunnerBase(ModelRunnerBase[T]):
-    """What both Spyre runners share: the settings, the model load (of
+    """What every Spyre runner shares: the settings, the model load (of
     ``model_cls``), per-request generators and start-up timings."""
 
     #: The model class each runner loads (``SpyreCausalLM``, ...).

@@ -41,6 +41,7 @@ from vllm.platforms.spyre_config import SpyreConfig
 
 logger = init_logger(__name__)
 
+
 class SpyreCausalLM(nn.Module):
     """FMS causal LM, compiled for the configured backend."""
 

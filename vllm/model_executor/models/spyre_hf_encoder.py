@@ -1,16 +1,16 @@
 """Encoders FMS does not implement, run on the Hugging Face encoder body.
 
-FMS has BERT and RoBERTa (``spyre_encoder_families.ENCODER_FAMILIES``).  For a
-pooling architecture that vLLM registers and transformers implements but
-FMS does not, the encoder body is the transformers model itself, loaded
+FMS has BERT and RoBERTa (``spyre_encoder_families.ENCODER_FAMILIES``).
+For a pooling architecture that vLLM registers and transformers implements
+but FMS does not, the encoder body is the transformers model itself, loaded
 from the checkpoint and compiled with the configured backend like FMS's.
 Today that is ModernBERT's cross-encoder and classifier,
 ``ModernBertForSequenceClassification`` (rerankers such as
 gte-reranker-modernbert).  vLLM 0.10.1.1 does not register the bare
 ``ModernBertModel`` as a pooling model, so it refuses a ModernBERT
-embedder itself, before any platform code runs.  Texts are packed as for FMS: ``HFEncoder.forward``
-calls the body's embedding, layers and final norm with additive masks of
-its own, built from the same block-diagonal mask, so that every text
+embedder itself, before any platform code runs.  Texts are packed as for
+FMS: ``HFEncoder.forward`` calls the body's embedding, layers and final
+norm with additive masks of its own, built from the same block-diagonal mask, so that every text
 attends to its own tokens only, and its positions (which drive ModernBERT's
 rotary embedding) restart at 0.  ModernBERT's local-attention layers see
 only tokens within half their window on either side: the band is applied
