@@ -100,10 +100,23 @@ def test_spyre_env_one_shape_per_batch_size():
     env = _common.spyre_env("inductor", [(16, 4, 1), (64, 4, 8)])
     assert env == {
         "VLLM_SPYRE_DYNAMO_BACKEND": "inductor",
+        "VLLM_SPYRE_NATIVE_KERNELS": "1",
         "VLLM_SPYRE_WARMUP_PROMPT_LENS": "64,64",
         "VLLM_SPYRE_WARMUP_NEW_TOKENS": "4,4",
         "VLLM_SPYRE_WARMUP_BATCH_SIZES": "1,8",
     }
+
+
+def test_the_torch_op_engines_turn_the_kernels_off():
+    """``eager-torch-ops`` is eager on PyTorch's own ops, for comparison
+    with the C++ kernels; every other label keeps them on."""
+    assert _common.backend_env(_common.TORCH_OPS) == {
+        "VLLM_SPYRE_DYNAMO_BACKEND": "eager",
+        "VLLM_SPYRE_NATIVE_KERNELS": "0"}
+    assert _common.spyre_cb_env(_common.TORCH_OPS) == {
+        "VLLM_SPYRE_DYNAMO_BACKEND": "eager",
+        "VLLM_SPYRE_NATIVE_KERNELS": "0", "VLLM_SPYRE_USE_CB": "1"}
+    assert _common.backend_env("eager")["VLLM_SPYRE_NATIVE_KERNELS"] == "1"
 
 
 def test_static_shapes_and_requests_they_hold():
