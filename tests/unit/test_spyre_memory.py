@@ -55,6 +55,24 @@ def test_static_estimate_sums_caches_and_takes_the_largest_step():
         est.overhead
 
 
+def test_packed_weights_on_eager_count_the_replaced_weights():
+    """On eager with the packed kernels the replaced float32 weights stay
+    resident as free heap until the caches and activations reuse them;
+    inductor's measured fraction already holds them."""
+    weights = 10 * 2**30  # more than the caches and activations
+    shapes = [WarmupShape(64, 24, 4)]
+    plain = sm.static_estimate(0, weights, GEOMETRY, shapes, "eager")
+    packed = sm.static_estimate(0, weights, GEOMETRY, shapes, "eager", True)
+    assert packed.overhead - plain.overhead == (
+        weights - packed.kv_cache - packed.activations)
+    assert sm.static_estimate(0, 1000, GEOMETRY, shapes, "eager",
+                              True).overhead == 1000 * sm.RUNTIME_OVERHEAD[
+                                  "eager"]  # reused by the caches
+    assert sm.static_estimate(0, weights, GEOMETRY, shapes, "inductor",
+                              True).overhead == int(
+                                  weights * sm.RUNTIME_OVERHEAD["inductor"])
+
+
 def test_cb_estimate_sizes_the_pool_asked_for():
     est = sm.cb_estimate(0, 0, GEOMETRY, blocks=5, block_size=64,
                          max_model_len=300, max_num_seqs=16,

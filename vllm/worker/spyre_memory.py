@@ -139,16 +139,30 @@ class Estimate:
             f"{name} {size / GiB:.2f}" for name, size in parts) + ")"
 
 
+def runtime_bytes(weights: int, backend: str, kv: int, act: int,
+                  packed: bool) -> int:
+    """What running costs beyond the counted tensors: ``RUNTIME_OVERHEAD``
+    of the weights and, on ``eager`` with the packed kernels, the float32
+    weights the packing replaced, which stay resident as free heap (large
+    buffers are kept in the heap, ``keep_large_buffers``) until caches and
+    activations reuse them (``inductor``'s measured fraction includes
+    it)."""
+    slack = max(0, weights - kv - act) if packed and backend == "eager" \
+        else 0
+    return int(weights * RUNTIME_OVERHEAD[backend]) + slack
+
+
 def static_estimate(process: int, weights: int, geometry: Geometry,
-                    shapes, backend: str) -> Estimate:
-    """Static batching: a cache per shape, the largest shape's prefill."""
+                    shapes, backend: str, packed: bool = False) -> Estimate:
+    """Static batching: a cache per shape, the largest shape's prefill;
+    ``packed``: the linear layers run on the packed kernels."""
     kv = sum(geometry.kv_bytes(s.batch_size, s.max_len) for s in shapes)
     largest = max(shapes, key=lambda s: geometry.activation_bytes(
         s.batch_size, s.prompt_len, s.max_len))
     act = geometry.activation_bytes(largest.batch_size, largest.prompt_len,
                                     largest.max_len)
     return Estimate(process, weights, kv, act,
-                    int(weights * RUNTIME_OVERHEAD[backend]),
+                    runtime_bytes(weights, backend, kv, act, packed),
                     f"the largest shape {largest} and the caches of "
                     f"{len(shapes)} shape(s)")
 
@@ -191,7 +205,7 @@ def cb_estimate(process: int, weights: int, geometry: Geometry,
             f"the {blocks} blocks of one sequence of max_model_len="
             f"{max_model_len}")
     return Estimate(process, weights, kv, act,
-                    int(weights * RUNTIME_OVERHEAD[backend]),
+                    runtime_bytes(weights, backend, kv, act, on_kernel),
                     f"a pool of {pool} ({block_size} tokens each)")
 
 
