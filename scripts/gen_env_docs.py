@@ -145,7 +145,7 @@ log prints them ("Spyre continuous batching: ...").
 | `max_num_seqs` | `--max-num-seqs` (vLLM's default: 256) | the most sequences in one decode step |
 | `max_num_batched_tokens` | at least `max_model_len` | a prefill step holds one whole sequence |
 | `block_size` | 64 | the card's block size; the pool is sized from memory or `--num-gpu-blocks-override` |
-| chunked prefill | off | the runner prefills a whole sequence in one engine step: in one pass on `inductor`, else in 64-token chunks |
+| chunked prefill | off | the runner prefills a whole sequence in one engine step: in one pass on the paged C++ kernel (both CPU backends), else in 64-token chunks |
 | prefix caching | refused | not supported yet |
 | executor, worker, scheduler | the same executors, `SpyreCBWorker`, `SpyreCBScheduler` | continuous batching over a block pool |
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 class ModelProbe:
 
     def spyre_probe(self) -> dict:
-        """This rank, its model class, and a checksum of its weights."""
+        """This rank, its model class, and a checksum of its weights (the
+        parameters, and the buffers that hold packed linear weights)."""
         model = self.model_runner.model
-        total = sum(float(p.double().sum())
-                    for p in model.fms_model.parameters())
+        tensors = [*model.fms_model.parameters(), *model.fms_model.buffers()]
+        total = sum(float(t.double().sum()) for t in tensors
+                    if t.is_floating_point())
         return dict(rank=self.rank, model=type(model).__name__,
                     weights_sum=total)
