@@ -17,7 +17,7 @@ setup(
     python_requires=">=3.10",
     packages=find_namespace_packages(include=["vllm", "vllm.*"]),
     # C++ sources built on first use (torch.utils.cpp_extension.load).
-    package_data={"vllm.attention.spyre": ["*.cpp"]},
+    package_data={"vllm.attention.ops": ["spyre_*.cpp"]},
     entry_points={
         "vllm.platform_plugins": ["spyre = vllm.platforms.spyre:register"],
         "vllm.general_plugins": [

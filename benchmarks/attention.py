@@ -72,7 +72,7 @@ def paged_case(geo: Geometry, lens: list[int], positions: int, gen):
     kernel and the torch-ops calls of one layer."""
     import torch
 
-    from vllm.attention.spyre import paged_cache
+    from vllm.attention.ops import spyre_paged_cache as paged_cache
     batch = len(lens)
     width = -(-max(lens) // BLOCK)
     blocks = batch * width + 1
@@ -101,8 +101,8 @@ def paged_case(geo: Geometry, lens: list[int], positions: int, gen):
 def static_case(geo: Geometry, batch: int, ctx: int, gen):
     import torch
 
-    from vllm.attention.spyre import static_cache
-    from vllm.attention.spyre.torch_ops import attend_matmul
+    from vllm.attention.ops import spyre_static_cache as static_cache
+    from vllm.attention.ops.spyre_torch_ops import attend_matmul
     layers = []
     for _ in range(geo.layers):
         k, v = (torch.randn(batch, geo.kv_heads, ctx, geo.head_dim,

@@ -52,7 +52,7 @@ def kernels(rows: int):
     import torch
     import torch.nn.functional as F
 
-    from vllm.attention.spyre import native
+    from vllm.attention.ops import spyre_native as native
     from vllm.model_executor.layers import spyre_linear
     ops = {
         "aten": (lambda w: w, lambda x, w: F.linear(x, w)),

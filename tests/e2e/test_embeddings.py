@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import MINILM_DIR, compile_count, spyre_llm
-from vllm.attention.spyre import encoder_attention
+from vllm.attention.ops import spyre_encoder_attention as encoder_attention
 from tiny_encoders import (build_tiny_encoder, hf_embeddings, hf_scores,
                            random_texts)
 
@@ -83,7 +83,7 @@ def embed_checked(llm, model_dir, texts, pooling) -> None:
 @pytest.mark.parametrize("backend", ["eager", "inductor", "torch-ops"])
 @pytest.mark.parametrize("name", ["bert", "roberta"])
 def test_tiny_embeddings_match_transformers(encoders, name, backend):
-    from vllm.attention.spyre import native
+    from vllm.attention.ops import spyre_native as native
     path, pooling = encoders[name]
     texts = random_texts(50, 256, **TINY_TOKENS)
     settings = (env("eager", VLLM_SPYRE_NATIVE_KERNELS="0")

@@ -71,7 +71,8 @@ def test_both_backends_run_on_the_native_kernels(tiny_run):
     """eager skips the compiler, not the kernels: the linear layers are
     packed and decode attention is the C++ op on both CPU backends; the
     torch-op path keeps MKL and the attention in torch ops."""
-    from vllm.attention.spyre import native, static_cache
+    from vllm.attention.ops import spyre_native as native
+    from vllm.attention.ops import spyre_static_cache as static_cache
     on = tiny_run["backend"] != TORCH_OPS and native.available()
     kernels = tiny_run["kernels"]
     assert kernels["native"] is on

@@ -5,7 +5,7 @@ size 64 (the card's) checks the lengths around a block boundary."""
 import pytest
 import torch
 
-from vllm.attention.spyre.paged_inputs import (MIN_DECODE_BATCH,
+from vllm.attention.ops.spyre_paged_inputs import (MIN_DECODE_BATCH,
                                                MIN_PREFILL_LEN,
                                                PagedInputs)
 from vllm.platforms.spyre_cb_blocks import (blocks_needed,

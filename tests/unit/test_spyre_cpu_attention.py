@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.attention.spyre import native, static_cache
+from vllm.attention.ops import spyre_native as native
+from vllm.attention.ops import spyre_static_cache as static_cache
 from vllm.platforms.spyre_config import WarmupShape
 from vllm.worker.spyre_inputs import DecodeSteps
 

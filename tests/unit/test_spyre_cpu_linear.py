@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.attention.spyre import native
+from vllm.attention.ops import spyre_native as native
 from vllm.model_executor.layers import spyre_linear
 
 pytestmark = pytest.mark.skipif(not native.available(),

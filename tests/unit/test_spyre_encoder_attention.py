@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm.attention.spyre import encoder_attention, native
+from vllm.attention.ops import spyre_encoder_attention as encoder_attention
+from vllm.attention.ops import spyre_native as native
 from vllm.platforms.spyre_config import WarmupShape
 from vllm.platforms.spyre_pooling_shapes import first_fit
 from vllm.worker.spyre_pooling_inputs import packed_inputs

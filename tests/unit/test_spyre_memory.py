@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from vllm.attention.spyre.kv_layout import CacheLayout
+from vllm.attention.ops.spyre_kv_layout import CacheLayout
 from vllm.platforms.spyre_config import WarmupShape
 from vllm.worker import spyre_memory as sm
 

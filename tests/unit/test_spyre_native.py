@@ -1,9 +1,9 @@
 """When a model runs on the project's C++ kernels
-(vllm/attention/spyre/native.py): on both CPU backends wherever they
+(vllm/attention/ops/spyre_native.py): on both CPU backends wherever they
 build, unless VLLM_SPYRE_NATIVE_KERNELS=0; never on the card."""
 import pytest
 
-from vllm.attention.spyre import native
+from vllm.attention.ops import spyre_native as native
 from vllm.platforms.spyre_config import SpyreConfig
 
 

@@ -18,7 +18,7 @@ block manager has given each sequence its blocks of ``block_size`` tokens.
   its sequence it sees.  Padding positions write their keys and values into
   a spare block that no sequence owns, and see one token.
 
-The step's tensors are a ``PagedInputs`` (``vllm.attention.spyre``), which
+The step's tensors are a ``PagedInputs`` (``vllm.attention.ops.spyre_paged_inputs``), which
 the model reads; the scheduler's limits are in
 ``vllm.platforms.spyre_cb_blocks``.  Nothing here touches a model or global
 state.
@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from vllm.attention.spyre.paged_inputs import (MIN_DECODE_BATCH,
+from vllm.attention.ops.spyre_paged_inputs import (MIN_DECODE_BATCH,
                                                MIN_PREFILL_LEN, PagedInputs)
 from vllm.platforms.spyre_cb_blocks import blocks_needed
 

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from vllm.attention.spyre.paged_inputs import PagedInputs
+from vllm.attention.ops.spyre_paged_inputs import PagedInputs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.sampler import SamplerOutput

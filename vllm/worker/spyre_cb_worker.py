@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import psutil
 
-from vllm.attention.spyre import native
+from vllm.attention.ops import spyre_native as native
 from vllm.logger import init_logger
 from vllm.platforms.spyre_cb_blocks import blocks_needed
 from vllm.platforms.spyre_config import CB_BLOCK_SIZE

@@ -9,7 +9,7 @@ V0 Neuron worker does.
 """
 from __future__ import annotations
 
-from vllm.attention.spyre import native
+from vllm.attention.ops import spyre_native as native
 from vllm.worker import spyre_memory
 from vllm.worker.spyre_model_runner import SpyreModelRunner
 from vllm.worker.spyre_worker_base import SpyreWorkerBase

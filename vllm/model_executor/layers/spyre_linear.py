@@ -9,7 +9,7 @@ into contiguous column blocks and multiplies up to 12 rows per pass from
 registers, which streams them at 18-20 GB/s.
 
 The kernel is a ``torch.library`` op of the project's native extension
-(``vllm.attention.spyre.native``, which builds it on first use beside the
+(``vllm.attention.ops.spyre_native``, which builds it on first use beside the
 attention kernels).  Inductor calls it like any other external kernel, so
 one packed copy of the weights serves the graphs of every warm-up shape.
 
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 #: Output columns per packed block; must match kBlock in
-#: ``vllm/attention/spyre/native_linear.cpp``.
+#: ``vllm/attention/ops/spyre_native_linear.cpp``.
 BLOCK = 32
 
 _amx: Optional[bool] = None

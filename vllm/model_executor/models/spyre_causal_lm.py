@@ -7,7 +7,7 @@ compiled by ``vllm.compilation.spyre_compile``.  The model runner calls
 first ``prompt_len`` slots of the batch's key/value cache, each decode step
 writes one more slot.  The caches belong to this module: one per warm-up
 shape, allocated when the shape is first run (at warm-up) and written in
-place ever after (``vllm.attention.spyre.static_cache``).  ``forward`` returns
+place ever after (``vllm.attention.ops.spyre_static_cache``).  ``forward`` returns
 the next-token logits of every row; vLLM's own ``LogitsProcessor`` and
 ``Sampler`` then run on the rows that are still live, as in vLLM's Neuron
 backend (``SpyreSampler`` takes all-greedy steps on a shorter path with the
@@ -21,8 +21,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from vllm.attention.spyre import native, static_cache
-from vllm.attention.spyre.kv_layout import CacheLayout
+from vllm.attention.ops import spyre_native as native
+from vllm.attention.ops import spyre_static_cache as static_cache
+from vllm.attention.ops.spyre_kv_layout import CacheLayout
 from vllm.compilation import spyre_graph_cache
 from vllm.compilation.spyre_compile import compile_graphs
 from vllm.config import VllmConfig

@@ -28,8 +28,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from vllm.attention.spyre import encoder_attention, native
-from vllm.attention.spyre.encoder_attention import (ATTN_NAME, ATTN_NAME_BF16,
+from vllm.attention.ops import spyre_encoder_attention as encoder_attention
+from vllm.attention.ops import spyre_native as native
+from vllm.attention.ops.spyre_encoder_attention import (ATTN_NAME, ATTN_NAME_BF16,
                                                     ATTN_NAME_CPU,
                                                     ATTN_NAME_CPU_BF16)
 from vllm.compilation.spyre_compile import compile_graphs

@@ -22,9 +22,9 @@ from typing import Optional
 
 import torch
 
-from vllm.attention.spyre import paged_cache
-from vllm.attention.spyre.kv_layout import PoolLayout
-from vllm.attention.spyre.paged_inputs import (MIN_DECODE_BATCH,
+from vllm.attention.ops import spyre_paged_cache as paged_cache
+from vllm.attention.ops.spyre_kv_layout import PoolLayout
+from vllm.attention.ops.spyre_paged_inputs import (MIN_DECODE_BATCH,
                                                MIN_PREFILL_LEN, PagedInputs)
 from vllm.config import VllmConfig
 from vllm.logger import init_logger

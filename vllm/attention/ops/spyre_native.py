@@ -4,13 +4,13 @@ The CPU stand-in for the card runs its hot loops in C++ kernels of this
 project, registered as ``torch.library`` ops of the ``spyre_cpu`` library so
 that inductor calls them like any other external kernel:
 
-* ``spyre_cpu::packed_linear`` (``native_linear.cpp``): linear layers whose
+* ``spyre_cpu::packed_linear`` (``spyre_native_linear.cpp``): linear layers whose
   weights were packed once (``vllm.model_executor.layers.spyre_linear``);
 * ``spyre_cpu::decode_attention``, ``spyre_cpu::paged_attention`` and
-  ``spyre_cpu::encoder_attention`` (``native_attention.cpp``): attention
-  over the static cache (``static_cache``), the block pool
-  (``paged_cache``) and the packed texts of an encoder
-  (``encoder_attention``).
+  ``spyre_cpu::encoder_attention`` (``spyre_native_attention.cpp``): attention
+  over the static cache (``spyre_static_cache``), the block pool
+  (``spyre_paged_cache``) and the packed texts of an encoder
+  (``spyre_encoder_attention``).
 
 ``available`` builds both sources into one extension with PyTorch's C++
 extension loader (the compiler inductor needs anyway), cached in
@@ -34,8 +34,8 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = [Path(__file__).with_name("native_linear.cpp"),
-            Path(__file__).with_name("native_attention.cpp")]
+_SOURCES = [Path(__file__).with_name("spyre_native_linear.cpp"),
+            Path(__file__).with_name("spyre_native_attention.cpp")]
 _NATIVE_FLAG = {"x86_64": "-march=native", "s390x": "-march=native",
                 "ppc64le": "-mcpu=native", "aarch64": "-mcpu=native"}
 _loaded: Optional[bool] = None

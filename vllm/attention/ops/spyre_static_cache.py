@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm.attention.spyre.fms_registry import register_ops
-from vllm.attention.spyre.torch_ops import attend_matmul, decode_op
+from vllm.attention.ops.spyre_fms_registry import register_ops
+from vllm.attention.ops.spyre_torch_ops import attend_matmul, decode_op
 
 #: Name under which the op is registered with FMS.
 ATTN_NAME = "spyre_static_kv"

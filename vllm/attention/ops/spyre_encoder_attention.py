@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from vllm.attention.spyre.fms_registry import register_ops
+from vllm.attention.ops.spyre_fms_registry import register_ops
 
 #: FMS attention op of an encoder: SDPA with the given mask, not causal.
 ATTN_NAME = "sdpa_bidirectional"

@@ -4,7 +4,7 @@
 stacks the query heads sharing a key/value head, so each key/value head is
 read once; ``attend_matmul`` is the masked attention of that stacked form
 in plain torch ops, which inductor fuses into the graph.  The static cache
-(``static_cache``) and the block pool (``paged_cache``) both build their
+(``spyre_static_cache``) and the block pool (``spyre_paged_cache``) both build their
 compute ops from these two.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ def decode_op(attend):
     The op takes query: [B, L, heads, head_dim] and the keys/values the
     store op returned, and returns [B, L, heads, v_head_dim].  Here keys/
     values are [B, kv_heads, T, head_dim] with mask: [B, L, T] bool;
-    ``paged_cache`` uses the same op over a block pool."""
+    ``spyre_paged_cache`` uses the same op over a block pool."""
 
     def compute(query: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, nheads: int, kvheads: int,

@@ -2,7 +2,7 @@
 
 FMS's model code picks its attention by name (``attn_name``) from a
 process-wide registry (``fms.modules.attention.register_attention_op``).
-Each Spyre cache (``static_cache``, ``paged_cache``, ``encoder_attention``)
+Each Spyre cache (``spyre_static_cache``, ``spyre_paged_cache``, ``spyre_encoder_attention``)
 registers its ops through ``register_ops``, which adds a name only once per
 process, however many models are built in it.
 """

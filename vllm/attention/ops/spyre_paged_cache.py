@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm.attention.spyre.fms_registry import register_ops
-from vllm.attention.spyre.torch_ops import attend_matmul, decode_op
+from vllm.attention.ops.spyre_fms_registry import register_ops
+from vllm.attention.ops.spyre_torch_ops import attend_matmul, decode_op
 from vllm.platforms.spyre_config import CB_BLOCK_SIZE
 
 #: Name under which the op is registered with FMS.
