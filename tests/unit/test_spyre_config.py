@@ -9,9 +9,9 @@ import pytest
 from vllm.platforms import spyre_config
 from vllm.platforms.spyre_config import (ADDITIONAL_CONFIG_KEY,
                                          DYNAMO_BACKENDS, SPYRE_ENV_VARS,
-                                         SpyreConfig, WarmupShape,
-                                         parse_warmup_shapes,
-                                         render_env_var_table)
+                                         SpyreConfig, render_env_var_table)
+from vllm.platforms.spyre_warmup_shapes import (WarmupShape,
+                                                parse_warmup_shapes)
 
 from spyre_env import (no_sendnn, shapes_env,  # noqa: F401 (fixtures)
                        with_sendnn)
