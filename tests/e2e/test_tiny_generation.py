@@ -55,8 +55,12 @@ def tiny_run(request, tiny_llama):
             .model_runner.model
         packed = sum(type(m).__name__ == "PackedLinear"
                      for m in model.fms_model.modules())
+        fused = sum(type(m).__name__ == "KernelRMSNorm"
+                    for m in model.fms_model.modules())
         kernels = dict(native=model.native, attn_name=model.attn_name,
-                       packed=packed)
+                       packed=packed, fused_norms=fused,
+                       rotary=type(model.fms_model.base_model.rot_emb)
+                       .__name__)
     yield dict(backend=backend, reqs=reqs, outputs=outputs,
                compiled=compiled, warmup_compiles=warmup_compiles,
                timings=timings, kernels=kernels)
@@ -69,8 +73,9 @@ def hf_tiny(tiny_llama):
 
 def test_both_backends_run_on_the_native_kernels(tiny_run):
     """eager skips the compiler, not the kernels: the linear layers are
-    packed and decode attention is the C++ op on both CPU backends; the
-    torch-op path keeps MKL and the attention in torch ops."""
+    packed and decode attention is the C++ op on both CPU backends, and
+    on eager the norms and rotary embedding too; the torch-op path keeps
+    MKL and the attention in torch ops."""
     from vllm.attention.ops import spyre_native as native
     from vllm.attention.ops import spyre_static_cache as static_cache
     on = tiny_run["backend"] != TORCH_OPS and native.available()
@@ -79,6 +84,12 @@ def test_both_backends_run_on_the_native_kernels(tiny_run):
     assert kernels["attn_name"] == (static_cache.ATTN_NAME_CPU_KERNEL
                                     if on else static_cache.ATTN_NAME)
     assert (kernels["packed"] > 0) is on
+    # eager, which fuses nothing itself, runs the norms and the rotary
+    # embedding on kernels too; inductor fuses them.
+    fused = on and tiny_run["backend"] == "eager"
+    assert (kernels["fused_norms"] > 0) is fused
+    assert kernels["rotary"] == ("KernelRotaryEmbedding" if fused
+                                 else "RotaryEmbedding")
 
 
 def test_greedy_ids_match_transformers(tiny_run, hf_tiny):

@@ -10,9 +10,13 @@ that inductor calls them like any other external kernel:
   ``spyre_cpu::encoder_attention`` (``spyre_native_attention.cpp``): attention
   over the static cache (``spyre_static_cache``), the block pool
   (``spyre_paged_cache``) and the packed texts of an encoder
-  (``spyre_encoder_attention``).
+  (``spyre_encoder_attention``);
+* ``spyre_cpu::rms_norm`` and ``spyre_cpu::rotary_qk``
+  (``spyre_native_elementwise.cpp``): a decoder's norms and rotary
+  embedding in one pass each, for ``eager``, which has no compiler to fuse
+  them (``vllm.model_executor.layers.spyre_fused_ops``).
 
-``available`` builds both sources into one extension with PyTorch's C++
+``available`` builds the sources into one extension with PyTorch's C++
 extension loader (the compiler inductor needs anyway), cached in
 ``TORCH_EXTENSIONS_DIR``, loads it and registers each op's fake (shape-only)
 implementation for tracing.  ``in_use`` decides, for a model, whether it
@@ -35,7 +39,8 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 _SOURCES = [Path(__file__).with_name("spyre_native_linear.cpp"),
-            Path(__file__).with_name("spyre_native_attention.cpp")]
+            Path(__file__).with_name("spyre_native_attention.cpp"),
+            Path(__file__).with_name("spyre_native_elementwise.cpp")]
 _NATIVE_FLAG = {"x86_64": "-march=native", "s390x": "-march=native",
                 "ppc64le": "-mcpu=native", "aarch64": "-mcpu=native"}
 _loaded: Optional[bool] = None
@@ -93,6 +98,8 @@ def _load() -> bool:
         _fake_paged_attention)
     torch.library.register_fake("spyre_cpu::encoder_attention")(
         _fake_encoder_attention)
+    torch.library.register_fake("spyre_cpu::rms_norm")(_fake_rms_norm)
+    torch.library.register_fake("spyre_cpu::rotary_qk")(_fake_rotary_qk)
     logger.info("Loaded the native CPU kernels in %.1f s",
                 time.perf_counter() - start)
     return True
@@ -121,3 +128,14 @@ def _fake_encoder_attention(query: torch.Tensor, keys: torch.Tensor,
                             scale: float,
                             bf16_products: bool) -> torch.Tensor:
     return query.new_empty((*query.shape[:3], values.shape[-1]))
+
+
+def _fake_rms_norm(input: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+def _fake_rotary_qk(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor,
+                    position_ids: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape)

@@ -28,7 +28,7 @@ from vllm.compilation import spyre_graph_cache
 from vllm.compilation.spyre_compile import compile_graphs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
-from vllm.model_executor.layers import spyre_linear
+from vllm.model_executor.layers import spyre_fused_ops, spyre_linear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.sampler import SamplerOutput
 from vllm.model_executor.layers.spyre_sampler import SpyreSampler
@@ -101,13 +101,20 @@ class SpyreCausalLM(nn.Module):
     def _use_cpu_kernels(self) -> None:
         """The CPU backends: linear layers go to the packed CPU kernel
         (``spyre_linear``), their weights packed in ``precision.linear``,
-        and decode attention to its companion kernel."""
+        and decode attention to its companion kernel.  Under ``eager``,
+        which fuses nothing, the norms and rotary embeddings run on
+        kernels too (``spyre_fused_ops``); ``inductor`` fuses them
+        itself."""
         start = time.perf_counter()
         n = spyre_linear.pack_linears(self.fms_model, self.precision.linear)
         self.attn_name = self.ATTN_NAMES[1]
         logger.info("Packed the weights of %d linear layers in %s in %.1f s",
                     n, str(self.precision.linear).removeprefix("torch."),
                     time.perf_counter() - start)
+        if self.spyre_config.dynamo_backend == "eager":
+            norms, rotaries = spyre_fused_ops.use_fused_ops(self.fms_model)
+            logger.info("Norms (%d) and rotary embeddings (%d) on the CPU "
+                        "kernels", norms, rotaries)
 
     def _bf16_products(self) -> None:
         """bfloat16 products under a float32 model off the kernels
