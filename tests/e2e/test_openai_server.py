@@ -142,6 +142,33 @@ def test_sampling_parameters(server, client):
     assert stopped.choices[0].finish_reason == "stop"
 
 
+def test_vllm_sampling_fields_over_http(server, client):
+    """vLLM's own fields (``extra_body``) and OpenAI's ``logit_bias`` reach
+    the engine with their offline meaning (``test_sampling.py`` checks
+    each offline, static and CB)."""
+    from tiny_models import EOS_ID
+
+    def ids(**fields):
+        extra = dict(return_tokens_as_token_ids=True, ignore_eos=True)
+        extra.update(fields.pop("extra", {}))
+        out = client.completions.create(
+            model=server.model, prompt=fields.pop("prompt", [3, 4, 5, 6]),
+            max_tokens=fields.pop("max_tokens", 8), temperature=0,
+            logprobs=0, extra_body=extra, **fields)
+        return completion_ids(out.choices[0]), out
+
+    assert ids(logit_bias={"77": 100})[0] == [77] * 8
+    allowed, _ = ids(extra=dict(allowed_token_ids=[5, 6]))
+    assert len(allowed) == 8 and set(allowed) <= {5, 6}
+    held, out = ids(extra=dict(min_tokens=3, ignore_eos=False),
+                    logit_bias={str(EOS_ID): 100})
+    assert EOS_ID not in held[:3] and out.choices[0].finish_reason == "stop"
+    prompt = [11, 42, 99, 7, 250, 31, 8, 9, 10]
+    cut, out = ids(prompt=prompt, extra=dict(truncate_prompt_tokens=4))
+    assert out.usage.prompt_tokens == 4
+    assert cut == ids(prompt=prompt[-4:])[0]
+
+
 def post(server, body, path="/v1/completions"):
     return requests.post(server.url + path, json=body, timeout=60)
 
