@@ -22,10 +22,6 @@ def refuse_unsupported(seq_group: SequenceGroup) -> None:
     params = seq_group.sampling_params
     if params is None:
         return
-    if params.prompt_logprobs is not None:
-        raise ValueError(
-            "prompt_logprobs is not supported on Spyre: the compiled graphs "
-            "return the logits of the last position only.")
     if params.guided_decoding is not None:
         # vLLM 0.10's V0 engine builds no logits processor for it.
         raise ValueError(

@@ -34,6 +34,7 @@ from vllm.platforms import current_platform
 from vllm.platforms.spyre_cb_blocks import blocks_needed
 from vllm.platforms.spyre_config import CB_BLOCK_SIZE, SpyreConfig
 from vllm.sequence import IntermediateTensors, SequenceGroupMetadata
+from vllm.worker import spyre_prompt_logprobs as prompt_logprobs
 from vllm.worker.model_runner_base import ModelRunnerInputBase
 from vllm.worker.spyre_cb_inputs import (decode_batch, prefill_chunks,
                                          whole_prefill_len)
@@ -55,11 +56,14 @@ class SpyreCBModelInput(ModelRunnerInputBase):
     inputs: PagedInputs
     num_live: int
     sampling_metadata: Optional[SamplingMetadata] = None
+    #: A prefill asking for prompt log-probabilities: its token ids
+    #: (``spyre_prompt_logprobs``); else empty.
+    logprob_ids: torch.Tensor = torch.empty(0, dtype=torch.long)
 
     def as_broadcastable_tensor_dict(self) -> dict[str, Any]:
         tensors = {k: getattr(self.inputs, k) for k in _TENSORS}
         return dict(tensors, is_prompt=self.is_prompt,
-                    num_live=self.num_live)
+                    num_live=self.num_live, logprob_ids=self.logprob_ids)
 
     @classmethod
     def from_broadcasted_tensor_dict(cls, tensor_dict: dict[str, Any],
@@ -67,7 +71,8 @@ class SpyreCBModelInput(ModelRunnerInputBase):
         inputs = PagedInputs(*(tensor_dict[k] for k in _TENSORS))
         return cls(is_prompt=tensor_dict["is_prompt"],
                    inputs=inputs,
-                   num_live=tensor_dict["num_live"])
+                   num_live=tensor_dict["num_live"],
+                   logprob_ids=tensor_dict["logprob_ids"])
 
 
 class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
@@ -137,6 +142,7 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         metas = seq_group_metadata_list
         is_prompt = metas[0].is_prompt
         seq_lens = None
+        logprob_ids: list[int] = []
         if is_prompt:
             if len(metas) != 1:
                 raise RuntimeError("a continuous-batching prefill step holds "
@@ -145,6 +151,8 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
             tokens = data.get_token_ids()  # the outputs too, on recompute
             inputs = self._chunks(tokens, metas[0].block_tables[seq_id])
             seq_lens = [len(tokens)]
+            if prompt_logprobs.wanted(metas):
+                logprob_ids = list(tokens)
         else:
             if any(m.is_prompt for m in metas):
                 raise RuntimeError("a Spyre step is all prefill or all decode")
@@ -163,7 +171,9 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         return SpyreCBModelInput(is_prompt=is_prompt,
                                  inputs=inputs,
                                  num_live=1 if is_prompt else len(metas),
-                                 sampling_metadata=sampling_metadata)
+                                 sampling_metadata=sampling_metadata,
+                                 logprob_ids=torch.tensor(logprob_ids,
+                                                          dtype=torch.long))
 
     @current_platform.inference_mode()
     def execute_model(
@@ -183,9 +193,15 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
             logits = self._prefill(model_input.inputs)
         else:
             logits = self._forward(model_input.inputs)
+        prompts = {}
+        if model_input.logprob_ids.numel():
+            assert self.model is not None
+            prompts[0] = prompt_logprobs.prompt_logits(
+                self.model.fms_model, model_input.logprob_ids)
         if model_input.sampling_metadata is None:
             return []  # a non-driver rank: the driver samples
-        logits = logits[:model_input.num_live]  # [N, vocab]
+        logits = prompt_logprobs.sampler_logits(
+            logits[:model_input.num_live], prompts)  # [N (+ prompt), vocab]
         return [sample(self.get_model(), logits,
                        model_input.sampling_metadata)]
 

@@ -26,6 +26,7 @@ from vllm.platforms import current_platform
 from vllm.platforms.spyre_config import SpyreConfig, WarmupShape
 from vllm.platforms.spyre_static_shapes import RequestSize, choose_shape
 from vllm.sequence import IntermediateTensors, SequenceGroupMetadata
+from vllm.worker import spyre_prompt_logprobs as prompt_logprobs
 from vllm.worker.model_runner_base import ModelRunnerInputBase
 from vllm.worker.spyre_inputs import DecodeSteps, StepInputs, prefill_inputs
 from vllm.worker.spyre_runner_base import SpyreRunnerBase, only_seq, sample
@@ -41,6 +42,10 @@ class SpyreModelInput(ModelRunnerInputBase):
     inputs: StepInputs
     live_rows: torch.Tensor  # [N] rows to sample, in request order
     sampling_metadata: Optional[SamplingMetadata] = None
+    #: Prefill rows asking for prompt log-probabilities, and their prompt
+    #: lengths (``spyre_prompt_logprobs``).
+    logprob_rows: torch.Tensor = torch.empty(0, dtype=torch.long)
+    logprob_lens: torch.Tensor = torch.empty(0, dtype=torch.long)
 
     def as_broadcastable_tensor_dict(self) -> dict[str, Any]:
         return {
@@ -51,6 +56,8 @@ class SpyreModelInput(ModelRunnerInputBase):
             "cache_slots": self.inputs.cache_slots,
             "cache_len": self.inputs.cache_len,
             "live_rows": self.live_rows,
+            "logprob_rows": self.logprob_rows,
+            "logprob_lens": self.logprob_lens,
         }
 
     @classmethod
@@ -62,7 +69,9 @@ class SpyreModelInput(ModelRunnerInputBase):
                                      tensor_dict["mask"],
                                      tensor_dict["cache_slots"],
                                      tensor_dict["cache_len"]),
-                   live_rows=tensor_dict["live_rows"])
+                   live_rows=tensor_dict["live_rows"],
+                   logprob_rows=tensor_dict["logprob_rows"],
+                   logprob_lens=tensor_dict["logprob_lens"])
 
 
 @dataclass
@@ -144,8 +153,13 @@ class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
         is_prompt = seq_group_metadata_list[0].is_prompt
         if any(m.is_prompt != is_prompt for m in seq_group_metadata_list):
             raise RuntimeError("a Spyre step is all prefill or all decode")
+        logprob_rows: list[int] = []
+        logprob_lens: list[int] = []
         if is_prompt:
             inputs, rows, seq_lens = self._start_batch(seq_group_metadata_list)
+            for i in prompt_logprobs.wanted(seq_group_metadata_list):
+                logprob_rows.append(rows[i])
+                logprob_lens.append(seq_lens[i])
         else:
             inputs, rows = self._continue_batch(seq_group_metadata_list)
             seq_lens = None
@@ -159,7 +173,11 @@ class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
         return SpyreModelInput(is_prompt=is_prompt,
                                inputs=inputs,
                                live_rows=torch.tensor(rows, dtype=torch.long),
-                               sampling_metadata=sampling_metadata)
+                               sampling_metadata=sampling_metadata,
+                               logprob_rows=torch.tensor(logprob_rows,
+                                                         dtype=torch.long),
+                               logprob_lens=torch.tensor(logprob_lens,
+                                                         dtype=torch.long))
 
     def _start_batch(self, metas: list[SequenceGroupMetadata]):
         prompts = [only_seq(m).prompt_token_ids for m in metas]
@@ -211,11 +229,28 @@ class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
             raise NotImplementedError(
                 "Multi-step scheduling is not supported on Spyre")
         logits = self._forward(model_input.is_prompt, model_input.inputs)
+        prompts = self._prompt_logits(model_input)
         if model_input.sampling_metadata is None:
             return []  # a non-driver rank: the driver samples
-        logits = logits[model_input.live_rows]  # [N, vocab]
+        logits = prompt_logprobs.sampler_logits(
+            logits[model_input.live_rows], prompts)  # [N (+ prompts), vocab]
         return [sample(self.get_model(), logits,
                        model_input.sampling_metadata)]
+
+    def _prompt_logits(self, model_input: SpyreModelInput
+                       ) -> dict[int, torch.Tensor]:
+        """Every prompt position's logits for the prefill rows that ask
+        (``spyre_prompt_logprobs``), keyed by their place among the live
+        rows; run on every rank."""
+        assert self.model is not None
+        ids = model_input.inputs.input_ids
+        live = model_input.live_rows.tolist()
+        return {
+            live.index(row): prompt_logprobs.prompt_logits(
+                self.model.fms_model, ids[row, ids.shape[1] - n:])
+            for row, n in zip(model_input.logprob_rows.tolist(),
+                              model_input.logprob_lens.tolist())
+        }
 
     def _forward(self, is_prompt: bool, step: StepInputs) -> torch.Tensor:
         assert self.model is not None
