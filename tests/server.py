@@ -185,3 +185,33 @@ def check_soak(server, n: int, max_prompt: int, max_tokens: int) -> None:
     assert result.completed + result.dropped == n
     assert result.dropped > n // 5
     assert result.end_metrics["vllm:gpu_cache_usage_perc"] == 0
+
+
+def check_echo_logprobs(server, model_dir: Path) -> None:
+    """The request lm-evaluation-harness's ``local-completions`` sends for
+    a log-likelihood (``echo``, ``logprobs=1``, ``max_tokens=1``), through
+    the openai client: the prompt comes back with a log-probability per
+    token (the first None) equal to transformers', then the greedy
+    token."""
+    import openai
+    import torch
+    from transformers import AutoModelForCausalLM
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    prompt = [11, 42, 99, 7, 250, 31, 8]
+    out = client.completions.create(
+        model=server.model, prompt=prompt, max_tokens=1, temperature=0,
+        echo=True, logprobs=1,
+        extra_body=dict(return_tokens_as_token_ids=True))
+    lp = out.choices[0].logprobs
+    ids = [int(t.split(":")[1]) for t in lp.tokens]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir,
+                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(),
+                                 dim=-1)
+    assert ids[:-1] == prompt and ids[-1] == int(want[-1].argmax())
+    assert lp.token_logprobs[0] is None
+    for pos in range(1, len(ids)):
+        assert abs(lp.token_logprobs[pos] -
+                   want[pos - 1, ids[pos]].item()) < 1e-3, f"position {pos}"

@@ -12,7 +12,8 @@ import httpx
 import pytest
 import requests
 
-from server import (Server, abort_storm, check_burst, check_soak, metric,
+from server import (Server, abort_storm, check_burst, check_echo_logprobs,
+                    check_soak, metric,
                     wait_until_zero)
 
 pytestmark = pytest.mark.e2e
@@ -53,6 +54,10 @@ async def timed_stream(client, server, prompt, max_tokens):
                     text += choices[0]["text"]
                     times.append(time.monotonic())
     return text, times
+
+
+def test_echo_with_logprobs_as_lm_eval_asks(server, tiny_llama):
+    check_echo_logprobs(server, tiny_llama)
 
 
 def test_streams_join_a_running_batch(server):

@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from conftest import spyre_env, spyre_llm
-from server import Server, metric
+from server import Server, check_echo_logprobs, metric
 
 pytestmark = pytest.mark.e2e
 
@@ -167,6 +167,10 @@ def test_vllm_sampling_fields_over_http(server, client):
     cut, out = ids(prompt=prompt, extra=dict(truncate_prompt_tokens=4))
     assert out.usage.prompt_tokens == 4
     assert cut == ids(prompt=prompt[-4:])[0]
+
+
+def test_echo_with_logprobs_as_lm_eval_asks(server, tiny_llama):
+    check_echo_logprobs(server, tiny_llama)
 
 
 def post(server, body, path="/v1/completions"):

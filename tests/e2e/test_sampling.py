@@ -293,10 +293,3 @@ def test_more_samples_than_a_batch_are_refused(llm):
     with pytest.raises(ValueError, match="n=6"):
         run(llm, sp(n=6, temperature=1.5, seed=5))
     assert first(llm, sp(max_tokens=2)).token_ids
-
-
-def test_prompt_logprobs_refused(llm):
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        run(llm, sp(prompt_logprobs=1))
-    # Still serving.
-    assert first(llm, sp(max_tokens=2)).token_ids

@@ -78,23 +78,40 @@ def test_cb_estimate_sizes_the_pool_asked_for():
                          max_model_len=300, max_num_seqs=16,
                          backend="inductor", override=False, on_kernel=True)
     assert est.kv_cache == GEOMETRY.kv_bytes(5, 64)
-    # A whole 300-token prefill; the kernel holds no [heads, L, L] scores.
+    # A whole 300-token prefill; the kernel holds no [heads, L, L] scores;
+    # a request asking for prompt log-probabilities adds its own pass.
     assert est.activations == max(
         GEOMETRY.activation_bytes(1, 300, 300, scores=False),
-        GEOMETRY.activation_bytes(16, 1, 300))
+        GEOMETRY.activation_bytes(16, 1, 300),
+        GEOMETRY.prompt_logprobs_bytes(300))
     assert "5 blocks of one sequence of max_model_len=300" in est.sized_for
     est = sm.cb_estimate(0, 0, GEOMETRY, 40, 64, 300, 16, "eager", True,
                          True)
     assert "--num-gpu-blocks-override 40" in est.sized_for
     # The kernel on eager prefills whole sequences too.
-    assert est.activations == GEOMETRY.activation_bytes(1, 300, 300,
-                                                        scores=False)
+    assert est.activations == max(
+        GEOMETRY.activation_bytes(1, 300, 300, scores=False),
+        GEOMETRY.prompt_logprobs_bytes(300))
     # The torch ops and the card prefill a block at a time, with its
     # scores.
     for backend in ("eager", "inductor", "sendnn"):
         est = sm.cb_estimate(0, 0, GEOMETRY, 5, 64, 300, 1, backend, False,
                              False)
-        assert est.activations == GEOMETRY.activation_bytes(1, 64, 300)
+        assert est.activations == max(
+            GEOMETRY.activation_bytes(1, 64, 300),
+            GEOMETRY.prompt_logprobs_bytes(300))
+
+
+def test_prompt_logprobs_pass_grows_with_the_prompt_not_its_logits():
+    """The pass's logits are held one slice at a time: a prompt ten times
+    longer adds only its activations."""
+    from vllm.worker.spyre_prompt_logprobs import SLICE
+    short, long = (GEOMETRY.prompt_logprobs_bytes(n) for n in (300, 3000))
+    logits = SLICE * GEOMETRY.vocab * 9
+    assert short - GEOMETRY.activation_bytes(1, 300, 300,
+                                             scores=False) == logits
+    assert long - GEOMETRY.activation_bytes(1, 3000, 3000,
+                                            scores=False) == logits
 
 
 @pytest.mark.parametrize("files, expected", [

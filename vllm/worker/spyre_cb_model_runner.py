@@ -56,14 +56,17 @@ class SpyreCBModelInput(ModelRunnerInputBase):
     inputs: PagedInputs
     num_live: int
     sampling_metadata: Optional[SamplingMetadata] = None
-    #: A prefill asking for prompt log-probabilities: its token ids
-    #: (``spyre_prompt_logprobs``); else empty.
+    #: A prefill asking for prompt log-probabilities: its token ids and
+    #: how many top tokens it asks for (``spyre_prompt_logprobs``); else
+    #: empty.
     logprob_ids: torch.Tensor = torch.empty(0, dtype=torch.long)
+    logprob_k: int = 0
 
     def as_broadcastable_tensor_dict(self) -> dict[str, Any]:
         tensors = {k: getattr(self.inputs, k) for k in _TENSORS}
         return dict(tensors, is_prompt=self.is_prompt,
-                    num_live=self.num_live, logprob_ids=self.logprob_ids)
+                    num_live=self.num_live, logprob_ids=self.logprob_ids,
+                    logprob_k=self.logprob_k)
 
     @classmethod
     def from_broadcasted_tensor_dict(cls, tensor_dict: dict[str, Any],
@@ -72,7 +75,8 @@ class SpyreCBModelInput(ModelRunnerInputBase):
         return cls(is_prompt=tensor_dict["is_prompt"],
                    inputs=inputs,
                    num_live=tensor_dict["num_live"],
-                   logprob_ids=tensor_dict["logprob_ids"])
+                   logprob_ids=tensor_dict["logprob_ids"],
+                   logprob_k=tensor_dict["logprob_k"])
 
 
 class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
@@ -143,6 +147,7 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         is_prompt = metas[0].is_prompt
         seq_lens = None
         logprob_ids: list[int] = []
+        logprob_k = 0
         if is_prompt:
             if len(metas) != 1:
                 raise RuntimeError("a continuous-batching prefill step holds "
@@ -153,6 +158,7 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
             seq_lens = [len(tokens)]
             if prompt_logprobs.wanted(metas):
                 logprob_ids = list(tokens)
+                logprob_k = metas[0].sampling_params.prompt_logprobs
         else:
             if any(m.is_prompt for m in metas):
                 raise RuntimeError("a Spyre step is all prefill or all decode")
@@ -162,7 +168,7 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                 [d.get_len() for _, d in seqs],
                 [m.block_tables[i] for m, (i, _) in zip(metas, seqs)])
         sampling_metadata = SamplingMetadata.prepare(
-            metas,
+            prompt_logprobs.for_sampler(metas),
             seq_lens,
             seq_lens,
             self.device_config.device,
@@ -173,7 +179,8 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                                  num_live=1 if is_prompt else len(metas),
                                  sampling_metadata=sampling_metadata,
                                  logprob_ids=torch.tensor(logprob_ids,
-                                                          dtype=torch.long))
+                                                          dtype=torch.long),
+                                 logprob_k=logprob_k)
 
     @current_platform.inference_mode()
     def execute_model(
@@ -193,17 +200,18 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
             logits = self._prefill(model_input.inputs)
         else:
             logits = self._forward(model_input.inputs)
-        prompts = {}
+        computed = {}
         if model_input.logprob_ids.numel():
             assert self.model is not None
-            prompts[0] = prompt_logprobs.prompt_logits(
-                self.model.fms_model, model_input.logprob_ids)
+            computed[0] = prompt_logprobs.compute(
+                self.model.fms_model, model_input.logprob_ids,
+                model_input.logprob_k)
         if model_input.sampling_metadata is None:
             return []  # a non-driver rank: the driver samples
-        logits = prompt_logprobs.sampler_logits(
-            logits[:model_input.num_live], prompts)  # [N (+ prompt), vocab]
-        return [sample(self.get_model(), logits,
-                       model_input.sampling_metadata)]
+        logits = logits[:model_input.num_live]  # [N, vocab]
+        return [prompt_logprobs.attach(
+            sample(self.get_model(), logits, model_input.sampling_metadata),
+            computed)]
 
     # ---- helpers --------------------------------------------------------
     def _chunks(self, tokens: list[int], blocks: list[int]) -> PagedInputs:

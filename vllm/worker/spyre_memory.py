@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from vllm.worker import spyre_prompt_logprobs as prompt_logprobs
+
 GiB = 2**30
 
 #: Names of the tensors kept whole on every rank under tensor parallelism.
@@ -112,6 +114,16 @@ class Geometry:
         scores = rows * self.heads * tokens * context if scores else 0
         return (t * per_token + scores) * self.item + rows * self.vocab * 4
 
+    def prompt_logprobs_bytes(self, length: int) -> int:
+        """The pass over one prompt of ``length`` tokens that asks for
+        prompt log-probabilities (``spyre_prompt_logprobs``): its
+        activations (PyTorch's CPU attention holds no ``[heads, L, L]``
+        scores for a causal pass), then one slice of float32 logits,
+        their log-softmax and the comparison that ranks them: the logits
+        part does not grow with the prompt."""
+        return (self.activation_bytes(1, length, length, scores=False) +
+                prompt_logprobs.SLICE * self.vocab * (4 + 4 + 1))
+
 
 @dataclass(frozen=True)
 class Estimate:
@@ -159,8 +171,10 @@ def static_estimate(process: int, weights: int, geometry: Geometry,
     kv = sum(geometry.kv_bytes(s.batch_size, s.max_len) for s in shapes)
     largest = max(shapes, key=lambda s: geometry.activation_bytes(
         s.batch_size, s.prompt_len, s.max_len))
-    act = geometry.activation_bytes(largest.batch_size, largest.prompt_len,
-                                    largest.max_len)
+    act = max(geometry.activation_bytes(largest.batch_size,
+                                        largest.prompt_len, largest.max_len),
+              geometry.prompt_logprobs_bytes(
+                  max(s.prompt_len for s in shapes)))
     return Estimate(process, weights, kv, act,
                     runtime_bytes(weights, backend, kv, act, packed),
                     f"the largest shape {largest} and the caches of "
@@ -200,7 +214,8 @@ def cb_estimate(process: int, weights: int, geometry: Geometry,
     else:
         prefill = geometry.activation_bytes(1, block_size, max_model_len)
     act = max(prefill,
-              geometry.activation_bytes(max_num_seqs, 1, max_model_len))
+              geometry.activation_bytes(max_num_seqs, 1, max_model_len),
+              geometry.prompt_logprobs_bytes(max_model_len))
     pool = (f"--num-gpu-blocks-override {blocks}" if override else
             f"the {blocks} blocks of one sequence of max_model_len="
             f"{max_model_len}")

@@ -42,10 +42,12 @@ class SpyreModelInput(ModelRunnerInputBase):
     inputs: StepInputs
     live_rows: torch.Tensor  # [N] rows to sample, in request order
     sampling_metadata: Optional[SamplingMetadata] = None
-    #: Prefill rows asking for prompt log-probabilities, and their prompt
-    #: lengths (``spyre_prompt_logprobs``).
+    #: Prefill rows asking for prompt log-probabilities, their prompt
+    #: lengths and how many top tokens each asks for
+    #: (``spyre_prompt_logprobs``).
     logprob_rows: torch.Tensor = torch.empty(0, dtype=torch.long)
     logprob_lens: torch.Tensor = torch.empty(0, dtype=torch.long)
+    logprob_ks: torch.Tensor = torch.empty(0, dtype=torch.long)
 
     def as_broadcastable_tensor_dict(self) -> dict[str, Any]:
         return {
@@ -58,6 +60,7 @@ class SpyreModelInput(ModelRunnerInputBase):
             "live_rows": self.live_rows,
             "logprob_rows": self.logprob_rows,
             "logprob_lens": self.logprob_lens,
+            "logprob_ks": self.logprob_ks,
         }
 
     @classmethod
@@ -71,7 +74,8 @@ class SpyreModelInput(ModelRunnerInputBase):
                                      tensor_dict["cache_len"]),
                    live_rows=tensor_dict["live_rows"],
                    logprob_rows=tensor_dict["logprob_rows"],
-                   logprob_lens=tensor_dict["logprob_lens"])
+                   logprob_lens=tensor_dict["logprob_lens"],
+                   logprob_ks=tensor_dict["logprob_ks"])
 
 
 @dataclass
@@ -153,18 +157,21 @@ class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
         is_prompt = seq_group_metadata_list[0].is_prompt
         if any(m.is_prompt != is_prompt for m in seq_group_metadata_list):
             raise RuntimeError("a Spyre step is all prefill or all decode")
+        metas = seq_group_metadata_list
         logprob_rows: list[int] = []
         logprob_lens: list[int] = []
+        logprob_ks: list[int] = []
         if is_prompt:
-            inputs, rows, seq_lens = self._start_batch(seq_group_metadata_list)
-            for i in prompt_logprobs.wanted(seq_group_metadata_list):
+            inputs, rows, seq_lens = self._start_batch(metas)
+            for i in prompt_logprobs.wanted(metas):
                 logprob_rows.append(rows[i])
                 logprob_lens.append(seq_lens[i])
+                logprob_ks.append(metas[i].sampling_params.prompt_logprobs)
         else:
-            inputs, rows = self._continue_batch(seq_group_metadata_list)
+            inputs, rows = self._continue_batch(metas)
             seq_lens = None
         sampling_metadata = SamplingMetadata.prepare(
-            seq_group_metadata_list,
+            prompt_logprobs.for_sampler(metas),
             seq_lens,
             seq_lens,
             self.device_config.device,
@@ -177,7 +184,9 @@ class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
                                logprob_rows=torch.tensor(logprob_rows,
                                                          dtype=torch.long),
                                logprob_lens=torch.tensor(logprob_lens,
-                                                         dtype=torch.long))
+                                                         dtype=torch.long),
+                               logprob_ks=torch.tensor(logprob_ks,
+                                                       dtype=torch.long))
 
     def _start_batch(self, metas: list[SequenceGroupMetadata]):
         prompts = [only_seq(m).prompt_token_ids for m in metas]
@@ -229,27 +238,27 @@ class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
             raise NotImplementedError(
                 "Multi-step scheduling is not supported on Spyre")
         logits = self._forward(model_input.is_prompt, model_input.inputs)
-        prompts = self._prompt_logits(model_input)
+        computed = self._prompt_logprobs(model_input)
         if model_input.sampling_metadata is None:
             return []  # a non-driver rank: the driver samples
-        logits = prompt_logprobs.sampler_logits(
-            logits[model_input.live_rows], prompts)  # [N (+ prompts), vocab]
-        return [sample(self.get_model(), logits,
-                       model_input.sampling_metadata)]
+        logits = logits[model_input.live_rows]  # [N, vocab]
+        return [prompt_logprobs.attach(
+            sample(self.get_model(), logits, model_input.sampling_metadata),
+            computed)]
 
-    def _prompt_logits(self, model_input: SpyreModelInput
-                       ) -> dict[int, torch.Tensor]:
-        """Every prompt position's logits for the prefill rows that ask
+    def _prompt_logprobs(self, model_input: SpyreModelInput) -> dict:
+        """The prompt log-probabilities of the prefill rows that ask
         (``spyre_prompt_logprobs``), keyed by their place among the live
         rows; run on every rank."""
         assert self.model is not None
         ids = model_input.inputs.input_ids
         live = model_input.live_rows.tolist()
         return {
-            live.index(row): prompt_logprobs.prompt_logits(
-                self.model.fms_model, ids[row, ids.shape[1] - n:])
-            for row, n in zip(model_input.logprob_rows.tolist(),
-                              model_input.logprob_lens.tolist())
+            live.index(row): prompt_logprobs.compute(
+                self.model.fms_model, ids[row, ids.shape[1] - n:], k)
+            for row, n, k in zip(model_input.logprob_rows.tolist(),
+                                 model_input.logprob_lens.tolist(),
+                                 model_input.logprob_ks.tolist())
         }
 
     def _forward(self, is_prompt: bool, step: StepInputs) -> torch.Tensor:

@@ -3,37 +3,41 @@
 
 The compiled prefill graphs return the logits of each row's last position
 only, which is all that sampling needs.  A request that asks for prompt
-log-probabilities needs the logits of every prompt position, so the
-runner gets them by a second pass over that request's prompt alone:
+log-probabilities needs every prompt position's, so the runner gets them
+by a second pass over that request's prompt alone (``compute``):
 
-* FMS's model is called uncompiled (``prompt_logits``), without a cache
-  (its causal attention over the prompt's own tokens, unpadded): nothing
-  is compiled after warm-up, and the batch's key/value cache is left to
-  the compiled prefill that fills it;
-* the output head runs over ``SLICE`` positions at a time, so that the
-  head's own output never exceeds ``SLICE`` rows of the vocabulary;
+* FMS's model is called uncompiled, without a cache (its causal attention
+  over the prompt's own tokens, unpadded): nothing is compiled after
+  warm-up, and the batch's key/value cache is left to the compiled
+  prefill that fills it;
+* the output head, the log-softmax, the ranks and the top ``k`` run over
+  ``SLICE`` positions at a time, and only the values asked for leave the
+  slice: the memory a request adds stays that of one slice of the
+  vocabulary, however long its prompt;
 * only the requests that ask pay for the pass; the others' steps are
-  unchanged.
+  unchanged, and the sampled token still comes from the compiled prefill,
+  so a request samples the same token with or without them.
 
-vLLM's sampler then takes these logits as it takes a GPU runner's: for
-each sequence group, in order, the rows of its prompt positions that
-predict the next prompt token, then the row it samples from
-(``sampler_logits``); the sampled row stays the compiled prefill's, so a
-request samples the same token with or without prompt log-probabilities.
-Tensor parallel ranks all run the pass (its layers exchange partial
-results); only the driver samples.
+vLLM's sampler is then shown these requests without prompt
+log-probabilities (``for_sampler``), and the runner puts the values into the sampler's output
+(``attach``), in vLLM's form: per position after the first, the prompt
+token's log-probability and rank, and the ``k`` most likely tokens (vLLM
+adds the first position's None).  Tensor-parallel ranks all run the pass
+(its layers exchange partial results); only the driver attaches.
 """
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import torch
 from torch import nn
 
-from vllm.sequence import SequenceGroupMetadata
+from vllm.model_executor.layers.sampler import SamplerOutput
+from vllm.sequence import Logprob, SequenceGroupMetadata
 
-#: Positions per slice of the output head.
-SLICE = 512
+#: Positions per slice.
+SLICE = 256
 
 
 def wanted(metas: Sequence[SequenceGroupMetadata]) -> list[int]:
@@ -45,36 +49,64 @@ def wanted(metas: Sequence[SequenceGroupMetadata]) -> list[int]:
     ]
 
 
+def for_sampler(
+        metas: list[SequenceGroupMetadata]) -> list[SequenceGroupMetadata]:
+    """The groups as vLLM's sampler should see them: those asking for
+    prompt log-probabilities as copies that do not ask (their sampling
+    parameters cloned), so that it leaves their prompts to ``compute``;
+    the engine's own requests are untouched."""
+    asking = set(wanted(metas))
+    if not asking:
+        return metas
+    seen = []
+    for i, meta in enumerate(metas):
+        if i in asking:
+            meta = copy.copy(meta)
+            meta.sampling_params = meta.sampling_params.clone()
+            meta.sampling_params.prompt_logprobs = None
+        seen.append(meta)
+    return seen
+
+
 @torch.no_grad()
-def prompt_logits(fms_model: nn.Module, token_ids: torch.Tensor,
-                  slice_len: int = SLICE) -> torch.Tensor:
-    """Float32 logits ``[L, vocab]`` of every position of one prompt
-    (``token_ids``, ``[L]``): FMS's model uncompiled, no cache, its head
-    (and Granite's logits scaling) over ``slice_len`` positions at a
-    time."""
+def compute(fms_model: nn.Module, token_ids: torch.Tensor, k: int,
+            slice_len: int = SLICE) -> list[dict[int, Logprob]]:
+    """For each position of one prompt (``token_ids``, ``[L]``) after the
+    first: the log-probability and rank of its token given the tokens
+    before it, and the ``k`` most likely tokens with theirs."""
     ids = token_ids.view(1, -1).to(torch.long)
-    positions = torch.arange(ids.shape[1]).unsqueeze(0)
+    length = ids.shape[1]
+    positions = torch.arange(length).unsqueeze(0)
     hidden, _ = fms_model.base_model(ids, positions, None, False)
     scale = getattr(fms_model.config, "logits_scaling", 1.0)
-    out = []
-    for start in range(0, ids.shape[1], slice_len):
-        logits = fms_model.head(hidden[:, start:start + slice_len])
-        out.append((logits / scale if scale != 1.0 else logits)[0].float())
-    return torch.cat(out)
+    out: list[dict[int, Logprob]] = []
+    for start in range(0, length - 1, slice_len):
+        end = min(start + slice_len, length - 1)
+        logits = fms_model.head(hidden[:, start:end])[0].float()
+        if scale != 1.0:
+            logits = logits / scale
+        logprobs = torch.log_softmax(logits, dim=-1)
+        nxt = ids[0, start + 1:end + 1].unsqueeze(1)
+        chosen = logprobs.gather(1, nxt)
+        ranks = (logprobs > chosen).sum(dim=1).add_(1)
+        rows = zip(nxt[:, 0].tolist(), chosen[:, 0].tolist(), ranks.tolist())
+        if k > 0:
+            top = logprobs.topk(k, dim=-1)
+            tops = zip(top.indices.tolist(), top.values.tolist())
+        else:
+            tops = iter(lambda: ([], []), None)
+        for (token, value, rank), (top_ids, top_values) in zip(rows, tops):
+            entry = {token: Logprob(value, rank)}
+            for r, (t, v) in enumerate(zip(top_ids, top_values), 1):
+                entry.setdefault(t, Logprob(v, r))
+            out.append(entry)
+    return out
 
 
-def sampler_logits(step_logits: torch.Tensor,
-                   prompts: dict[int, torch.Tensor]) -> torch.Tensor:
-    """The logits vLLM's sampler expects: ``step_logits`` holds the row
-    each group samples from (``[groups, vocab]``, in group order);
-    ``prompts`` maps a group asking for prompt log-probabilities to its
-    ``prompt_logits``, whose rows but the last come before its sampled
-    row."""
-    if not prompts:
-        return step_logits
-    rows = []
-    for i in range(step_logits.shape[0]):
-        if i in prompts:
-            rows.append(prompts[i][:-1].to(step_logits.dtype))
-        rows.append(step_logits[i:i + 1])
-    return torch.cat(rows)
+def attach(output: SamplerOutput,
+           computed: dict[int, list[dict[int, Logprob]]]) -> SamplerOutput:
+    """Puts each group's ``compute`` result (by group index) into the
+    sampler's output."""
+    for i, values in computed.items():
+        output.outputs[i].prompt_logprobs = values
+    return output
