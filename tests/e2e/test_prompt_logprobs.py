@@ -1,5 +1,6 @@
 """Prompt log-probabilities (``prompt_logprobs``) in static and continuous
-batching, ``eager`` and ``inductor``: a value for every prompt token (the
+batching, ``eager`` and ``inductor``, and over two tensor-parallel ranks:
+a value for every prompt token (the
 first one None) equal to transformers' log-softmax over the same tokens,
 the top entries of each position too, a prompt longer than the head's
 512-position slice, a one-token prompt; requests that do not ask are
@@ -21,20 +22,23 @@ LONG = [(37 * i + 11) % 380 + 4 for i in range(600)]
 REQUESTS = [(SHORT, 3), (PLAIN, None), (LONG, 0), ([42], 1)]
 
 
-@pytest.fixture(scope="module", params=[("static", "eager"),
-                                        ("static", "inductor"),
-                                        ("cb", "eager"),
-                                        ("cb", "inductor")],
-                ids=lambda p: "-".join(p))
+@pytest.fixture(scope="module", params=[("static", "eager", 1),
+                                        ("static", "inductor", 1),
+                                        ("cb", "eager", 1),
+                                        ("cb", "inductor", 1),
+                                        ("static", "eager", 2),
+                                        ("cb", "eager", 2)],
+                ids=lambda p: f"{p[0]}-{p[1]}-tp{p[2]}")
 def run(request, tiny_llama):
     from vllm import SamplingParams, TokensPrompt
-    mode, backend = request.param
+    mode, backend, tp = request.param
     if mode == "static":
         env = spyre_env(backend, [64, 640], [NEW, NEW], [2, 2])
         kwargs = dict(max_num_seqs=2)
     else:
         env = {"VLLM_SPYRE_USE_CB": "1", **backend_env(backend)}
         kwargs = dict(max_num_seqs=2, max_model_len=1024)
+    kwargs["tensor_parallel_size"] = tp
     with spyre_llm(tiny_llama, env, **kwargs) as llm:
         before = compile_count()
         outs = llm.generate(
