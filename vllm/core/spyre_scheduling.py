@@ -18,16 +18,18 @@ from vllm.sequence import SequenceGroup
 
 def refuse_unsupported(seq_group: SequenceGroup) -> None:
     """Both Spyre schedulers refuse, up front, sampling features that would
-    otherwise be ignored without a word."""
+    otherwise be ignored without a word: guided decoding that reached them
+    without the logits processor admission gives it
+    (``vllm.engine.spyre_structured_output``), which vLLM's V0 engine
+    would not apply."""
     params = seq_group.sampling_params
     if params is None:
         return
     if params.guided_decoding is not None:
-        # vLLM 0.10's V0 engine builds no logits processor for it.
         raise ValueError(
-            "Guided decoding (guided_json, guided_regex, guided_choice, "
-            "guided_grammar, structured response_format) is not supported "
-            "on Spyre: vLLM's V0 engine does not apply it, and the output "
+            "Guided decoding reached the Spyre scheduler without its "
+            "grammar: requests must enter through LLMEngine.add_request "
+            "with the Spyre admission plugin installed, or the output "
             "would not follow the constraint.")
 
 

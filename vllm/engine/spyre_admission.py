@@ -11,7 +11,11 @@ unless the platform is Spyre:
   any of them, so a scheduler cannot judge ``n``.  The wrapper first asks
   each Spyre scheduler's ``refuse_parallel_samples`` whether the ``n``
   samples could ever run side by side; a ``ValueError`` then reaches the
-  caller (HTTP 400 online) before anything was queued.
+  caller (HTTP 400 online) before anything was queued.  It then gives a
+  request with guided decoding its grammar as a logits processor
+  (``spyre_structured_output.attach``, which refuses a bad schema, regex
+  or grammar the same way), before the fan-out copies it to every
+  sample.
 * ``LLM._validate_and_add_requests`` adds a list of prompts one by one; in
   V0 an error on the k-th leaves the first k-1 queued, and the caller's next
   ``generate`` returns their outputs.  The wrapper aborts every request the
@@ -63,6 +67,10 @@ def _refuse_before_fan_out(original):
                 refuse = getattr(scheduler, "refuse_parallel_samples", None)
                 if refuse is not None:
                     refuse(prompt_len, params)
+        if isinstance(params, SamplingParams) and _spyre():
+            from vllm.engine import spyre_structured_output
+            params = spyre_structured_output.attach(engine, request_id,
+                                                    params)
         return original(engine, request_id, processed_inputs, params, *args,
                         **kwargs)
 
