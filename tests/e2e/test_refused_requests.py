@@ -97,20 +97,23 @@ def test_static_refusal_after_a_parallel_request_withdraws_its_samples(
     assert [o.prompt_token_ids for o in out] == [[1, 2]]
 
 
-def check_guided_decoding_is_refused(llm) -> None:
+def check_bad_grammar_is_refused_whole(llm) -> None:
+    """A call whose second request has a regex no library can compile
+    queues nothing, its first request included."""
     from vllm.sampling_params import GuidedDecodingParams
-    guided = GuidedDecodingParams(choice=["yes", "no"])
-    with pytest.raises(ValueError, match="Guided decoding .* not supported"):
-        generate(llm, [tokens([5, 6, 7])], params(guided_decoding=guided))
+    guided = GuidedDecodingParams(regex="([")
+    with pytest.raises(ValueError, match="Guided decoding"):
+        generate(llm, [tokens([5, 6, 7]), tokens([8, 9])],
+                 [params(), params(guided_decoding=guided)])
     assert_idle(llm)
 
 
-def test_static_guided_decoding_is_refused_not_ignored(static_llm):
-    check_guided_decoding_is_refused(static_llm)
+def test_static_bad_grammar_is_refused_whole(static_llm):
+    check_bad_grammar_is_refused_whole(static_llm)
 
 
-def test_cb_guided_decoding_is_refused_not_ignored(cb_llm):
-    check_guided_decoding_is_refused(cb_llm)
+def test_cb_bad_grammar_is_refused_whole(cb_llm):
+    check_bad_grammar_is_refused_whole(cb_llm)
 
 
 def test_cb_n_above_max_num_seqs_is_refused(cb_llm):

@@ -55,6 +55,24 @@ def test_tp2_matches_tp1_and_transformers(tiny_llama, hf_tiny, backend):
             assert generate(llm) == tp2
 
 
+def test_tp2_applies_structured_output_where_it_samples(tiny_llama):
+    """Only the driver samples, so only it holds and applies a request's
+    grammar (``vllm.engine.spyre_structured_output``)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import GuidedDecodingParams
+    env = spyre_env("eager", [64], [16], [2])
+    with spyre_llm(tiny_llama, env, tensor_parallel_size=2,
+                   guided_decoding_backend="xgrammar",
+                   guided_decoding_disable_any_whitespace=True) as llm:
+        outs = llm.generate(["the spyre card"] * 2, [
+            SamplingParams(max_tokens=16, temperature=0, guided_decoding=g)
+            for g in (GuidedDecodingParams(regex=r"[a-c]{3}-\d{2}"),
+                      GuidedDecodingParams(choice=["spyre", "card"]))
+        ], use_tqdm=False)
+    assert re.fullmatch(r"[a-c]{3}-\d{2}", outs[0].outputs[0].text)
+    assert outs[1].outputs[0].text in ("spyre", "card")
+
+
 def test_aiu_world_size_sets_the_card_count(tiny_llama, hf_tiny):
     env = dict(spyre_env("eager", **SHAPES), AIU_WORLD_SIZE="2")
     with spyre_llm(tiny_llama, env) as llm:

@@ -1,0 +1,314 @@
+"""Structured output (guided decoding) on Spyre: every request form holds
+its constraint, offline in static and continuous batching and over two
+tensor-parallel ranks, and through the OpenAI server with the clients
+people bring (the openai client's ``parse``, tools with ``tool_choice``,
+streaming, LangChain's ``with_structured_output``); only the requests
+that ask are constrained; bad schemas, regexes and grammars are refused
+naming the problem while the engine keeps serving; a request's grammar
+state goes with it.
+
+The tiny random model would pad JSON with whitespace without end, so the
+engines here keep it compact (``--guided-decoding-backend xgrammar
+--guided-decoding-disable-any-whitespace``), and schemas use enums,
+booleans and small enumerations: what a random model fills in within a
+few tokens.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import re
+import weakref
+
+import pytest
+
+from conftest import backend_env, spyre_env, spyre_llm
+from server import Server
+
+pytestmark = pytest.mark.e2e
+
+REGEX = r"[a-c]{3}-\d{2}"
+CHOICES = ["spyre", "card", "batch"]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+        "n": {"enum": [1, 2, 3]},
+    },
+    "required": ["color", "ok", "n"],
+    "additionalProperties": False,
+}
+COMPACT = dict(guided_decoding_backend="xgrammar",
+               guided_decoding_disable_any_whitespace=True)
+MAX_NEW = 64
+
+
+def check_schema(text: str) -> dict:
+    value = json.loads(text)
+    assert set(value) == {"color", "ok", "n"}
+    assert value["color"] in ("red", "green", "blue")
+    assert isinstance(value["ok"], bool) and value["n"] in (1, 2, 3)
+    return value
+
+
+@pytest.fixture(scope="module", params=["static", "cb"])
+def llm(request, tiny_llama):
+    if request.param == "static":
+        env = spyre_env("eager", [64], [MAX_NEW], [4])
+        kwargs = {}
+    else:
+        env = {"VLLM_SPYRE_USE_CB": "1", **backend_env("eager")}
+        kwargs = dict(max_num_seqs=4, max_model_len=128)
+    with spyre_llm(tiny_llama, env, **COMPACT, **kwargs) as llm:
+        yield llm
+
+
+def guided(**kwargs):
+    from vllm import SamplingParams
+    from vllm.sampling_params import GuidedDecodingParams
+    extra = {k: kwargs.pop(k) for k in ("n", "seed", "temperature",
+                                        "max_tokens") if k in kwargs}
+    return SamplingParams(**{"max_tokens": MAX_NEW, "temperature": 0.0,
+                             **extra},
+                          guided_decoding=GuidedDecodingParams(**kwargs))
+
+
+def text(llm, params, prompt="the spyre card") -> str:
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop", out
+    return out.text
+
+
+def test_regex(llm):
+    assert re.fullmatch(REGEX, text(llm, guided(regex=REGEX)))
+
+
+def test_choice(llm):
+    assert text(llm, guided(choice=CHOICES)) in CHOICES
+
+
+def test_json_schema(llm):
+    check_schema(text(llm, guided(json=SCHEMA)))
+    check_schema(text(llm, guided(json=json.dumps(SCHEMA))))
+
+
+def test_json_object(llm):
+    assert isinstance(json.loads(text(llm, guided(json_object=True))), dict)
+
+
+@pytest.mark.parametrize("grammar", [
+    'root ::= "yes" | "no"',  # EBNF, as xgrammar takes it
+    'start: "yes" | "no"',  # Lark, converted to EBNF
+])
+def test_grammar(llm, grammar):
+    assert text(llm, guided(grammar=grammar)) in ("yes", "no")
+
+
+def test_n_samples_each_follow_the_grammar(llm):
+    outs = llm.generate(["the spyre card"],
+                        guided(regex=REGEX, n=3, seed=3, temperature=1.5),
+                        use_tqdm=False)[0].outputs
+    assert len(outs) == 3
+    assert all(re.fullmatch(REGEX, o.text) for o in outs)
+    assert len({o.text for o in outs}) > 1
+
+
+def test_only_the_rows_that_ask_are_constrained(llm):
+    """Beside guided requests in one batch, a plain request generates
+    what it generates alone."""
+    from vllm import SamplingParams
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    alone = llm.generate(["a plain prompt"], plain,
+                         use_tqdm=False)[0].outputs[0].token_ids
+    outs = llm.generate(
+        ["the spyre card", "a plain prompt", "the card"],
+        [guided(regex=REGEX), plain, guided(choice=CHOICES)],
+        use_tqdm=False)
+    assert re.fullmatch(REGEX, outs[0].outputs[0].text)
+    assert outs[1].outputs[0].token_ids == alone
+    assert outs[2].outputs[0].text in CHOICES
+
+
+@pytest.mark.parametrize("bad, names", [
+    (dict(regex="(["), "regex"),
+    (dict(json='{"type": "objec'), "JSON"),
+    (dict(grammar="root ::= "), "grammar"),
+    (dict(regex=REGEX, whitespace_pattern=r"[ ]?"),
+     "guided_whitespace_pattern"),
+    (dict(regex=REGEX, backend="outlines"), "'outlines'"),
+])
+def test_bad_input_is_refused_and_the_engine_serves_on(llm, bad, names):
+    with pytest.raises(ValueError, match=re.escape(names)) as err:
+        llm.generate(["x"], guided(**bad), use_tqdm=False)
+    assert "Guided decoding" in str(err.value)
+    assert re.fullmatch(REGEX, text(llm, guided(regex=REGEX)))
+
+
+def test_grammar_state_goes_with_the_request(llm, monkeypatch):
+    """Once a guided request has finished and later steps have run (vLLM
+    keeps its last step's sequence groups until the next), its grammar
+    state is gone."""
+    from vllm import SamplingParams
+    from vllm.engine import spyre_structured_output as so
+    made = []
+    real = so.GrammarLogitsProcessor
+
+    def recording(*args, **kwargs):
+        processor = real(*args, **kwargs)
+        made.append(weakref.ref(processor))
+        return processor
+
+    monkeypatch.setattr(so, "GrammarLogitsProcessor", recording)
+    assert re.fullmatch(REGEX, text(llm, guided(regex=REGEX)))
+    assert len(made) == 1 and made[0]() is not None
+    for _ in range(2):
+        llm.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)
+    gc.collect()
+    assert made[0]() is None
+
+
+# ---- the OpenAI server ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    with Server(tiny_llama, spyre_env("eager", [64], [MAX_NEW], [4]),
+                args=("--guided-decoding-backend", "xgrammar",
+                      "--guided-decoding-disable-any-whitespace")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused",
+                         max_retries=0, timeout=120)
+
+
+def chat(server, client, **kwargs):
+    return client.chat.completions.create(
+        model=server.model, temperature=0, max_tokens=MAX_NEW,
+        messages=[{"role": "user", "content": "pick a color"}], **kwargs)
+
+
+def test_openai_parse_with_a_pydantic_model(server, client):
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        color: Literal["red", "green", "blue"]
+        ok: bool
+        n: Literal[1, 2, 3]
+
+    out = client.beta.chat.completions.parse(
+        model=server.model, temperature=0, max_tokens=MAX_NEW,
+        messages=[{"role": "user", "content": "pick a color"}],
+        response_format=Answer)
+    parsed = out.choices[0].message.parsed
+    assert isinstance(parsed, Answer)
+
+
+def test_response_format_json_schema_and_object(server, client):
+    out = chat(server, client, response_format={
+        "type": "json_schema",
+        "json_schema": {"name": "answer", "schema": SCHEMA}})
+    check_schema(out.choices[0].message.content)
+    out = client.completions.create(
+        model=server.model, prompt="the spyre card", temperature=0,
+        max_tokens=MAX_NEW,
+        extra_body=dict(response_format={"type": "json_object"}))
+    assert isinstance(json.loads(out.choices[0].text), dict)
+
+
+@pytest.mark.parametrize("extra, check", [
+    (dict(guided_regex=REGEX), lambda t: re.fullmatch(REGEX, t)),
+    (dict(guided_choice=CHOICES), lambda t: t in CHOICES),
+    (dict(guided_json=SCHEMA), check_schema),
+    (dict(guided_grammar='root ::= "yes" | "no"'),
+     lambda t: t in ("yes", "no")),
+])
+def test_completions_guided_fields(server, client, extra, check):
+    out = client.completions.create(model=server.model,
+                                    prompt="the spyre card", temperature=0,
+                                    max_tokens=MAX_NEW, extra_body=extra)
+    assert check(out.choices[0].text)
+
+
+def test_streaming_and_n(server, client):
+    stream = client.completions.create(
+        model=server.model, prompt="the spyre card", temperature=0,
+        max_tokens=MAX_NEW, stream=True, extra_body=dict(guided_regex=REGEX))
+    assert re.fullmatch(REGEX, "".join(c.choices[0].text for c in stream))
+    out = client.completions.create(
+        model=server.model, prompt="the spyre card", temperature=1.5,
+        seed=4, n=3, max_tokens=MAX_NEW, extra_body=dict(guided_regex=REGEX))
+    assert all(re.fullmatch(REGEX, c.text) for c in out.choices)
+
+
+LIGHT = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}},
+    "required": ["color"],
+    "additionalProperties": False,
+}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "set_light",
+        "description": "Sets the light",
+        "parameters": LIGHT,
+    },
+}
+
+
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "set_light"}},
+])
+def test_forced_tool_calls_have_valid_arguments(server, client, tiny_llama,
+                                                tool_choice):
+    """``required`` asks for a list of one or more calls; a trained model
+    closes it after one, the random one here needs a bias towards ``]``
+    (among the tokens the grammar allows) to do the same."""
+    from transformers import AutoTokenizer
+    close = AutoTokenizer.from_pretrained(tiny_llama).convert_tokens_to_ids(
+        "]")
+    out = chat(server, client, tools=[TOOL], tool_choice=tool_choice,
+               logit_bias={str(close): 20})
+    calls = out.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "set_light"
+    arguments = json.loads(calls[0].function.arguments)
+    assert list(arguments) == ["color"]
+    assert arguments["color"] in ("red", "green", "blue")
+
+
+def test_langchain_with_structured_output(server):
+    from typing import Literal
+
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        color: Literal["red", "green", "blue"]
+        ok: bool
+        n: Literal[1, 2, 3]
+
+    model = ChatOpenAI(base_url=server.url + "/v1", api_key="unused",
+                       model=server.model, temperature=0,
+                       max_tokens=MAX_NEW)
+    answer = model.with_structured_output(
+        Answer, method="json_schema").invoke("pick a color")
+    assert isinstance(answer, Answer)
+
+
+def test_bad_schema_is_400_and_the_server_serves_on(server, client):
+    import openai
+    with pytest.raises(openai.BadRequestError, match="Guided decoding"):
+        client.completions.create(model=server.model, prompt="x",
+                                  max_tokens=4,
+                                  extra_body=dict(guided_regex="(["))
+    out = client.completions.create(model=server.model, prompt="x",
+                                    temperature=0, max_tokens=MAX_NEW,
+                                    extra_body=dict(guided_regex=REGEX))
+    assert re.fullmatch(REGEX, out.choices[0].text)
