@@ -1,0 +1,193 @@
+"""Cost of structured output: the grammar libraries side by side, and
+guided against plain generation in our engine.
+
+Libraries (``--libraries``, no engine): for xgrammar and llguidance,
+through vLLM's V1 backends as ``vllm.engine.spyre_structured_output`` uses
+them, on the model's tokenizer: the time to read the tokenizer, to
+compile a JSON schema the first time and again (xgrammar caches compiled
+grammars), and per token of a valid 60-token answer, to fill the mask of
+allowed tokens and accept the token (the work added to every step of a
+guided sequence).
+
+Engine (default): our engine with continuous batching (``--max-num-seqs``
+the batch), ``--batch`` requests at once, greedy, ``--new-tokens`` at
+most; ``plain`` runs free text (EOS ignored), ``json`` the same prompts
+under a JSON schema (a small record with free text fields).  Output
+tokens/s is every output token over the wall time of the batch; medians
+of ``--repetitions``, alternating.  Any compilation during a timed batch
+fails the run.
+
+    python benchmarks/structured_output.py [--model DIR]
+        [--backend inductor] [--batch 8] [--new-tokens 96]
+        [--repetitions 3] [--json PATH]
+    python benchmarks/structured_output.py --libraries [--model DIR]
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+from _common import (Child, add_json_option, benchmark_parser,
+                     build_prompts, compile_count, machine_info,
+                     spyre_cb_env, table, text_ids, write_json)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 60},
+        "year": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string",
+                                            "maxLength": 20},
+                 "maxItems": 3},
+        "done": {"type": "boolean"},
+    },
+    "required": ["title", "year", "tags", "done"],
+    "additionalProperties": False,
+}
+ANSWER = {"title": "Serving language models on IBM Spyre cards, fast",
+          "year": 2026, "tags": ["spyre", "vllm", "structured output"],
+          "done": True}
+
+
+def libraries(model: str) -> tuple[list[list], dict]:
+    from transformers import AutoTokenizer
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.engine.spyre_structured_output import _backend_class
+    from vllm.v1.structured_output.backend_types import (
+        StructuredOutputOptions)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    config = EngineArgs(model=model).create_engine_config()
+    vocab = config.model_config.get_vocab_size()
+    answer = tokenizer.encode(json.dumps(ANSWER), add_special_tokens=False)
+    key = (StructuredOutputOptions.JSON, json.dumps(SCHEMA))
+    rows, results = [], {}
+    for name in ("xgrammar", "guidance"):
+        start = time.perf_counter()
+        backend = _backend_class(name)(config, tokenizer=tokenizer,
+                                       vocab_size=vocab)
+        setup = time.perf_counter() - start
+        start = time.perf_counter()
+        backend.compile_grammar(*key)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        grammar = backend.compile_grammar(*key)
+        again = time.perf_counter() - start
+        bitmask = backend.allocate_token_bitmask(1)
+        start = time.perf_counter()
+        for token in answer:
+            grammar.fill_bitmask(bitmask, 0)
+            assert grammar.accept_tokens("bench", [token]), name
+        per_token = (time.perf_counter() - start) / len(answer)
+        results[name] = dict(setup_s=setup, compile_first_s=first,
+                             compile_again_s=again,
+                             per_token_us=per_token * 1e6,
+                             tokens=len(answer))
+        rows.append([name, f"{setup:.2f}", f"{first * 1000:.1f}",
+                     f"{again * 1000:.2f}", f"{per_token * 1e6:.0f}"])
+    return rows, results
+
+
+class Engine:
+    """Our engine (continuous batching) in a child process."""
+
+    def __init__(self, model: str, args: dict) -> None:
+        from vllm import LLM
+        self.llm = LLM(model=model, max_num_seqs=args["batch"],
+                       max_model_len=256)
+        self.args = args
+        self.prompts = build_prompts(text_ids(model), args["batch"], 48)
+
+    def info(self) -> dict:
+        return {}
+
+    def run(self, kind: str) -> dict:
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import GuidedDecodingParams
+        guided = (GuidedDecodingParams(json=SCHEMA) if kind == "json"
+                  else None)
+        params = SamplingParams(temperature=0,
+                                max_tokens=self.args["new_tokens"],
+                                ignore_eos=kind == "plain",
+                                guided_decoding=guided)
+        before = compile_count()
+        start = time.perf_counter()
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in self.prompts],
+            params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        valid = 0
+        if kind == "json":
+            for o in outs:
+                try:
+                    json.loads(o.outputs[0].text)
+                    valid += 1
+                except ValueError:
+                    pass
+        return dict(seconds=seconds, tokens=tokens, valid=valid,
+                    compilations=compile_count() - before)
+
+
+def main() -> int:
+    ap = benchmark_parser(__doc__, backend=True)
+    ap.add_argument("--libraries", action="store_true",
+                    help="compare the grammar libraries, no engine")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--repetitions", type=int, default=3)
+    add_json_option(ap, "structured-output.json")
+    args = ap.parse_args()
+    if args.libraries:
+        rows, results = libraries(args.model)
+        write_json(args.json, dict(args=vars(args), machine=machine_info(),
+                                   libraries=results))
+        print(f"\nmodel {os.path.basename(args.model)}: a JSON schema, "
+              "then a 60-token valid answer token by token")
+        print(table(["library", "tokenizer s", "compile ms",
+                     "again ms", "mask + accept us/token"], rows))
+        return 0
+    work = dict(batch=args.batch, new_tokens=args.new_tokens)
+    print(f"starting our engine ({args.backend}, continuous batching) ...",
+          flush=True)
+    child = Child("engine", Engine, args.model, work,
+                  env=spyre_cb_env(args.backend))
+    kinds = ("plain", "json")
+    try:
+        child.result()
+        for kind in kinds:  # a first batch of each, untimed
+            child.call("run", kind)
+        runs: dict[str, list[dict]] = {k: [] for k in kinds}
+        for _ in range(args.repetitions):
+            for kind in kinds:
+                runs[kind].append(child.call("run", kind))
+    finally:
+        child.close()
+    rows, results = [], {}
+    for kind in kinds:
+        rate = statistics.median(r["tokens"] / r["seconds"]
+                                 for r in runs[kind])
+        results[kind] = dict(tokens_per_s=rate, runs=runs[kind])
+        last = runs[kind][-1]
+        rows.append([kind, f"{rate:.1f}", str(last["tokens"]),
+                     f"{last['valid']}/{args.batch}" if kind == "json"
+                     else ""])
+    ratio = results["json"]["tokens_per_s"] / results["plain"]["tokens_per_s"]
+    compiled = sum(r["compilations"] for k in kinds for r in runs[k])
+    write_json(args.json, dict(args=vars(args), machine=machine_info(),
+                               results=results, json_over_plain=ratio))
+    print(f"\nmodel {os.path.basename(args.model)}, {args.backend}, "
+          f"continuous batching, batch {args.batch}, at most "
+          f"{args.new_tokens} new tokens, median of {args.repetitions}")
+    print(table(["output", "output tok/s", "tokens", "valid JSON"], rows))
+    print(f"json / plain: output tok/s {ratio:.2f}x")
+    if compiled:
+        print(f"FAILED: {compiled} compilation(s) during the timed batches")
+    return 1 if compiled else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
