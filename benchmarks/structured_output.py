@@ -11,10 +11,11 @@ guided sequence).
 
 Engine (default): our engine with continuous batching (``--max-num-seqs``
 the batch), ``--batch`` requests at once, greedy, ``--new-tokens`` at
-most; ``plain`` runs free text (EOS ignored), ``json`` the same prompts
-under a JSON schema (a small record with free text fields).  Output
-tokens/s is every output token over the wall time of the batch; medians
-of ``--repetitions``, alternating.  Any compilation during a timed batch
+most; ``json`` runs the prompts under a JSON schema (a small record with
+free text fields), ``plain`` the same prompts as free text, each request
+exactly as many tokens as under the schema (EOS ignored), so that both
+batches make the same steps.  Output tokens/s is every output token over
+the wall time of the batch; medians of ``--repetitions``, alternating.  Any compilation during a timed batch
 fails the run.
 
     python benchmarks/structured_output.py [--model DIR]
@@ -29,6 +30,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Optional
 
 from _common import (Child, add_json_option, benchmark_parser,
                      build_prompts, compile_count, machine_info,
@@ -62,7 +64,8 @@ def libraries(model: str) -> tuple[list[list], dict]:
     tokenizer = AutoTokenizer.from_pretrained(model)
     config = EngineArgs(model=model).create_engine_config()
     vocab = config.model_config.get_vocab_size()
-    answer = tokenizer.encode(json.dumps(ANSWER), add_special_tokens=False)
+    answer = tokenizer.encode(json.dumps(ANSWER, separators=(",", ":")),
+                              add_special_tokens=False)
     key = (StructuredOutputOptions.JSON, json.dumps(SCHEMA))
     rows, results = [], {}
     for name in ("xgrammar", "guidance"):
@@ -104,22 +107,26 @@ class Engine:
     def info(self) -> dict:
         return {}
 
-    def run(self, kind: str) -> dict:
+    def run(self, kind: str, lengths: Optional[list[int]] = None) -> dict:
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import GuidedDecodingParams
         guided = (GuidedDecodingParams(json=SCHEMA) if kind == "json"
                   else None)
-        params = SamplingParams(temperature=0,
-                                max_tokens=self.args["new_tokens"],
-                                ignore_eos=kind == "plain",
-                                guided_decoding=guided)
+        params = [
+            SamplingParams(temperature=0,
+                           max_tokens=n or self.args["new_tokens"],
+                           ignore_eos=kind == "plain",
+                           guided_decoding=guided)
+            for n in (lengths or [0] * len(self.prompts))
+        ]
         before = compile_count()
         start = time.perf_counter()
         outs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in self.prompts],
             params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        lengths = [len(o.outputs[0].token_ids) for o in outs]
+        tokens = sum(lengths)
         valid = 0
         if kind == "json":
             for o in outs:
@@ -129,6 +136,7 @@ class Engine:
                 except ValueError:
                     pass
         return dict(seconds=seconds, tokens=tokens, valid=valid,
+                    lengths=lengths,
                     compilations=compile_count() - before)
 
 
@@ -158,12 +166,13 @@ def main() -> int:
     kinds = ("plain", "json")
     try:
         child.result()
-        for kind in kinds:  # a first batch of each, untimed
-            child.call("run", kind)
+        # A first batch of each, untimed; the schema's lengths set plain's.
+        lengths = child.call("run", "json")["lengths"]
+        child.call("run", "plain", lengths)
         runs: dict[str, list[dict]] = {k: [] for k in kinds}
         for _ in range(args.repetitions):
-            for kind in kinds:
-                runs[kind].append(child.call("run", kind))
+            runs["json"].append(child.call("run", "json"))
+            runs["plain"].append(child.call("run", "plain", lengths))
     finally:
         child.close()
     rows, results = [], {}

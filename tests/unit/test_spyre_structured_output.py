@@ -115,3 +115,21 @@ def test_terminated_or_refused_sequences_are_left_alone():
     assert not torch.isinf(done).any()
     refused = processor([3], torch.zeros(8))  # not allowed first
     assert not torch.isinf(refused).any() and processor.failed
+
+
+def test_bitmask_unpacking_matches_xgrammar():
+    """``allowed`` reads the libraries' bitmask as xgrammar's own
+    ``apply_token_bitmask_inplace`` does, up to a vocabulary that ends
+    inside a word."""
+    import xgrammar
+    vocab = 1000
+    g = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (1, (vocab + 31) // 32),
+                            dtype=torch.int32, generator=g)
+    want = torch.randn(vocab, generator=g)
+    got = want.clone()
+    xgrammar.apply_token_bitmask_inplace(want.view(1, -1), bitmask,
+                                         vocab_size=vocab)
+    got.masked_fill_(~so.allowed(bitmask, vocab), float("-inf"))
+    assert torch.equal(got, want)
+    assert torch.isinf(got).any() and not torch.isinf(got).all()
