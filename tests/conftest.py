@@ -114,6 +114,20 @@ def release_engine() -> None:
     gc.collect()
 
 
+def mode_llm(model: Path, mode: str, backend: str, prompt_lens, new_tokens,
+             batch_sizes, max_model_len: int, **kwargs):
+    """``spyre_llm`` in static batching (``mode`` ``"static"``: the warm-up
+    shapes given) or continuous batching (``"cb"``: ``--max-num-seqs`` the
+    largest batch size, ``max_model_len``)."""
+    if mode == "static":
+        env = spyre_env(backend, prompt_lens, new_tokens, batch_sizes)
+    else:
+        env = {"VLLM_SPYRE_USE_CB": "1", **backend_env(backend)}
+        kwargs = dict(kwargs, max_num_seqs=max(batch_sizes),
+                      max_model_len=max_model_len)
+    return spyre_llm(model, env, **kwargs)
+
+
 @contextlib.contextmanager
 def spyre_llm(model: Path, env: dict, **kwargs) -> Iterator:
     """A ``vllm.LLM`` on the Spyre backend under ``env``."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import backend_env, compile_count, spyre_env, spyre_llm
+from conftest import compile_count, mode_llm
 
 pytestmark = pytest.mark.e2e
 
@@ -32,14 +32,8 @@ REQUESTS = [(SHORT, 3), (PLAIN, None), (LONG, 0), ([42], 1)]
 def run(request, tiny_llama):
     from vllm import SamplingParams, TokensPrompt
     mode, backend, tp = request.param
-    if mode == "static":
-        env = spyre_env(backend, [64, 640], [NEW, NEW], [2, 2])
-        kwargs = dict(max_num_seqs=2)
-    else:
-        env = {"VLLM_SPYRE_USE_CB": "1", **backend_env(backend)}
-        kwargs = dict(max_num_seqs=2, max_model_len=1024)
-    kwargs["tensor_parallel_size"] = tp
-    with spyre_llm(tiny_llama, env, **kwargs) as llm:
+    with mode_llm(tiny_llama, mode, backend, [64, 640], [NEW, NEW], [2, 2],
+                  max_model_len=1024, tensor_parallel_size=tp) as llm:
         before = compile_count()
         outs = llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p, _ in REQUESTS], [

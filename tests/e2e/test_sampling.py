@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import backend_env, spyre_env, spyre_llm
+from conftest import mode_llm
 from tiny_models import BOS_ID, EOS_ID
 
 pytestmark = pytest.mark.e2e
@@ -20,13 +20,8 @@ PROMPT = [11, 42, 99, 7, 250, 31, 8]
 
 @pytest.fixture(scope="module", params=["static", "cb"])
 def llm(request, tiny_llama):
-    if request.param == "static":
-        env = spyre_env("eager", [64], [MAX_NEW], [4])
-        kwargs = {}
-    else:
-        env = {"VLLM_SPYRE_USE_CB": "1", **backend_env("eager")}
-        kwargs = dict(max_num_seqs=4, max_model_len=128)
-    with spyre_llm(tiny_llama, env, **kwargs) as llm:
+    with mode_llm(tiny_llama, request.param, "eager", [64], [MAX_NEW], [4],
+                  max_model_len=128) as llm:
         yield llm
 
 

@@ -22,7 +22,7 @@ import weakref
 
 import pytest
 
-from conftest import backend_env, spyre_env, spyre_llm
+from conftest import mode_llm, spyre_env
 from server import Server
 
 pytestmark = pytest.mark.e2e
@@ -54,13 +54,8 @@ def check_schema(text: str) -> dict:
 
 @pytest.fixture(scope="module", params=["static", "cb"])
 def llm(request, tiny_llama):
-    if request.param == "static":
-        env = spyre_env("eager", [64], [MAX_NEW], [4])
-        kwargs = {}
-    else:
-        env = {"VLLM_SPYRE_USE_CB": "1", **backend_env("eager")}
-        kwargs = dict(max_num_seqs=4, max_model_len=128)
-    with spyre_llm(tiny_llama, env, **COMPACT, **kwargs) as llm:
+    with mode_llm(tiny_llama, request.param, "eager", [64], [MAX_NEW], [4],
+                  max_model_len=128, **COMPACT) as llm:
         yield llm
 
 
