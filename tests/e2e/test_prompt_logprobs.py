@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import compile_count, mode_llm
+from conftest import HFReference, compile_count, mode_llm
 
 pytestmark = pytest.mark.e2e
 
@@ -47,27 +47,15 @@ def run(request, tiny_llama):
 
 @pytest.fixture(scope="module")
 def hf(tiny_llama):
-    import torch
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(
-        tiny_llama, dtype=torch.float32).eval()
+    return HFReference(tiny_llama)
 
 
 def hf_logprobs(hf, prompt):
     """transformers' log-softmax at every position of ``prompt``."""
     import torch
     with torch.no_grad():
-        logits = hf(torch.tensor([prompt])).logits[0].float()
+        logits = hf.model(torch.tensor([prompt])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
-
-
-def hf_greedy(hf, prompt, steps):
-    import torch
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 @pytest.mark.parametrize("index", [0, 2, 3])
@@ -99,7 +87,7 @@ def test_requests_that_do_not_ask_get_none(run):
 
 def test_generated_ids_are_transformers_greedy(run, hf):
     for (prompt, _), out in zip(REQUESTS, run["outs"]):
-        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, NEW)
+        assert list(out.outputs[0].token_ids) == hf.greedy(prompt, NEW)[0]
 
 
 def test_nothing_compiles_after_warmup(run):

@@ -58,15 +58,17 @@ class SpyreCBModelInput(ModelRunnerInputBase):
     sampling_metadata: Optional[SamplingMetadata] = None
     #: A prefill asking for prompt log-probabilities: its token ids and
     #: how many top tokens it asks for (``spyre_prompt_logprobs``); else
-    #: empty.
-    logprob_ids: torch.Tensor = torch.empty(0, dtype=torch.long)
+    #: None and 0, and then not broadcast.
+    logprob_ids: Optional[torch.Tensor] = None
     logprob_k: int = 0
 
     def as_broadcastable_tensor_dict(self) -> dict[str, Any]:
         tensors = {k: getattr(self.inputs, k) for k in _TENSORS}
+        if self.logprob_ids is not None:
+            tensors.update(logprob_ids=self.logprob_ids,
+                           logprob_k=self.logprob_k)
         return dict(tensors, is_prompt=self.is_prompt,
-                    num_live=self.num_live, logprob_ids=self.logprob_ids,
-                    logprob_k=self.logprob_k)
+                    num_live=self.num_live)
 
     @classmethod
     def from_broadcasted_tensor_dict(cls, tensor_dict: dict[str, Any],
@@ -75,8 +77,8 @@ class SpyreCBModelInput(ModelRunnerInputBase):
         return cls(is_prompt=tensor_dict["is_prompt"],
                    inputs=inputs,
                    num_live=tensor_dict["num_live"],
-                   logprob_ids=tensor_dict["logprob_ids"],
-                   logprob_k=tensor_dict["logprob_k"])
+                   logprob_ids=tensor_dict.get("logprob_ids"),
+                   logprob_k=tensor_dict.get("logprob_k", 0))
 
 
 class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
@@ -146,7 +148,7 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         metas = seq_group_metadata_list
         is_prompt = metas[0].is_prompt
         seq_lens = None
-        logprob_ids: list[int] = []
+        logprob_ids = None
         logprob_k = 0
         if is_prompt:
             if len(metas) != 1:
@@ -156,9 +158,11 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
             tokens = data.get_token_ids()  # the outputs too, on recompute
             inputs = self._chunks(tokens, metas[0].block_tables[seq_id])
             seq_lens = [len(tokens)]
-            if prompt_logprobs.wanted(metas):
-                logprob_ids = list(tokens)
+            asking = prompt_logprobs.wanted(metas)
+            if asking:
+                logprob_ids = torch.tensor(tokens, dtype=torch.long)
                 logprob_k = metas[0].sampling_params.prompt_logprobs
+                metas = prompt_logprobs.for_sampler(metas, asking)
         else:
             if any(m.is_prompt for m in metas):
                 raise RuntimeError("a Spyre step is all prefill or all decode")
@@ -168,7 +172,7 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                 [d.get_len() for _, d in seqs],
                 [m.block_tables[i] for m, (i, _) in zip(metas, seqs)])
         sampling_metadata = SamplingMetadata.prepare(
-            prompt_logprobs.for_sampler(metas),
+            metas,
             seq_lens,
             seq_lens,
             self.device_config.device,
@@ -178,8 +182,7 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                                  inputs=inputs,
                                  num_live=1 if is_prompt else len(metas),
                                  sampling_metadata=sampling_metadata,
-                                 logprob_ids=torch.tensor(logprob_ids,
-                                                          dtype=torch.long),
+                                 logprob_ids=logprob_ids,
                                  logprob_k=logprob_k)
 
     @current_platform.inference_mode()
@@ -201,7 +204,7 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         else:
             logits = self._forward(model_input.inputs)
         computed = {}
-        if model_input.logprob_ids.numel():
+        if model_input.logprob_ids is not None:
             assert self.model is not None
             computed[0] = prompt_logprobs.compute(
                 self.model.fms_model, model_input.logprob_ids,

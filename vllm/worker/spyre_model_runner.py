@@ -42,15 +42,13 @@ class SpyreModelInput(ModelRunnerInputBase):
     inputs: StepInputs
     live_rows: torch.Tensor  # [N] rows to sample, in request order
     sampling_metadata: Optional[SamplingMetadata] = None
-    #: Prefill rows asking for prompt log-probabilities, their prompt
-    #: lengths and how many top tokens each asks for
-    #: (``spyre_prompt_logprobs``).
-    logprob_rows: torch.Tensor = torch.empty(0, dtype=torch.long)
-    logprob_lens: torch.Tensor = torch.empty(0, dtype=torch.long)
-    logprob_ks: torch.Tensor = torch.empty(0, dtype=torch.long)
+    #: A prefill's rows asking for prompt log-probabilities, ``[K, 3]``:
+    #: row, prompt length, how many top tokens (``spyre_prompt_logprobs``);
+    #: None when none asks, and then not broadcast.
+    logprob_rows: Optional[torch.Tensor] = None
 
     def as_broadcastable_tensor_dict(self) -> dict[str, Any]:
-        return {
+        tensors = {
             "is_prompt": self.is_prompt,
             "input_ids": self.inputs.input_ids,
             "position_ids": self.inputs.position_ids,
@@ -58,10 +56,10 @@ class SpyreModelInput(ModelRunnerInputBase):
             "cache_slots": self.inputs.cache_slots,
             "cache_len": self.inputs.cache_len,
             "live_rows": self.live_rows,
-            "logprob_rows": self.logprob_rows,
-            "logprob_lens": self.logprob_lens,
-            "logprob_ks": self.logprob_ks,
         }
+        if self.logprob_rows is not None:
+            tensors["logprob_rows"] = self.logprob_rows
+        return tensors
 
     @classmethod
     def from_broadcasted_tensor_dict(cls, tensor_dict: dict[str, Any],
@@ -73,9 +71,7 @@ class SpyreModelInput(ModelRunnerInputBase):
                                      tensor_dict["cache_slots"],
                                      tensor_dict["cache_len"]),
                    live_rows=tensor_dict["live_rows"],
-                   logprob_rows=tensor_dict["logprob_rows"],
-                   logprob_lens=tensor_dict["logprob_lens"],
-                   logprob_ks=tensor_dict["logprob_ks"])
+                   logprob_rows=tensor_dict.get("logprob_rows"))
 
 
 @dataclass
@@ -158,20 +154,21 @@ class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
         if any(m.is_prompt != is_prompt for m in seq_group_metadata_list):
             raise RuntimeError("a Spyre step is all prefill or all decode")
         metas = seq_group_metadata_list
-        logprob_rows: list[int] = []
-        logprob_lens: list[int] = []
-        logprob_ks: list[int] = []
+        logprob_rows = None
         if is_prompt:
             inputs, rows, seq_lens = self._start_batch(metas)
-            for i in prompt_logprobs.wanted(metas):
-                logprob_rows.append(rows[i])
-                logprob_lens.append(seq_lens[i])
-                logprob_ks.append(metas[i].sampling_params.prompt_logprobs)
+            asking = prompt_logprobs.wanted(metas)
+            if asking:
+                logprob_rows = torch.tensor(
+                    [(rows[i], seq_lens[i],
+                      metas[i].sampling_params.prompt_logprobs)
+                     for i in asking], dtype=torch.long)
+                metas = prompt_logprobs.for_sampler(metas, asking)
         else:
             inputs, rows = self._continue_batch(metas)
             seq_lens = None
         sampling_metadata = SamplingMetadata.prepare(
-            prompt_logprobs.for_sampler(metas),
+            metas,
             seq_lens,
             seq_lens,
             self.device_config.device,
@@ -181,12 +178,7 @@ class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
                                inputs=inputs,
                                live_rows=torch.tensor(rows, dtype=torch.long),
                                sampling_metadata=sampling_metadata,
-                               logprob_rows=torch.tensor(logprob_rows,
-                                                         dtype=torch.long),
-                               logprob_lens=torch.tensor(logprob_lens,
-                                                         dtype=torch.long),
-                               logprob_ks=torch.tensor(logprob_ks,
-                                                       dtype=torch.long))
+                               logprob_rows=logprob_rows)
 
     def _start_batch(self, metas: list[SequenceGroupMetadata]):
         prompts = [only_seq(m).prompt_token_ids for m in metas]
@@ -250,15 +242,15 @@ class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
         """The prompt log-probabilities of the prefill rows that ask
         (``spyre_prompt_logprobs``), keyed by their place among the live
         rows; run on every rank."""
+        if model_input.logprob_rows is None:
+            return {}
         assert self.model is not None
         ids = model_input.inputs.input_ids
         live = model_input.live_rows.tolist()
         return {
             live.index(row): prompt_logprobs.compute(
                 self.model.fms_model, ids[row, ids.shape[1] - n:], k)
-            for row, n, k in zip(model_input.logprob_rows.tolist(),
-                                 model_input.logprob_lens.tolist(),
-                                 model_input.logprob_ks.tolist())
+            for row, n, k in model_input.logprob_rows.tolist()
         }
 
     def _forward(self, is_prompt: bool, step: StepInputs) -> torch.Tensor:

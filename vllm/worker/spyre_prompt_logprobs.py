@@ -28,6 +28,7 @@ adds the first position's None).  Tensor-parallel ranks all run the pass
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Sequence
 
 import torch
@@ -49,22 +50,19 @@ def wanted(metas: Sequence[SequenceGroupMetadata]) -> list[int]:
     ]
 
 
-def for_sampler(
-        metas: list[SequenceGroupMetadata]) -> list[SequenceGroupMetadata]:
-    """The groups as vLLM's sampler should see them: those asking for
-    prompt log-probabilities as copies that do not ask (their sampling
-    parameters cloned), so that it leaves their prompts to ``compute``;
-    the engine's own requests are untouched."""
-    asking = set(wanted(metas))
-    if not asking:
-        return metas
-    seen = []
-    for i, meta in enumerate(metas):
-        if i in asking:
-            meta = copy.copy(meta)
-            meta.sampling_params = meta.sampling_params.clone()
-            meta.sampling_params.prompt_logprobs = None
-        seen.append(meta)
+def for_sampler(metas: list[SequenceGroupMetadata],
+                asking: list[int]) -> list[SequenceGroupMetadata]:
+    """The groups of a prefill as vLLM's sampler should see them: those
+    asking for prompt log-probabilities (``asking``, from ``wanted``) as
+    copies that do not ask (their sampling parameters cloned), so that it
+    leaves their prompts to ``compute``; the engine's own requests are
+    untouched."""
+    seen = list(metas)
+    for i in asking:
+        meta = copy.copy(metas[i])
+        meta.sampling_params = meta.sampling_params.clone()
+        meta.sampling_params.prompt_logprobs = None
+        seen[i] = meta
     return seen
 
 
@@ -94,7 +92,7 @@ def compute(fms_model: nn.Module, token_ids: torch.Tensor, k: int,
             top = logprobs.topk(k, dim=-1)
             tops = zip(top.indices.tolist(), top.values.tolist())
         else:
-            tops = iter(lambda: ([], []), None)
+            tops = itertools.repeat(((), ()))
         for (token, value, rank), (top_ids, top_values) in zip(rows, tops):
             entry = {token: Logprob(value, rank)}
             for r, (t, v) in enumerate(zip(top_ids, top_values), 1):
