@@ -38,8 +38,8 @@ TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
 TASKS = ("spyre_facts", "spyre_arith", "spyre_text")
 #: The static server's one warm-up shape: the longest prompt of the tasks
 #: fits 256 tokens; answers are at most 8 tokens;
-#: four requests in flight share a batch.
-STATIC_SHAPE = (256, 8, 4)
+#: one request a batch (static batching would pad the rest).
+STATIC_SHAPE = (256, 8, 1)
 #: The continuous-batching server's limits.
 CB_ARGS = ("--max-num-seqs", "4", "--max-model-len", "512")
 MODES = ("static", "cb")

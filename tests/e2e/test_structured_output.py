@@ -163,6 +163,86 @@ def test_grammar_state_goes_with_the_request(llm, monkeypatch):
     assert made[0]() is None
 
 
+def test_llm_chat_follows_the_grammar(llm):
+    """``LLM.chat``: the chat template, then the same constraint."""
+    out = llm.chat([{"role": "user", "content": "pick one"}],
+                   guided(choice=CHOICES), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text in CHOICES
+
+
+def test_an_aborted_requests_grammar_state_is_freed(llm, monkeypatch):
+    """A guided request aborted halfway (as the server does when its client
+    disconnects): its grammar state goes with it."""
+    from vllm import SamplingParams
+    from vllm.engine import spyre_structured_output as so
+    made = []
+    real = so.GrammarLogitsProcessor
+
+    def recording(*args, **kwargs):
+        processor = real(*args, **kwargs)
+        made.append(weakref.ref(processor))
+        return processor
+
+    monkeypatch.setattr(so, "GrammarLogitsProcessor", recording)
+    engine = llm.llm_engine
+    engine.add_request("abort-me", "the spyre card",
+                       guided(regex="[a-c]{40}", max_tokens=MAX_NEW))
+    for _ in range(4):
+        engine.step()
+    assert engine.has_unfinished_requests() and made[0]() is not None
+    engine.abort_request("abort-me")
+    assert not engine.has_unfinished_requests()
+    # vLLM's scheduler reuses its per-step objects, which hold the last
+    # requests scheduled until later steps overwrite them.
+    for _ in range(2):
+        llm.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)
+    gc.collect()
+    assert made[0]() is None
+    assert re.fullmatch(REGEX, text(llm, guided(regex=REGEX)))
+
+
+def test_a_preempted_guided_request_keeps_its_grammar(tiny_llama,
+                                                      monkeypatch):
+    """Continuous batching with 7 blocks of 64 tokens: three requests of
+    2 blocks each grow to 3 while decoding, and the scheduler preempts the
+    latest, the guided one; recomputed, it gives the same text as alone,
+    within its grammar."""
+    import torch
+    from vllm import SamplingParams, TokensPrompt
+    regex = "[a-c]{48}"
+    gen = torch.Generator().manual_seed(3)
+
+    def prompt(n):
+        return TokensPrompt(prompt_token_ids=torch.randint(
+            4, 384, (n, ), generator=gen).tolist())
+    prompts = [prompt(100), prompt(110), prompt(120)]
+    plain = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+             for m in (60, 50)]
+    with mode_llm(tiny_llama, "cb", "eager", [64], [MAX_NEW], [3],
+                  max_model_len=576, num_gpu_blocks_override=7,
+                  **COMPACT) as llm:
+        alone = llm.generate(prompts[2:], guided(regex=regex),
+                             use_tqdm=False)[0].outputs[0].text
+        scheduler = llm.llm_engine.scheduler[0]
+        preempted = []
+        real = scheduler._preempt
+
+        def spy(seq_group, *args, **kwargs):
+            preempted.append(seq_group.request_id)
+            return real(seq_group, *args, **kwargs)
+
+        monkeypatch.setattr(scheduler, "_preempt", spy)
+        outs = llm.generate(prompts, [*plain, guided(regex=regex)],
+                            use_tqdm=False)
+        manager = scheduler.block_manager
+        assert (manager.get_num_free_gpu_blocks()
+                == manager.num_total_gpu_blocks == 7)
+    assert outs[2].request_id in preempted
+    assert re.fullmatch(regex, alone)
+    assert outs[2].outputs[0].text == alone
+    assert [len(o.outputs[0].token_ids) for o in outs[:2]] == [60, 50]
+
+
 # ---- the OpenAI server ----------------------------------------------------
 
 
@@ -170,7 +250,9 @@ def test_grammar_state_goes_with_the_request(llm, monkeypatch):
 def server(tiny_llama):
     with Server(tiny_llama, spyre_env("eager", [64], [MAX_NEW], [4]),
                 args=("--guided-decoding-backend", "xgrammar",
-                      "--guided-decoding-disable-any-whitespace")) as srv:
+                      "--guided-decoding-disable-any-whitespace",
+                      "--enable-auto-tool-choice",
+                      "--tool-call-parser", "llama3_json")) as srv:
         yield srv
 
 
@@ -276,6 +358,56 @@ def test_forced_tool_calls_have_valid_arguments(server, client, tiny_llama,
     arguments = json.loads(calls[0].function.arguments)
     assert list(arguments) == ["color"]
     assert arguments["color"] in ("red", "green", "blue")
+
+
+#: A call in the format of ``--tool-call-parser llama3_json``.
+LLAMA3_CALL = {
+    "type": "object",
+    "properties": {"name": {"enum": ["set_light"]}, "parameters": LIGHT},
+    "required": ["name", "parameters"],
+    "additionalProperties": False,
+}
+
+
+def check_call(name: str, arguments: str) -> None:
+    assert name == "set_light"
+    assert json.loads(arguments)["color"] in ("red", "green", "blue")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_choice_parses_the_models_call(server, client, stream):
+    """``--enable-auto-tool-choice --tool-call-parser llama3_json`` and
+    ``tool_choice: "auto"``: the model decides, and a reply in the parser's
+    format comes back as ``tool_calls``.  A trained model writes that
+    format itself; the random one here is held to it by ``guided_json``."""
+    kwargs = dict(tools=[TOOL], tool_choice="auto",
+                  extra_body=dict(guided_json=LLAMA3_CALL))
+    if not stream:
+        out = chat(server, client, **kwargs).choices[0]
+        assert out.finish_reason == "tool_calls"
+        assert not out.message.content
+        (call, ) = out.message.tool_calls
+        check_call(call.function.name, call.function.arguments)
+        return
+    name, arguments, finish = None, "", None
+    for chunk in chat(server, client, stream=True, **kwargs):
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        for delta in choice.delta.tool_calls or []:
+            assert delta.index == 0
+            name = delta.function.name or name
+            arguments += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    assert finish == "tool_calls"
+    check_call(name, arguments)
+
+
+def test_auto_tool_choice_lets_plain_text_through(server, client):
+    out = chat(server, client, tools=[TOOL], tool_choice="auto",
+               extra_body=dict(guided_regex=REGEX)).choices[0]
+    assert not out.message.tool_calls
+    assert re.fullmatch(REGEX, out.message.content)
 
 
 def test_langchain_with_structured_output(server):
