@@ -148,7 +148,8 @@ def test_cb_refused_prompt_withdraws_the_whole_call(cb_llm):
 @pytest.mark.parametrize("env,kwargs,feature", [
     (STATIC_ENV, dict(enable_prompt_embeds=True), "--enable-prompt-embeds"),
     (CB_ENV, dict(enable_prompt_embeds=True), "--enable-prompt-embeds"),
-    (CB_ENV, dict(enable_prefix_caching=True), "Prefix caching"),
+    (STATIC_ENV, dict(enable_prefix_caching=True),
+     "Prefix caching needs continuous batching"),
     (STATIC_ENV, dict(pipeline_parallel_size=2), "ipeline parallel"),
 ])
 def test_unsupported_features_are_refused_at_start_up(tiny_llama, env, kwargs,

@@ -2,11 +2,16 @@
 
 The platform installs this class as ``scheduler_config.scheduler_cls`` when
 ``VLLM_SPYRE_USE_CB=1``.  Upstream's scheduler already decides what Spyre
-needs: a step is all prefill or all decode (a prefill step pauses decoding),
+needs: a step is all prefill or all decode (a prefill step pauses decoding;
+chunked prefill below mixes them),
 requests join the running batch whenever ``--max-num-seqs`` and the block
 pool leave room, finished and aborted ones free their blocks at once, and
 when blocks run out the newest running request is preempted and later
-recomputed.  This class changes two things:
+recomputed.  With ``--enable-prefix-caching`` its block manager shares the full
+blocks of prompts between requests and the runner computes what they do
+not cover; with ``--enable-chunked-prefill`` a step holds the running
+sequences' decodes and one chunk of a prefill (upstream's chunked-prefill
+scheduling).  This class changes three things:
 
 * ``add_seq_group`` refuses, with a ``ValueError``, a request that can
   never run (longer than ``max_model_len``, or more blocks than the whole
@@ -14,12 +19,16 @@ recomputed.  This class changes two things:
   ``refuse_parallel_samples`` one whose ``n`` samples could never decode
   side by side;
 * ``_schedule_prefills`` admits one sequence per prefill step, as the card
-  prefills one sequence at a time.
+  prefills one sequence at a time;
+* under chunked prefill, every chunk is ``prefill_chunk`` tokens (the last
+  one of a prompt what is left), whatever the step's decodes.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from vllm.core.scheduler import (Scheduler, SchedulerPrefillOutputs,
-                                 SchedulingBudget)
+                                 SchedulerRunningOutputs, SchedulingBudget)
 from vllm.core.spyre_scheduling import refuse_unsupported, waiting_only
 from vllm.platforms.spyre_cb_blocks import (parallel_samples_reason,
                                             rejection_reason)
@@ -28,6 +37,20 @@ from vllm.sequence import SequenceGroup
 
 
 class SpyreCBScheduler(Scheduler):
+
+    def __init__(self, *args, prefill_chunk: Optional[int] = None,
+                 **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        #: The prefill chunk of chunked prefill (``--max-num-batched-tokens``,
+        #: whole blocks), or None.  Upstream gives a prefill what the
+        #: step's decodes leave of the token budget; the platform raised
+        #: that budget by ``--max-num-seqs``, and every prefill slot gets
+        #: the chunk, so that a prefill always advances a whole chunk.
+        self.prefill_chunk = prefill_chunk
+        self._prefill_continues = False
+        if prefill_chunk is not None:
+            self.partial_prefill_budget_lookup_list = [prefill_chunk] * len(
+                self.partial_prefill_budget_lookup_list)
 
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
         """Refuses requests that could never be scheduled, up front."""
@@ -66,12 +89,25 @@ class SpyreCBScheduler(Scheduler):
         manager = self.block_manager
         return manager.num_total_gpu_blocks - manager.watermark_blocks
 
+    def _schedule_running(self, budget: SchedulingBudget, curr_loras,
+                          enable_chunking: bool = False,
+                          partial_prefill_metadata=None
+                          ) -> SchedulerRunningOutputs:
+        """Upstream's, noting whether a chunked prefill goes on this step."""
+        out = super()._schedule_running(budget, curr_loras, enable_chunking,
+                                        partial_prefill_metadata)
+        self._prefill_continues = bool(out.prefill_seq_groups)
+        return out
+
     def _schedule_prefills(self, budget: SchedulingBudget, curr_loras,
                            enable_chunking: bool = False,
                            partial_prefill_metadata=None
                            ) -> SchedulerPrefillOutputs:
         """Upstream's prefill scheduling, shown only the oldest waiting
-        request: one sequence per prefill step."""
+        request: one sequence per prefill step, and none while a chunked
+        prefill goes on."""
+        if enable_chunking and self._prefill_continues:
+            return SchedulerPrefillOutputs.create_empty()
         if len(self.waiting) <= 1:
             return super()._schedule_prefills(budget, curr_loras,
                                               enable_chunking,

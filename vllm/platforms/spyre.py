@@ -184,6 +184,10 @@ def _configure_static_batching(vllm_config: "VllmConfig",
     hf_max_len = _model_max_len(model_config.hf_text_config)
     if hf_max_len is not None:
         spyre.validate_model_len(hf_max_len)
+    if cache_config.enable_prefix_caching:
+        raise NotImplementedError(
+            "Prefix caching needs continuous batching on Spyre: set "
+            "VLLM_SPYRE_USE_CB=1, or drop --enable-prefix-caching.")
 
     max_model_len = spyre.max_model_len
     model_config.max_model_len = max_model_len
@@ -197,7 +201,6 @@ def _configure_static_batching(vllm_config: "VllmConfig",
                                                        spyre_config=spyre)
     # One KV "block" holds a whole sequence: there is no paging.
     cache_config.block_size = max_model_len
-    cache_config.enable_prefix_caching = False
     logger.info(
         "Spyre static batching: warm-up shapes %s; max_model_len=%d, "
         "max_num_seqs=%d, max_num_batched_tokens=%d, block_size=%d",
@@ -218,25 +221,47 @@ def _configure_continuous_batching(vllm_config: "VllmConfig",
             "%s is set but ignored: VLLM_SPYRE_USE_CB=1 compiles no warm-up "
             "shapes; size continuous batching with --max-model-len and "
             "--max-num-seqs instead.", name)
-    if cache_config.enable_prefix_caching:
-        raise NotImplementedError(
-            "Prefix caching is not supported on Spyre yet; drop "
-            "--enable-prefix-caching.")
     if parallel_config.worker_cls == SPYRE_WORKER_CLS:
         parallel_config.worker_cls = SPYRE_CB_WORKER_CLS
     max_model_len = scheduler_config.max_model_len
-    _disable_chunked_prefill(scheduler_config)
-    # A prefill step holds one whole sequence (in chunks of one block).
-    scheduler_config.max_num_batched_tokens = max(
-        scheduler_config.max_num_batched_tokens, max_model_len)
     from vllm.core.spyre_cb_scheduler import SpyreCBScheduler
-    scheduler_config.scheduler_cls = SpyreCBScheduler
+    chunk = None
+    if scheduler_config.chunked_prefill_enabled:
+        chunk = prefill_chunk_size(scheduler_config.max_num_batched_tokens)
+        # The chunk is the prefill's alone: a step's decode tokens (one a
+        # running sequence) come on top of it.
+        scheduler_config.max_num_batched_tokens = (
+            chunk + scheduler_config.max_num_seqs)
+        scheduler_config.max_num_partial_prefills = 1
+        scheduler_config.scheduler_cls = functools.partial(
+            SpyreCBScheduler, prefill_chunk=chunk)
+    else:
+        _disable_chunked_prefill(scheduler_config)
+        # A prefill step holds one whole sequence.
+        scheduler_config.max_num_batched_tokens = max(
+            scheduler_config.max_num_batched_tokens, max_model_len)
+        scheduler_config.scheduler_cls = SpyreCBScheduler
     cache_config.block_size = CB_BLOCK_SIZE
-    cache_config.enable_prefix_caching = False
     logger.info(
         "Spyre continuous batching: max_model_len=%d, max_num_seqs=%d, "
-        "block_size=%d", max_model_len, scheduler_config.max_num_seqs,
-        cache_config.block_size)
+        "block_size=%d, prefix caching %s, chunked prefill %s",
+        max_model_len, scheduler_config.max_num_seqs,
+        cache_config.block_size,
+        "on" if cache_config.enable_prefix_caching else "off",
+        f"on ({chunk}-token chunks)" if chunk else "off")
+
+
+def prefill_chunk_size(max_num_batched_tokens: int) -> int:
+    """The prefill chunk of ``--enable-chunked-prefill``: vLLM's
+    ``--max-num-batched-tokens``, which on Spyre must be whole blocks."""
+    if (max_num_batched_tokens < CB_BLOCK_SIZE
+            or max_num_batched_tokens % CB_BLOCK_SIZE):
+        raise ValueError(
+            f"--max-num-batched-tokens {max_num_batched_tokens} is the "
+            "prefill chunk under --enable-chunked-prefill, and on Spyre it "
+            f"must be a multiple of the block size, {CB_BLOCK_SIZE} (for "
+            f"example {max(CB_BLOCK_SIZE, max_num_batched_tokens // CB_BLOCK_SIZE * CB_BLOCK_SIZE)}).")
+    return max_num_batched_tokens
 
 
 def _configure_pooling(vllm_config: "VllmConfig",

@@ -4,12 +4,15 @@ Under continuous batching (``VLLM_SPYRE_USE_CB=1``) a step is either the
 prefill of one sequence or a decode step of every running sequence; vLLM's
 block manager has given each sequence its blocks of ``block_size`` tokens.
 
-* A prefill runs in one pass over the whole sequence, its length dynamic
-  (at least ``MIN_PREFILL_LEN``; on the CPU's paged kernel), or in chunks
-  of exactly ``block_size`` positions (the card, the torch ops), so one
-  compiled graph serves every prompt length either way.  The chunks are
-  aligned to the end of the sequence: the last chunk ends on its last
+* A prefill runs in one pass over the positions it computes, its length
+  dynamic (at least ``MIN_PREFILL_LEN``; on the CPU's paged kernel), or in
+  chunks of exactly ``block_size`` positions (the card, the torch ops), so
+  one compiled graph serves every prompt length either way.  The chunks
+  are aligned to the end of the span: the last chunk ends on its last
   token (whose logits are sampled) and the first chunk is left-padded.
+  The span (``prefill_span``) skips what the pool holds already: a cached
+  prefix (``--enable-prefix-caching``) and the earlier chunks of a
+  chunked prefill (``--enable-chunked-prefill``).
 * A decode step has one position per running sequence; its batch dimension
   is dynamic, and padded to at least ``MIN_DECODE_BATCH`` rows (dynamo
   specialises a size of 1).
@@ -45,16 +48,25 @@ def _table_row(block_ids: Sequence[int], max_blocks: int,
 def prefill_chunks(token_ids: Sequence[int], block_ids: Sequence[int],
                    block_size: int, max_blocks: int, pad_id: int,
                    pad_block: int,
-                   chunk_len: Optional[int] = None) -> PagedInputs:
-    """The prefill of one sequence as ``[chunks, chunk_len]`` rows (by
-    default ``chunk_len = block_size``, the card's chunks), chunk ``c`` of
-    ``ceil(n / chunk_len)`` holding positions ``c * chunk_len - pad``
-    onwards, ``pad`` being the left padding of the first chunk.  A
-    ``chunk_len`` of ``whole_prefill_len(n)`` gives one chunk of the whole
-    sequence."""
+                   chunk_len: Optional[int] = None, start: int = 0,
+                   cached: int = 0) -> PagedInputs:
+    """The prefill of positions ``start`` to ``len(token_ids) - 1`` of one
+    sequence as ``[chunks, chunk_len]`` rows (by default ``chunk_len =
+    block_size``, the card's chunks), aligned to the end: the last row ends
+    on the last position, the first is left-padded.  A ``chunk_len`` of
+    ``whole_prefill_len(n)`` gives one row of the ``n`` positions.
+
+    Positions before ``start`` are in the pool already (a cached prefix,
+    or earlier chunks of a chunked prefill); the positions computed see
+    them through the block table.  A computed position below ``cached`` is
+    run only for its logits (a prompt cached whole): its keys and values
+    are in the pool already, maybe in a block other sequences share, so it
+    writes them to the spare block instead."""
     n = len(token_ids)
-    if n == 0:
-        raise ValueError("a prefill needs at least one token")
+    if not 0 <= start < n:
+        raise ValueError(f"a prefill computes positions {start} to {n - 1} "
+                         "of its sequence: it needs at least one")
+    count = n - start
     chunk_len = block_size if chunk_len is None else chunk_len
     if chunk_len < 1:
         raise ValueError(f"chunk_len must be positive, got {chunk_len}")
@@ -62,24 +74,41 @@ def prefill_chunks(token_ids: Sequence[int], block_ids: Sequence[int],
     if len(block_ids) < need:
         raise ValueError(f"a prefill of {n} tokens needs {need} blocks, "
                          f"the sequence holds {len(block_ids)}")
-    chunks = blocks_needed(n, chunk_len)
+    chunks = blocks_needed(count, chunk_len)
     total = chunks * chunk_len
-    pad = total - n
-    pos = torch.arange(total) - pad  # [C * chunk_len]
-    real = pos >= 0
+    pad = total - count
+    pos = torch.arange(total) - pad + start
+    real = pos >= start
     ids = torch.full((total, ), pad_id, dtype=torch.long)
-    ids[pad:] = torch.tensor(token_ids, dtype=torch.long)
+    ids[pad:] = torch.tensor(token_ids[start:], dtype=torch.long)
     table = torch.tensor(block_ids[:need], dtype=torch.long)
-    real_pos = pos.clamp(min=0)
+    real_pos = torch.where(real, pos, torch.zeros_like(pos))
     slots = table[real_pos // block_size] * block_size + real_pos % block_size
     spare = pad_block * block_size + torch.arange(total) % block_size
-    slots = torch.where(real, slots, spare)
+    slots = torch.where(real & (pos >= cached), slots, spare)
     ctx = torch.where(real, pos + 1, torch.ones_like(pos))
     row = torch.tensor(_table_row(block_ids, max_blocks, pad_block))
     shape = (chunks, chunk_len)
     return PagedInputs(ids.view(shape), real_pos.view(shape),
                        slots.view(shape), row.expand(chunks, -1).clone(),
                        ctx.view(shape))
+
+
+def prefill_span(num_tokens: int, computed: int, chunk_tokens: int,
+                 cached: int) -> tuple[int, int]:
+    """``(start, end)``: the positions a prefill step computes, of a
+    sequence of ``num_tokens`` tokens of which ``computed`` are computed
+    by earlier steps, when the scheduler gives it ``chunk_tokens`` tokens
+    (cached ones included) and the first ``cached`` tokens are in cached
+    blocks.  It ends at ``end`` and starts after whatever is computed or
+    cached; when everything up to ``end`` is, at ``end - 1``, as the last
+    position's logits are still needed."""
+    end = min(num_tokens, computed + chunk_tokens)
+    if not 0 <= computed < end:
+        raise ValueError(f"a prefill step of {chunk_tokens} tokens from "
+                         f"position {computed} of a {num_tokens}-token "
+                         "sequence computes nothing")
+    return min(max(computed, cached), end - 1), end
 
 
 def whole_prefill_len(num_tokens: int) -> int:

@@ -37,7 +37,7 @@ from vllm.sequence import IntermediateTensors, SequenceGroupMetadata
 from vllm.worker import spyre_prompt_logprobs as prompt_logprobs
 from vllm.worker.model_runner_base import ModelRunnerInputBase
 from vllm.worker.spyre_cb_inputs import (decode_batch, prefill_chunks,
-                                         whole_prefill_len)
+                                         prefill_span, whole_prefill_len)
 from vllm.worker.spyre_runner_base import SpyreRunnerBase, only_seq, sample
 
 logger = init_logger(__name__)
@@ -48,13 +48,18 @@ _TENSORS = ("input_ids", "position_ids", "cache_slots", "block_table",
 
 @dataclass(frozen=True)
 class SpyreCBModelInput(ModelRunnerInputBase):
-    """One step, built on the driver worker.  A prefill holds its rows (one,
-    or its chunks) in ``inputs``; a decode step's first ``num_live``
-    rows are the sequences, in the order of the step's sequence groups."""
+    """One step, built on the driver worker: a prefill of one sequence
+    (its rows: one, or its chunks), a decode step of the running
+    sequences (the first ``num_live`` rows, in the order of the step's
+    sequence groups), or, with chunked prefill, both: the prefill first,
+    as vLLM's scheduler orders the groups."""
 
-    is_prompt: bool
-    inputs: PagedInputs
+    prefill: Optional[PagedInputs]
+    decode: Optional[PagedInputs]
     num_live: int
+    #: Whether the prefill reaches the sequence's last position, whose
+    #: logits are sampled (a chunk before the last is not).
+    sample_prefill: bool = True
     sampling_metadata: Optional[SamplingMetadata] = None
     #: A prefill asking for prompt log-probabilities: its token ids and
     #: how many top tokens it asks for (``spyre_prompt_logprobs``); else
@@ -63,20 +68,29 @@ class SpyreCBModelInput(ModelRunnerInputBase):
     logprob_k: int = 0
 
     def as_broadcastable_tensor_dict(self) -> dict[str, Any]:
-        tensors = {k: getattr(self.inputs, k) for k in _TENSORS}
+        tensors: dict[str, Any] = {}
+        for part in ("prefill", "decode"):
+            inputs = getattr(self, part)
+            if inputs is not None:
+                tensors.update({f"{part}_{k}": getattr(inputs, k)
+                                for k in _TENSORS})
         if self.logprob_ids is not None:
             tensors.update(logprob_ids=self.logprob_ids,
                            logprob_k=self.logprob_k)
-        return dict(tensors, is_prompt=self.is_prompt,
-                    num_live=self.num_live)
+        return dict(tensors, num_live=self.num_live,
+                    sample_prefill=self.sample_prefill)
 
     @classmethod
     def from_broadcasted_tensor_dict(cls, tensor_dict: dict[str, Any],
                                      attn_backend=None) -> "SpyreCBModelInput":
-        inputs = PagedInputs(*(tensor_dict[k] for k in _TENSORS))
-        return cls(is_prompt=tensor_dict["is_prompt"],
-                   inputs=inputs,
+        parts = {
+            part: PagedInputs(*(tensor_dict[f"{part}_{k}"] for k in _TENSORS))
+            if f"{part}_input_ids" in tensor_dict else None
+            for part in ("prefill", "decode")
+        }
+        return cls(**parts,
                    num_live=tensor_dict["num_live"],
+                   sample_prefill=tensor_dict["sample_prefill"],
                    logprob_ids=tensor_dict.get("logprob_ids"),
                    logprob_k=tensor_dict.get("logprob_k", 0))
 
@@ -94,6 +108,9 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                                         CB_BLOCK_SIZE)
         #: The block padding positions write to; set by allocate_pool.
         self.pad_block = -1
+        #: Prompt positions computed by prefills so far (a cached prefix
+        #: is not computed; a recomputed sequence is computed again).
+        self.prompt_tokens_computed = 0
 
     # ---- start-up -------------------------------------------------------
     def block_bytes(self) -> int:
@@ -142,45 +159,65 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         virtual_engine: int = 0,
         finished_requests_ids: Optional[list[str]] = None,
     ) -> SpyreCBModelInput:
-        """A prefill (one sequence: its tokens, the outputs too after a
-        preemption) or a decode step (every running sequence),
-        over the blocks vLLM's block manager gave each sequence."""
-        metas = seq_group_metadata_list
-        is_prompt = metas[0].is_prompt
-        seq_lens = None
+        """The step's prefill (one sequence: the positions the pool does
+        not hold yet, up to the scheduler's chunk; the outputs too after a
+        preemption) and decode (every running sequence), over the blocks
+        vLLM's block manager gave each sequence."""
+        metas = list(seq_group_metadata_list)
+        prefills = [m for m in metas if m.is_prompt]
+        if len(prefills) > 1 or metas[:len(prefills)] != prefills:
+            raise RuntimeError(
+                "a continuous-batching step holds at most one prefill, "
+                f"first; got {len(prefills)} of {len(metas)} groups")
+        decodes = metas[len(prefills):]
+        prefill = None
+        sample_prefill = True
+        seq_lens, query_lens = [], []
         logprob_ids = None
         logprob_k = 0
-        if is_prompt:
-            if len(metas) != 1:
-                raise RuntimeError("a continuous-batching prefill step holds "
-                                   f"one sequence, not {len(metas)}")
-            seq_id, data = _seq(metas[0])
+        if prefills:
+            meta = prefills[0]
+            seq_id, data = _seq(meta)
             tokens = data.get_token_ids()  # the outputs too, on recompute
-            inputs = self._chunks(tokens, metas[0].block_tables[seq_id])
-            seq_lens = [len(tokens)]
-            asking = prompt_logprobs.wanted(metas)
+            computed = data.get_num_computed_tokens()
+            cached = len(meta.computed_block_nums or []) * CB_BLOCK_SIZE
+            if cached:
+                data.update_num_cached_tokens(cached)
+            start, end = prefill_span(len(tokens), computed,
+                                      meta.token_chunk_size or len(tokens),
+                                      cached)
+            prefill = self._chunks(tokens[:end], meta.block_tables[seq_id],
+                                   start, cached)
+            self.prompt_tokens_computed += end - start
+            sample_prefill = meta.do_sample
+            seq_lens.append(end)
+            query_lens.append(end - start)
+            asking = prompt_logprobs.wanted(prefills)
             if asking:
-                logprob_ids = torch.tensor(tokens, dtype=torch.long)
-                logprob_k = metas[0].sampling_params.prompt_logprobs
-                metas = prompt_logprobs.for_sampler(metas, asking)
-        else:
-            if any(m.is_prompt for m in metas):
-                raise RuntimeError("a Spyre step is all prefill or all decode")
-            seqs = [_seq(m) for m in metas]
-            inputs = self._decode(
+                if computed == 0:  # every position, at the first chunk
+                    logprob_ids = torch.tensor(tokens, dtype=torch.long)
+                    logprob_k = meta.sampling_params.prompt_logprobs
+                metas[0] = prompt_logprobs.for_sampler(prefills, asking)[0]
+        decode = None
+        if decodes:
+            seqs = [_seq(m) for m in decodes]
+            decode = self._decode(
                 [d.get_last_token_id() for _, d in seqs],
                 [d.get_len() for _, d in seqs],
-                [m.block_tables[i] for m, (i, _) in zip(metas, seqs)])
+                [m.block_tables[i] for m, (i, _) in zip(decodes, seqs)])
+            seq_lens += [d.get_len() for _, d in seqs]
+            query_lens += [1] * len(seqs)
         sampling_metadata = SamplingMetadata.prepare(
             metas,
             seq_lens,
-            seq_lens,
+            query_lens,
             self.device_config.device,
             pin_memory=False,
             generators=self.get_generators(finished_requests_ids))
-        return SpyreCBModelInput(is_prompt=is_prompt,
-                                 inputs=inputs,
-                                 num_live=1 if is_prompt else len(metas),
+        return SpyreCBModelInput(prefill=prefill,
+                                 decode=decode,
+                                 num_live=len(decodes),
+                                 sample_prefill=sample_prefill,
                                  sampling_metadata=sampling_metadata,
                                  logprob_ids=logprob_ids,
                                  logprob_k=logprob_k)
@@ -195,14 +232,19 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         **kwargs,
     ) -> Optional[list[SamplerOutput]]:
         """Runs the step on the block pool the model owns (vLLM's
-        ``kv_caches`` argument is unused) and samples the live rows."""
+        ``kv_caches`` argument is unused): the prefill, then the decode
+        batch; samples the rows that sample."""
         if num_steps > 1:
             raise NotImplementedError(
                 "Multi-step scheduling is not supported on Spyre")
-        if model_input.is_prompt:
-            logits = self._prefill(model_input.inputs)
-        else:
-            logits = self._forward(model_input.inputs)
+        rows = []
+        if model_input.prefill is not None:
+            logits = self._prefill(model_input.prefill)
+            if model_input.sample_prefill:
+                rows.append(logits)
+        if model_input.decode is not None:
+            rows.append(self._forward(
+                model_input.decode)[:model_input.num_live])
         computed = {}
         if model_input.logprob_ids is not None:
             assert self.model is not None
@@ -211,21 +253,25 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                 model_input.logprob_k)
         if model_input.sampling_metadata is None:
             return []  # a non-driver rank: the driver samples
-        logits = logits[:model_input.num_live]  # [N, vocab]
+        logits = torch.cat(rows) if rows else torch.empty(
+            0, self.model_config.get_vocab_size())  # [N, vocab]
         return [prompt_logprobs.attach(
             sample(self.get_model(), logits, model_input.sampling_metadata),
             computed)]
 
     # ---- helpers --------------------------------------------------------
-    def _chunks(self, tokens: list[int], blocks: list[int]) -> PagedInputs:
-        """The prefill's rows: one row of the whole sequence where the
-        prefill graph's length is dynamic, else chunks of a block each."""
+    def _chunks(self, tokens: list[int], blocks: list[int], start: int = 0,
+                cached: int = 0) -> PagedInputs:
+        """The prefill's rows for positions ``start`` onwards
+        (``spyre_cb_inputs.prefill_chunks``): one row where the prefill
+        graph's length is dynamic, else chunks of a block each."""
         assert self.model is not None
         whole = self.model.prefill_len_range is not None
         return prefill_chunks(
             tokens, blocks, CB_BLOCK_SIZE, self.max_blocks, self.pad_id,
             self.pad_block,
-            whole_prefill_len(len(tokens)) if whole else CB_BLOCK_SIZE)
+            whole_prefill_len(len(tokens) - start) if whole else
+            CB_BLOCK_SIZE, start, cached)
 
     def _decode(self, tokens: list[int], lens: list[int],
                 tables: list[list[int]]) -> PagedInputs:
