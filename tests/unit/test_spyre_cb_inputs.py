@@ -12,7 +12,7 @@ from vllm.platforms.spyre_cb_blocks import (blocks_needed,
                                             parallel_samples_reason,
                                             rejection_reason)
 from vllm.worker.spyre_cb_inputs import (decode_batch,
-                                         prefill_chunks,
+                                         prefill_chunks, prefill_span,
                                          whole_prefill_len)
 
 PAD_ID = 0
@@ -214,6 +214,74 @@ def test_prefill_errors():
     with pytest.raises(ValueError) as exc:
         decode_batch([5], [0], [[3]], 64, 2, PAD_ID, 7)
     assert str(exc.value) == "sequence lengths must be positive, got [0]"
+
+
+# ---------------------------------------- prefills from a position onwards
+def test_prefill_from_a_cached_prefix_small_blocks():
+    """10 tokens in blocks of 4, the first 8 cached: chunks of 4 cover
+    positions 8 and 9 only, left-padded; they see the whole prefix."""
+    tokens = list(range(100, 110))
+    got = prefill_chunks(tokens, [7, 2, 5], block_size=4, max_blocks=4,
+                         pad_id=PAD_ID, pad_block=9, start=8, cached=8)
+    assert rows(got.input_ids) == [[0, 0, 108, 109]]
+    assert rows(got.position_ids) == [[0, 0, 8, 9]]
+    assert rows(got.cache_slots) == [[36, 37, 20, 21]]
+    assert rows(got.ctx_lens) == [[1, 1, 9, 10]]
+    assert rows(got.block_table) == [[7, 2, 5, 9]]
+
+
+def test_prefill_of_a_prompt_cached_whole_writes_the_spare_block():
+    """8 tokens, both blocks cached: the last position runs for its
+    logits, its keys and values going to the spare block (9), not to the
+    shared block 2."""
+    got = prefill_chunks(list(range(100, 108)), [7, 2], block_size=4,
+                         max_blocks=2, pad_id=PAD_ID, pad_block=9,
+                         chunk_len=whole_prefill_len(1), start=7, cached=8)
+    assert rows(got.input_ids) == [[0, 107]]
+    assert rows(got.position_ids) == [[0, 7]]
+    assert rows(got.cache_slots) == [[36, 37]]
+    assert rows(got.ctx_lens) == [[1, 8]]
+
+
+@pytest.mark.parametrize("start", [1, 63, 64, 65, 127])
+def test_prefill_from_start_equals_the_tail_of_the_whole(start):
+    """Positions ``start`` onwards of a 130-token prefill, in one row, hold
+    exactly what the whole sequence's row holds for them."""
+    tokens = [1000 + i for i in range(130)]
+    block_ids = [5, 0, 3]
+    whole = prefill_chunks(tokens, block_ids, 64, 4, PAD_ID, 6,
+                           chunk_len=whole_prefill_len(130))
+    part = prefill_chunks(tokens, block_ids, 64, 4, PAD_ID, 6,
+                          chunk_len=whole_prefill_len(130 - start),
+                          start=start)
+    tail = slice(part.input_ids.shape[1] - (130 - start), None)
+    for name in ("input_ids", "position_ids", "cache_slots", "ctx_lens"):
+        assert (getattr(part, name)[0, tail].tolist() ==
+                getattr(whole, name)[0, start:].tolist()), name
+
+
+@pytest.mark.parametrize("n, computed, chunk, cached, span", [
+    (130, 0, 130, 0, (0, 130)),      # a whole prompt
+    (130, 0, 130, 64, (64, 130)),    # one block cached
+    (130, 0, 130, 128, (128, 130)),  # two blocks cached
+    (128, 0, 128, 128, (127, 128)),  # cached whole: the last position
+    (64, 0, 64, 64, (63, 64)),
+    (65, 0, 65, 64, (64, 65)),
+    (130, 0, 64, 0, (0, 64)),        # chunked: the first chunk
+    (130, 64, 64, 0, (64, 128)),     # the second
+    (130, 128, 64, 0, (128, 130)),   # the last, shorter
+    (300, 0, 192, 128, (128, 192)),  # cached blocks, then a chunk
+    (300, 128, 128 + 64, 256, (256, 300)),  # cached blocks count
+])
+def test_prefill_span(n, computed, chunk, cached, span):
+    assert prefill_span(n, computed, chunk, cached) == span
+
+
+def test_prefill_span_and_start_errors():
+    with pytest.raises(ValueError, match="computes nothing"):
+        prefill_span(10, 10, 4, 0)
+    with pytest.raises(ValueError, match="cannot start at position 3"):
+        prefill_chunks([1, 2, 3], [0], 4, 2, PAD_ID, 3, start=3)
 
 
 # ------------------------------------------------------------- decode_batch

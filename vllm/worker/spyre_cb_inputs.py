@@ -63,9 +63,11 @@ def prefill_chunks(token_ids: Sequence[int], block_ids: Sequence[int],
     are in the pool already, maybe in a block other sequences share, so it
     writes them to the spare block instead."""
     n = len(token_ids)
+    if n == 0:
+        raise ValueError("a prefill needs at least one token")
     if not 0 <= start < n:
-        raise ValueError(f"a prefill computes positions {start} to {n - 1} "
-                         "of its sequence: it needs at least one")
+        raise ValueError(f"a prefill of {n} tokens cannot start at "
+                         f"position {start}")
     count = n - start
     chunk_len = block_size if chunk_len is None else chunk_len
     if chunk_len < 1:
