@@ -62,6 +62,13 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_2k(tmp_path_factory) -> Path:
+    """The tiny Llama with 2,048 positions, for prompts beyond 1,024."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-2k"),
+                            positions=2048)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_3kv(tmp_path_factory) -> Path:
     """The tiny Llama with 6/3 heads: splits over 3 ranks."""
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-3kv"),

@@ -60,29 +60,32 @@ def _save(model, tokenizer, out_dir: Path) -> Path:
     return out_dir
 
 
-def _common(vocab: int, heads: int) -> dict:
+def _common(vocab: int, heads: int, positions: int = 1024) -> dict:
     """Settings every tiny checkpoint shares: head size 16, 2 layers,
-    1024 positions, and random weights large enough that greedy choices
-    are far from ties."""
+    1024 positions unless told otherwise, and random weights large enough
+    that greedy choices are far from ties."""
     return dict(vocab_size=vocab, hidden_size=16 * heads,
                 intermediate_size=32 * heads, num_hidden_layers=2,
-                num_attention_heads=heads, max_position_embeddings=1024,
+                num_attention_heads=heads,
+                max_position_embeddings=positions,
                 initializer_range=0.3, bos_token_id=BOS_ID,
                 eos_token_id=EOS_ID, pad_token_id=PAD_ID,
                 tie_word_embeddings=False, torch_dtype="float32")
 
 
 def build_tiny_llama(out_dir: Path, seed: int = 0, heads: int = 4,
-                     kv_heads: int = 2, tied: bool = False) -> Path:
-    """A 2-layer Llama (head size 16, GQA 4/2 heads unless told
-    otherwise, 1024 positions); ``tied``: its output head is its token
+                     kv_heads: int = 2, tied: bool = False,
+                     positions: int = 1024) -> Path:
+    """A 2-layer Llama (head size 16, GQA 4/2 heads and 1024 positions
+    unless told otherwise); ``tied``: its output head is its token
     embedding, as in SmolLM2."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     tokenizer = build_tokenizer(seed)
     torch.manual_seed(seed)
     config = LlamaConfig(**{
-        **_common(len(tokenizer), heads), "tie_word_embeddings": tied
+        **_common(len(tokenizer), heads, positions),
+        "tie_word_embeddings": tied
     }, num_key_value_heads=kv_heads, rms_norm_eps=1e-5)
     return _save(LlamaForCausalLM(config).eval(), tokenizer, out_dir)
 
