@@ -153,6 +153,17 @@ def test_prompt_logprobs_over_chunks(tiny_llama_2k):
     assert torch.allclose(got, ref, atol=1e-3)
 
 
+def test_tensor_parallel_with_prefix_caching(tiny_llama_2k, hf, prompts):
+    """Two ranks, chunks of 128, prefix caching: every rank runs the same
+    chunks and decodes; ids equal transformers'."""
+    with chunked_llm(tiny_llama_2k, 128, caching=True,
+                     tensor_parallel_size=2) as llm:
+        alone = [greedy(llm, [p])[0] for p in prompts[-2:]]
+    assert alone[-1].num_cached_tokens == 640
+    for prompt, out in zip(prompts[-2:], alone):
+        assert list(out.outputs[0].token_ids) == hf.greedy(prompt, NEW)[0]
+
+
 @pytest.mark.parametrize("tokens", [100, 32, 1000])
 def test_a_chunk_of_partial_blocks_is_refused_at_start_up(tiny_llama,
                                                           tokens):

@@ -200,3 +200,54 @@ def test_a_shared_prefix_on_inductor(tiny_llama, hf, backend):
         assert [o.num_cached_tokens for o in outputs] == [0] + [256] * 3
         assert_no_block_referenced(llm)
     assert_equal_hf(hf, prompts, outputs)
+
+
+def test_unused_cached_blocks_are_evicted_least_recently_used(tiny_llama,
+                                                              hf):
+    """A pool of 6 blocks and prompts of two full blocks (three blocks
+    with their answers): after A, B and C the pool must evict, and it
+    evicts A's blocks, the least recently used; B is still cached when
+    asked again, A is not."""
+    a, b, c = ids(128, 10), ids(128, 11), ids(128, 12)
+    with spyre_llm(tiny_llama, cb_caching_env(), max_num_seqs=2,
+                   max_model_len=256, enable_prefix_caching=True,
+                   num_gpu_blocks_override=6) as llm:
+        for p in (a, b, c):
+            greedy(llm, [p])
+        again_b = greedy(llm, [b])[0]
+        again_a = greedy(llm, [a])[0]
+        assert_no_block_referenced(llm)
+    assert again_b.num_cached_tokens == 128
+    assert again_a.num_cached_tokens < 128
+    assert_equal_hf(hf, [b, a], [again_b, again_a])
+
+
+def test_the_server_with_prefix_caching_and_chunked_prefill(tiny_llama,
+                                                            hf):
+    """``vllm serve --enable-prefix-caching --enable-chunked-prefill
+    --enable-prompt-tokens-details``: the openai client's completions
+    sharing a 300-token system prompt give transformers' ids, and each
+    reports the cached tokens of its prompt (256 after the first)."""
+    import openai
+
+    from server import Server
+    system = ids(300, 13)
+    prompts = [system + ids(10, 600 + i) for i in range(3)]
+    with Server(tiny_llama, cb_caching_env(),
+                args=("--max-num-seqs", "4", "--max-model-len", "512",
+                      "--enable-prefix-caching", "--enable-chunked-prefill",
+                      "--max-num-batched-tokens", "128",
+                      "--enable-prompt-tokens-details")) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused",
+                               max_retries=0)
+        outs = [client.completions.create(
+            model=srv.model, prompt=p, max_tokens=NEW, temperature=0,
+            logprobs=0, extra_body=dict(ignore_eos=True,
+                                        return_tokens_as_token_ids=True))
+            for p in prompts]
+    cached = [(o.usage.prompt_tokens_details.cached_tokens
+               if o.usage.prompt_tokens_details else 0) for o in outs]
+    assert cached == [0, 256, 256]
+    for p, out in zip(prompts, outs):
+        got = [int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens]
+        assert got == hf.greedy(p, NEW)[0]
