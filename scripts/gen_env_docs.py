@@ -97,7 +97,7 @@ Start-up also refuses what the Spyre backend does not support yet, with a
 `NotImplementedError`: pipeline parallelism, runners other than text
 generation and pooling, pooling models of an architecture with no FMS
 encoder ([embeddings.md](embeddings.md)), LoRA, speculative decoding, and
-prefix caching under continuous batching. A card count from
+prefix caching under static batching. A card count from
 `AIU_WORLD_SIZE` or `SPYRE_DEVICES` must agree with
 `--tensor-parallel-size` and split the model's heads
 ([tensor-parallel.md](tensor-parallel.md)). Requests are checked one by one when they arrive; see
@@ -117,7 +117,7 @@ values in force ("Spyre static batching: warm-up shapes ...").
 | `max_num_batched_tokens` | the largest `batch_size * prompt_len` of any shape, or `max_model_len` if that is larger | a prefill step never holds more prompt tokens than one full shape |
 | `block_size` | `max_model_len` | there is no paging: one KV block holds a whole sequence; the worker reports `max_num_seqs + 1` device blocks and 0 host blocks, and checks that number again in `initialize_cache` |
 | chunked prefill | off | a prompt is prefilled whole, padded to its shape |
-| prefix caching | off | the KV cache of a batch lives in the model and is replaced at every prefill |
+| prefix caching | refused (`NotImplementedError` naming `VLLM_SPYRE_USE_CB`) | the KV cache of a batch lives in the model and is replaced at every prefill |
 | `enforce_eager` | on | graph capture belongs to `torch.compile` and the warm-up, not to vLLM |
 | executor, worker, scheduler | `SpyreExecutor`, `SpyreWorker`, `SpyreScheduler` | static batching over the compiled shapes |
 
@@ -143,10 +143,10 @@ log prints them ("Spyre continuous batching: ...").
 |---|---|---|
 | `max_model_len` | `--max-model-len`, else the model's | the longest sequence; also the width of every block table |
 | `max_num_seqs` | `--max-num-seqs` (vLLM's default: 256) | the most sequences in one decode step |
-| `max_num_batched_tokens` | at least `max_model_len` | a prefill step holds one whole sequence |
+| `max_num_batched_tokens` | at least `max_model_len`; with chunked prefill the chunk plus `max_num_seqs` | a prefill step holds one whole sequence, or one chunk beside the decodes |
 | `block_size` | 64 | the card's block size; the pool is sized from memory or `--num-gpu-blocks-override` |
-| chunked prefill | off | the runner prefills a whole sequence in one engine step: in one pass on the paged C++ kernel (both CPU backends), else in 64-token chunks |
-| prefix caching | refused | not supported yet |
+| chunked prefill | off unless `--enable-chunked-prefill`; then `--max-num-batched-tokens` is the chunk, a multiple of 64 (else a `ValueError` names it) | off, the runner prefills a whole sequence in one engine step (in one pass on the paged C++ kernel, else in 64-token rows); on, a chunk per step beside the running decodes ([continuous-batching.md](continuous-batching.md#chunked-prefill)) |
+| prefix caching | `--enable-prefix-caching` as given | vLLM's prefix-caching block manager shares full blocks; a prefill computes the rest ([continuous-batching.md](continuous-batching.md#prefix-caching)) |
 | executor, worker, scheduler | the same executors, `SpyreCBWorker`, `SpyreCBScheduler` | continuous batching over a block pool |
 
 ## What the platform sets for pooling models

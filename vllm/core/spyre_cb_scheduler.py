@@ -2,16 +2,15 @@
 
 The platform installs this class as ``scheduler_config.scheduler_cls`` when
 ``VLLM_SPYRE_USE_CB=1``.  Upstream's scheduler already decides what Spyre
-needs: a step is all prefill or all decode (a prefill step pauses decoding;
-chunked prefill below mixes them),
-requests join the running batch whenever ``--max-num-seqs`` and the block
-pool leave room, finished and aborted ones free their blocks at once, and
-when blocks run out the newest running request is preempted and later
-recomputed.  With ``--enable-prefix-caching`` its block manager shares the full
-blocks of prompts between requests and the runner computes what they do
-not cover; with ``--enable-chunked-prefill`` a step holds the running
-sequences' decodes and one chunk of a prefill (upstream's chunked-prefill
-scheduling).  This class changes three things:
+needs: a step is all prefill or all decode (a prefill step pauses
+decoding), requests join the running batch whenever ``--max-num-seqs`` and
+the block pool leave room, finished and aborted ones free their blocks at
+once, and when blocks run out the newest running request is preempted and
+later recomputed.  With ``--enable-prefix-caching`` its block manager
+shares the full blocks of prompts between requests, and the runner
+computes what they do not cover; with ``--enable-chunked-prefill`` a step
+holds the running sequences' decodes and one chunk of a prefill
+(upstream's chunked-prefill scheduling).  This class changes three things:
 
 * ``add_seq_group`` refuses, with a ``ValueError``, a request that can
   never run (longer than ``max_model_len``, or more blocks than the whole

@@ -1,14 +1,17 @@
 """SpyreCBModelRunner: continuous batching over a paged key/value cache.
 
-The scheduler (``SpyreCBScheduler``) sends either the prefill of one
-sequence or a decode step of every running sequence, each with the blocks
-vLLM's block manager gave it.  The runner keeps no batch state between
-steps: everything a step needs is in its sequence-group metadata.
+The scheduler (``SpyreCBScheduler``) sends the prefill of one sequence, a
+decode step of every running sequence, or (chunked prefill) one chunk of a
+prefill and the decodes, each sequence with the blocks vLLM's block
+manager gave it.  A prefill computes the positions its cached blocks
+(prefix caching) and earlier chunks do not hold.  The runner keeps no
+batch state between steps: everything a step needs is in its
+sequence-group metadata.
 
 ``execute_model`` is the whole step: paged inputs (``spyre_cb_inputs``) ->
 ``SpyrePagedCausalLM`` forward (a prefill in one pass on the paged kernel,
-else chunk by chunk) -> the live rows' logits -> vLLM logits processor ->
-vLLM sampler.
+else chunk by chunk; then the decode batch) -> the logits of the rows that
+sample -> vLLM logits processor -> vLLM sampler.
 
 Start-up: ``load_model`` loads and compiles the model; the worker then
 sizes the block pool, ``allocate_pool`` allocates it, and ``warmup`` runs
