@@ -197,6 +197,20 @@ class HFReference:
         return new, logprobs
 
 
+def greedy_tokens(llm, prompts: list[list[int]], max_tokens: int):
+    """``llm.generate`` of token-id prompts, greedy, EOS ignored."""
+    from vllm import SamplingParams, TokensPrompt
+    return llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts],
+        SamplingParams(temperature=0, max_tokens=max_tokens,
+                       ignore_eos=True), use_tqdm=False)
+
+
+def model_runner(llm):
+    """The driver worker's model runner of an in-process ``LLM``."""
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
 def compile_count() -> int:
     """Frames dynamo has compiled so far in this process (each recompile
     counts once)."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import HFReference, backend_env, compile_count, spyre_llm
+from conftest import (HFReference, backend_env, compile_count,
+                      greedy_tokens, model_runner, spyre_llm)
 
 pytestmark = pytest.mark.e2e
 
@@ -37,15 +38,7 @@ def chunked_llm(model, chunk: int, caching: bool = False,
 
 
 def greedy(llm, prompts, max_tokens=NEW):
-    from vllm import SamplingParams, TokensPrompt
-    return llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in prompts],
-        SamplingParams(temperature=0, max_tokens=max_tokens,
-                       ignore_eos=True), use_tqdm=False)
-
-
-def runner(llm):
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    return greedy_tokens(llm, prompts, max_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -103,16 +96,16 @@ def test_running_requests_decode_between_the_chunks(tiny_llama_2k, hf,
                            SamplingParams(temperature=0, max_tokens=NEW,
                                           ignore_eos=True))
         steps = []
-        real_prepare = runner(llm).prepare_model_input
+        real_prepare = model_runner(llm).prepare_model_input
 
         def recording(*args, **kwargs):
-            computed = runner(llm).prompt_tokens_computed
+            computed = model_runner(llm).prompt_tokens_computed
             model_input = real_prepare(*args, **kwargs)
-            steps.append((runner(llm).prompt_tokens_computed - computed,
+            steps.append((model_runner(llm).prompt_tokens_computed - computed,
                           model_input.num_live))
             return model_input
 
-        runner(llm).prepare_model_input = recording
+        model_runner(llm).prepare_model_input = recording
         before = compile_count()
         outputs = {}
         while engine.has_unfinished_requests():

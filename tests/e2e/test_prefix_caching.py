@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import HFReference, backend_env, compile_count, spyre_llm
+from conftest import (HFReference, backend_env, compile_count,
+                      greedy_tokens, model_runner, spyre_llm)
 
 pytestmark = pytest.mark.e2e
 
@@ -30,15 +31,7 @@ def ids(n: int, seed: int) -> list[int]:
 
 
 def greedy(llm, prompts, max_tokens=NEW):
-    from vllm import SamplingParams, TokensPrompt
-    return llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in prompts],
-        SamplingParams(temperature=0, max_tokens=max_tokens,
-                       ignore_eos=True), use_tqdm=False)
-
-
-def runner(llm):
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    return greedy_tokens(llm, prompts, max_tokens)
 
 
 def gpu_allocator(llm):
@@ -97,9 +90,9 @@ def test_a_shared_system_prompt_is_computed_once(llm, hf):
     from vllm.utils import Device
     system = ids(400, 1)
     prompts = [system + ids(20, 100 + i) for i in range(10)]
-    before = runner(llm).prompt_tokens_computed
+    before = model_runner(llm).prompt_tokens_computed
     outputs = greedy(llm, prompts)
-    computed = runner(llm).prompt_tokens_computed - before
+    computed = model_runner(llm).prompt_tokens_computed - before
     assert computed == 420 + 9 * (420 - 384)
     assert [o.num_cached_tokens for o in outputs] == [0] + [384] * 9
     assert llm.llm_engine.scheduler[0].get_prefix_cache_hit_rate(
@@ -117,10 +110,10 @@ def test_a_cached_prefix_on_either_side_of_a_block_boundary(
     first = ids(200, 2)
     second = first[:shared] + ids(150 - shared, 3)
     assert_equal_hf(hf, [first], greedy(llm, [first]))
-    before = runner(llm).prompt_tokens_computed
+    before = model_runner(llm).prompt_tokens_computed
     (out, ) = greedy(llm, [second])
     assert out.num_cached_tokens == cached
-    assert runner(llm).prompt_tokens_computed - before == 150 - cached
+    assert model_runner(llm).prompt_tokens_computed - before == 150 - cached
     assert_equal_hf(hf, [second], [out])
 
 
@@ -131,9 +124,9 @@ def test_a_prompt_cached_whole_computes_its_last_token(llm, hf, length):
     was: a third run still gives transformers' ids."""
     prompt = ids(length, 4)
     first = greedy(llm, [prompt])
-    before = runner(llm).prompt_tokens_computed
+    before = model_runner(llm).prompt_tokens_computed
     second = greedy(llm, [prompt])
-    assert runner(llm).prompt_tokens_computed - before == 1
+    assert model_runner(llm).prompt_tokens_computed - before == 1
     assert second[0].num_cached_tokens == length
     third = greedy(llm, [prompt])
     for out in (first, second, third):

@@ -140,11 +140,9 @@ def test_bad_input_is_refused_and_the_engine_serves_on(llm, bad, names):
     assert re.fullmatch(REGEX, text(llm, guided(regex=REGEX)))
 
 
-def test_grammar_state_goes_with_the_request(llm, monkeypatch):
-    """Once a guided request has finished and later steps have run (vLLM
-    keeps its last step's sequence groups until the next), its grammar
-    state is gone."""
-    from vllm import SamplingParams
+@pytest.fixture
+def made(monkeypatch) -> list:
+    """Weak references to every grammar processor made during the test."""
     from vllm.engine import spyre_structured_output as so
     made = []
     real = so.GrammarLogitsProcessor
@@ -155,6 +153,14 @@ def test_grammar_state_goes_with_the_request(llm, monkeypatch):
         return processor
 
     monkeypatch.setattr(so, "GrammarLogitsProcessor", recording)
+    return made
+
+
+def test_grammar_state_goes_with_the_request(llm, made):
+    """Once a guided request has finished and later steps have run (vLLM
+    keeps its last step's sequence groups until the next), its grammar
+    state is gone."""
+    from vllm import SamplingParams
     assert re.fullmatch(REGEX, text(llm, guided(regex=REGEX)))
     assert len(made) == 1 and made[0]() is not None
     for _ in range(2):
@@ -170,20 +176,10 @@ def test_llm_chat_follows_the_grammar(llm):
     assert out.finish_reason == "stop" and out.text in CHOICES
 
 
-def test_an_aborted_requests_grammar_state_is_freed(llm, monkeypatch):
+def test_an_aborted_requests_grammar_state_is_freed(llm, made):
     """A guided request aborted halfway (as the server does when its client
     disconnects): its grammar state goes with it."""
     from vllm import SamplingParams
-    from vllm.engine import spyre_structured_output as so
-    made = []
-    real = so.GrammarLogitsProcessor
-
-    def recording(*args, **kwargs):
-        processor = real(*args, **kwargs)
-        made.append(weakref.ref(processor))
-        return processor
-
-    monkeypatch.setattr(so, "GrammarLogitsProcessor", recording)
     engine = llm.llm_engine
     engine.add_request("abort-me", "the spyre card",
                        guided(regex="[a-c]{40}", max_tokens=MAX_NEW))
