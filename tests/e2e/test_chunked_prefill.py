@@ -47,6 +47,11 @@ def hf(tiny_llama_2k):
 
 
 @pytest.fixture(scope="module")
+def hf_tiny(tiny_llama):
+    return HFReference(tiny_llama)
+
+
+@pytest.fixture(scope="module")
 def prompts():
     """The lengths of the issue, and a prompt sharing 700 tokens with the
     longest (10 blocks cached when prefix caching is on)."""
@@ -144,6 +149,26 @@ def test_prompt_logprobs_over_chunks(tiny_llama_2k):
     got = torch.tensor([values[i][prompt[i]].logprob
                         for i in range(1, 200)])
     assert torch.allclose(got, ref, atol=1e-3)
+
+
+def test_chunks_and_cached_prefixes_while_preempted(tiny_llama, hf_tiny):
+    """Chunks of 64, prefix caching and a 7-block pool that four requests
+    sharing a 128-token prefix outgrow while decoding: the scheduler
+    preempts, recomputed requests are chunked again over their cached
+    prefix, and every output is transformers'."""
+    shared = ids(128, 50)
+    prompts = [shared + ids(20 + 10 * i, 51 + i) for i in range(4)]
+    with spyre_llm(tiny_llama, {"VLLM_SPYRE_USE_CB": "1",
+                                **backend_env("eager")},
+                   max_num_seqs=4, max_model_len=640,
+                   enable_prefix_caching=True, enable_chunked_prefill=True,
+                   max_num_batched_tokens=64,
+                   num_gpu_blocks_override=7) as llm:
+        outputs = greedy(llm, prompts, max_tokens=90)
+        assert llm.llm_engine.scheduler[0].num_cumulative_preemption > 0
+    for prompt, out in zip(prompts, outputs):
+        assert list(out.outputs[0].token_ids) == hf_tiny.greedy(prompt,
+                                                                90)[0]
 
 
 def test_tensor_parallel_with_prefix_caching(tiny_llama_2k, hf, prompts):

@@ -133,6 +133,31 @@ def test_a_prompt_cached_whole_computes_its_last_token(llm, hf, length):
         assert_equal_hf(hf, [prompt], out)
 
 
+def test_prompt_logprobs_on_a_cache_hit(llm):
+    """A prompt whose first two blocks are cached still gets a value for
+    every prompt token, equal to transformers' log-softmax."""
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams, TokensPrompt
+    shared = ids(128, 14)
+    prompt = shared + ids(20, 15)
+    greedy(llm, [shared + ids(5, 16)])
+    (out, ) = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt)],
+        SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1),
+        use_tqdm=False)
+    assert out.num_cached_tokens == 128
+    assert len(out.prompt_logprobs) == 148 and out.prompt_logprobs[0] is None
+    model = AutoModelForCausalLM.from_pretrained(
+        llm.llm_engine.model_config.model, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    ref = torch.log_softmax(logits, -1)[torch.arange(147),
+                                        torch.tensor(prompt[1:])]
+    got = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob
+                        for i in range(1, 148)])
+    assert torch.allclose(got, ref, atol=1e-3)
+
+
 def test_nothing_compiles_while_serving_with_cache_hits(llm):
     prompt = ids(150, 5)
     greedy(llm, [prompt])
