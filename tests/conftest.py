@@ -211,6 +211,12 @@ def model_runner(llm):
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
 
+@pytest.fixture(scope="session")
+def hf_tiny(tiny_llama) -> HFReference:
+    """transformers' greedy reference of the tiny Llama."""
+    return HFReference(tiny_llama)
+
+
 def compile_count() -> int:
     """Frames dynamo has compiled so far in this process (each recompile
     counts once)."""

@@ -46,10 +46,6 @@ def hf(tiny_llama_2k):
     return HFReference(tiny_llama_2k)
 
 
-@pytest.fixture(scope="module")
-def hf_tiny(tiny_llama):
-    return HFReference(tiny_llama)
-
 
 @pytest.fixture(scope="module")
 def prompts():

@@ -77,10 +77,6 @@ def run_workload(model, backend, plan=PLAN, **kwargs) -> dict:
     return seen
 
 
-@pytest.fixture(scope="module")
-def hf_tiny(tiny_llama):
-    return HFReference(tiny_llama)
-
 
 @pytest.fixture(scope="module", params=["eager", "inductor", TORCH_OPS])
 def cb_run(request, tiny_llama):

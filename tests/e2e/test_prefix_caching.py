@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import (HFReference, backend_env, compile_count,
-                      greedy_tokens, model_runner, spyre_llm)
+from conftest import (backend_env, compile_count, greedy_tokens,
+                      model_runner, spyre_llm)
 
 pytestmark = pytest.mark.e2e
 
@@ -51,11 +51,6 @@ def assert_no_block_referenced(llm) -> None:
 
 
 @pytest.fixture(scope="module")
-def hf(tiny_llama):
-    return HFReference(tiny_llama)
-
-
-@pytest.fixture(scope="module")
 def llm(tiny_llama):
     with spyre_llm(tiny_llama, cb_caching_env(), max_num_seqs=4,
                    max_model_len=MAX_MODEL_LEN,
@@ -77,13 +72,13 @@ def fresh_cache(request):
     assert_no_block_referenced(llm)
 
 
-def assert_equal_hf(hf, prompts, outputs, max_tokens=NEW):
+def assert_equal_hf(hf_tiny, prompts, outputs, max_tokens=NEW):
     for prompt, out in zip(prompts, outputs):
-        assert list(out.outputs[0].token_ids) == hf.greedy(
+        assert list(out.outputs[0].token_ids) == hf_tiny.greedy(
             prompt, max_tokens)[0], f"prompt of {len(prompt)} tokens"
 
 
-def test_a_shared_system_prompt_is_computed_once(llm, hf):
+def test_a_shared_system_prompt_is_computed_once(llm, hf_tiny):
     """Ten requests: a 400-token system prompt and each its own 20-token
     question.  The first computes all 420 positions; the nine others find
     the prompt's six full blocks (384 tokens) cached and compute 36."""
@@ -97,28 +92,29 @@ def test_a_shared_system_prompt_is_computed_once(llm, hf):
     assert [o.num_cached_tokens for o in outputs] == [0] + [384] * 9
     assert llm.llm_engine.scheduler[0].get_prefix_cache_hit_rate(
         Device.GPU) > 0
-    assert_equal_hf(hf, prompts, outputs)
+    assert_equal_hf(hf_tiny, prompts, outputs)
 
 
 @pytest.mark.parametrize("shared, cached", [(0, 0), (63, 0), (64, 64),
                                             (65, 64), (127, 64),
                                             (128, 128)])
 def test_a_cached_prefix_on_either_side_of_a_block_boundary(
-        llm, hf, shared, cached):
+        llm, hf_tiny, shared, cached):
     """A 200-token request, then one sharing its first ``shared`` tokens:
     only whole blocks are cached, and the second computes the rest."""
     first = ids(200, 2)
     second = first[:shared] + ids(150 - shared, 3)
-    assert_equal_hf(hf, [first], greedy(llm, [first]))
+    assert_equal_hf(hf_tiny, [first], greedy(llm, [first]))
     before = model_runner(llm).prompt_tokens_computed
     (out, ) = greedy(llm, [second])
     assert out.num_cached_tokens == cached
     assert model_runner(llm).prompt_tokens_computed - before == 150 - cached
-    assert_equal_hf(hf, [second], [out])
+    assert_equal_hf(hf_tiny, [second], [out])
 
 
 @pytest.mark.parametrize("length", [64, 128, 192])
-def test_a_prompt_cached_whole_computes_its_last_token(llm, hf, length):
+def test_a_prompt_cached_whole_computes_its_last_token(llm, hf_tiny,
+                                                      length):
     """The same prompt twice, of whole blocks: the second run computes only
     its last position (for the logits) and leaves the shared block as it
     was: a third run still gives transformers' ids."""
@@ -130,7 +126,7 @@ def test_a_prompt_cached_whole_computes_its_last_token(llm, hf, length):
     assert second[0].num_cached_tokens == length
     third = greedy(llm, [prompt])
     for out in (first, second, third):
-        assert_equal_hf(hf, [prompt], out)
+        assert_equal_hf(hf_tiny, [prompt], out)
 
 
 def test_prompt_logprobs_on_a_cache_hit(llm):
@@ -166,7 +162,7 @@ def test_nothing_compiles_while_serving_with_cache_hits(llm):
     assert compile_count() == before
 
 
-def test_hits_after_aborts(llm, hf):
+def test_hits_after_aborts(llm, hf_tiny):
     """Requests sharing a prefix, two of them aborted after a few steps;
     the prefix is still cached for the next ones, and they are right."""
     from vllm import SamplingParams, TokensPrompt
@@ -184,10 +180,10 @@ def test_hits_after_aborts(llm, hf):
     prompts = [shared + ids(12, 300 + i) for i in range(3)]
     outputs = greedy(llm, prompts)
     assert [o.num_cached_tokens for o in outputs] == [192] * 3
-    assert_equal_hf(hf, prompts, outputs)
+    assert_equal_hf(hf_tiny, prompts, outputs)
 
 
-def test_hits_while_requests_are_preempted(tiny_llama, hf):
+def test_hits_while_requests_are_preempted(tiny_llama, hf_tiny):
     """Seven blocks for four requests that share a 128-token prefix and
     grow while decoding: the scheduler preempts, and recomputed requests
     find their prefix cached; every output is transformers'."""
@@ -200,11 +196,11 @@ def test_hits_while_requests_are_preempted(tiny_llama, hf):
         scheduler = llm.llm_engine.scheduler[0]
         assert scheduler.num_cumulative_preemption > 0
         assert_no_block_referenced(llm)
-    assert_equal_hf(hf, prompts, outputs, max_tokens=60)
+    assert_equal_hf(hf_tiny, prompts, outputs, max_tokens=60)
 
 
 @pytest.mark.parametrize("backend", ["inductor"])
-def test_a_shared_prefix_on_inductor(tiny_llama, hf, backend):
+def test_a_shared_prefix_on_inductor(tiny_llama, hf_tiny, backend):
     """The paged C++ kernel under inductor, prefills starting after the
     cached blocks: transformers' ids, nothing compiled after warm-up."""
     system = ids(300, 9)
@@ -217,11 +213,11 @@ def test_a_shared_prefix_on_inductor(tiny_llama, hf, backend):
         assert compile_count() == before
         assert [o.num_cached_tokens for o in outputs] == [0] + [256] * 3
         assert_no_block_referenced(llm)
-    assert_equal_hf(hf, prompts, outputs)
+    assert_equal_hf(hf_tiny, prompts, outputs)
 
 
 def test_unused_cached_blocks_are_evicted_least_recently_used(tiny_llama,
-                                                              hf):
+                                                              hf_tiny):
     """A pool of 6 blocks and prompts of two full blocks (three blocks
     with their answers): after A, B and C the pool must evict, and it
     evicts A's blocks, the least recently used; B is still cached when
@@ -237,11 +233,11 @@ def test_unused_cached_blocks_are_evicted_least_recently_used(tiny_llama,
         assert_no_block_referenced(llm)
     assert again_b.num_cached_tokens == 128
     assert again_a.num_cached_tokens < 128
-    assert_equal_hf(hf, [b, a], [again_b, again_a])
+    assert_equal_hf(hf_tiny, [b, a], [again_b, again_a])
 
 
 def test_the_server_with_prefix_caching_and_chunked_prefill(tiny_llama,
-                                                            hf):
+                                                            hf_tiny):
     """``vllm serve --enable-prefix-caching --enable-chunked-prefill
     --enable-prompt-tokens-details``: the openai client's completions
     sharing a 300-token system prompt give transformers' ids, and each
@@ -268,4 +264,4 @@ def test_the_server_with_prefix_caching_and_chunked_prefill(tiny_llama,
     assert cached == [0, 256, 256]
     for p, out in zip(prompts, outs):
         got = [int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens]
-        assert got == hf.greedy(p, NEW)[0]
+        assert got == hf_tiny.greedy(p, NEW)[0]

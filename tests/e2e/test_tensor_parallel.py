@@ -17,7 +17,7 @@ import pytest
 import requests
 import torch
 
-from conftest import REPO, HFReference, spyre_env, spyre_llm
+from conftest import REPO, spyre_env, spyre_llm
 from server import Server
 
 pytestmark = pytest.mark.e2e
@@ -26,10 +26,6 @@ SHAPES = dict(prompt_lens=[64, 128], new_tokens=[8, 4], batch_sizes=[2, 1])
 REQUESTS = [([5, 6, 7, 8, 9, 10], 8), ([11] * 20, 5), ([3] * 7, 8),
             ([40] * 100, 4), ([9, 8] * 12, 2)]
 
-
-@pytest.fixture(scope="module")
-def hf_tiny(tiny_llama):
-    return HFReference(tiny_llama)
 
 
 def generate(llm):

@@ -66,10 +66,6 @@ def tiny_run(request, tiny_llama):
                timings=timings, kernels=kernels)
 
 
-@pytest.fixture(scope="module")
-def hf_tiny(tiny_llama):
-    return HFReference(tiny_llama)
-
 
 def test_both_backends_run_on_the_native_kernels(tiny_run):
     """eager skips the compiler, not the kernels: the linear layers are

@@ -256,11 +256,13 @@ def prefill_chunk_size(max_num_batched_tokens: int) -> int:
     ``--max-num-batched-tokens``, which on Spyre must be whole blocks."""
     if (max_num_batched_tokens < CB_BLOCK_SIZE
             or max_num_batched_tokens % CB_BLOCK_SIZE):
+        example = max(CB_BLOCK_SIZE, max_num_batched_tokens -
+                      max_num_batched_tokens % CB_BLOCK_SIZE)
         raise ValueError(
             f"--max-num-batched-tokens {max_num_batched_tokens} is the "
             "prefill chunk under --enable-chunked-prefill, and on Spyre it "
             f"must be a multiple of the block size, {CB_BLOCK_SIZE} (for "
-            f"example {max(CB_BLOCK_SIZE, max_num_batched_tokens // CB_BLOCK_SIZE * CB_BLOCK_SIZE)}).")
+            f"example {example}).")
     return max_num_batched_tokens
 
 

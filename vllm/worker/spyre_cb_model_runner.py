@@ -204,11 +204,11 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         decode = None
         if decodes:
             seqs = [_seq(m) for m in decodes]
+            lens = [d.get_len() for _, d in seqs]
             decode = self._decode(
-                [d.get_last_token_id() for _, d in seqs],
-                [d.get_len() for _, d in seqs],
+                [d.get_last_token_id() for _, d in seqs], lens,
                 [m.block_tables[i] for m, (i, _) in zip(decodes, seqs)])
-            seq_lens += [d.get_len() for _, d in seqs]
+            seq_lens += lens
             query_lens += [1] * len(seqs)
         sampling_metadata = SamplingMetadata.prepare(
             metas,
@@ -256,8 +256,11 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                 model_input.logprob_k)
         if model_input.sampling_metadata is None:
             return []  # a non-driver rank: the driver samples
-        logits = torch.cat(rows) if rows else torch.empty(
-            0, self.model_config.get_vocab_size())  # [N, vocab]
+        if len(rows) == 1:
+            logits = rows[0]  # [N, vocab]
+        else:  # a prefill chunk and decodes, or a chunk that samples nothing
+            logits = torch.cat(rows) if rows else torch.empty(
+                0, self.model_config.get_vocab_size())
         return [prompt_logprobs.attach(
             sample(self.get_model(), logits, model_input.sampling_metadata),
             computed)]
