@@ -18,6 +18,7 @@ with the settings, at the bottom.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import TYPE_CHECKING, Optional
@@ -39,6 +40,10 @@ SPYRE_WORKER_CLS = "vllm.worker.spyre_worker.SpyreWorker"
 SPYRE_CB_WORKER_CLS = "vllm.worker.spyre_cb_worker.SpyreCBWorker"
 SPYRE_POOLING_WORKER_CLS = \
     "vllm.worker.spyre_pooling_worker.SpyrePoolingWorker"
+SPYRE_ATTN_BACKEND_CLS = \
+    "vllm.attention.backends.spyre_attn.SpyreAttentionBackend"
+SPYRE_COMMUNICATOR_CLS = ("vllm.distributed.device_communicators."
+                          "spyre_communicator.SpyreCommunicator")
 
 
 def register() -> Optional[str]:
@@ -87,6 +92,30 @@ class SpyrePlatform(Platform):
     @classmethod
     def supports_v1(cls, model_config) -> bool:
         return False
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend, head_size: int,
+                             dtype: torch.dtype,
+                             kv_cache_dtype: Optional[str], block_size: int,
+                             use_v1: bool, use_mla: bool,
+                             has_sink: bool) -> str:
+        """vLLM's model code (``--model-impl vllm``) attends through the
+        Spyre backend, over the caches and kernels the FMS path uses."""
+        if use_mla:
+            raise NotImplementedError(
+                "Multi-head latent attention (MLA) is not supported on Spyre")
+        return SPYRE_ATTN_BACKEND_CLS
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        return SPYRE_COMMUNICATOR_CLS
+
+    @classmethod
+    def use_all_gather(cls) -> bool:
+        """vLLM's logits processor gathers a tensor-parallel model's
+        logits on every rank (the runners read them on every rank, as FMS's
+        head gives them), through ``SpyreCommunicator``'s gloo gather."""
+        return True
 
     @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:
@@ -143,20 +172,25 @@ class SpyrePlatform(Platform):
         # Imported here: vllm.model_executor imports vllm.config, which
         # resolves the platform.
         if pooling:
+            if str(getattr(model_config.model_impl, "value",
+                           model_config.model_impl)) != "auto":
+                raise NotImplementedError(
+                    f"--model-impl {model_config.model_impl} is not "
+                    "supported for pooling models on Spyre: they run the "
+                    "encoders of spyre_encoder_families (--model-impl auto)")
             from vllm.model_executor.models.spyre_encoder_families import (
                 check_parallel, encoder_family)
             check_parallel(encoder_family(model_config.hf_config),
                            parallel_config.tensor_parallel_size)
             _configure_pooling(vllm_config, spyre)
         else:
-            from vllm.model_executor.models.spyre_families import family_of
-            family = family_of(model_config.hf_config)
+            spyre = _choose_model_impl(model_config, spyre)
             if spyre.use_cb:
                 _configure_continuous_batching(vllm_config, spyre)
             else:
                 _configure_static_batching(vllm_config, spyre)
             _check_sliding_window(
-                family.sliding_window(model_config.hf_config),
+                _sliding_window(model_config.hf_config, spyre),
                 model_config.max_model_len, spyre)
         # No sequence outgrows the window (checked above), and the Spyre
         # caches are laid out by this backend: vLLM's block manager must
@@ -173,6 +207,30 @@ class SpyrePlatform(Platform):
         extra = dict(vllm_config.additional_config or {})
         extra[ADDITIONAL_CONFIG_KEY] = spyre.to_dict()
         vllm_config.additional_config = extra
+
+
+def _choose_model_impl(model_config, spyre: SpyreConfig) -> SpyreConfig:
+    """The decoder's model code from ``--model-impl`` and the architecture
+    (``spyre_model_impl.resolve``); an architecture neither runs is
+    refused here, before anything loads."""
+    from vllm.model_executor.models import spyre_model_impl
+    impl, arch = spyre_model_impl.resolve(model_config.model_impl,
+                                          model_config.hf_config)
+    logger.info(
+        "Spyre model implementation: %s for %s (--model-impl %s)",
+        "FMS" if impl == spyre_model_impl.FMS else "vLLM", arch,
+        getattr(model_config.model_impl, "value", model_config.model_impl))
+    return dataclasses.replace(spyre, model_impl=impl)
+
+
+def _sliding_window(hf_config, spyre: SpyreConfig) -> Optional[int]:
+    """The window a decoder's attention slides over, if any: the FMS
+    family's, or for vLLM's model code the config's own."""
+    from vllm.model_executor.models.spyre_families import (family_of,
+                                                           window_of)
+    if spyre.model_impl == "fms":
+        return family_of(hf_config).sliding_window(hf_config)
+    return window_of(hf_config)
 
 
 def _configure_static_batching(vllm_config: "VllmConfig",

@@ -165,6 +165,10 @@ class SpyreConfig:
     native_kernels: bool = True
     #: A pooling model (embeddings, scores): shapes generate no tokens.
     pooling: bool = False
+    #: The decoder's model code: FMS's (``"fms"``) or vLLM's own
+    #: (``"vllm"``), resolved from ``--model-impl`` at start-up
+    #: (``spyre_model_impl``).
+    model_impl: str = "fms"
 
     @classmethod
     def from_env(cls,

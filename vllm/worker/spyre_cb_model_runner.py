@@ -32,6 +32,8 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.sampler import SamplerOutput
 from vllm.model_executor.models.spyre_paged_causal_lm import SpyrePagedCausalLM
+from vllm.model_executor.models.spyre_vllm_causal_lm import (
+    SpyreVllmPagedCausalLM)
 from vllm.model_executor.sampling_metadata import SamplingMetadata
 from vllm.platforms import current_platform
 from vllm.platforms.spyre_cb_blocks import blocks_needed
@@ -101,6 +103,7 @@ class SpyreCBModelInput(ModelRunnerInputBase):
 class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
 
     model_cls = SpyrePagedCausalLM
+    vllm_model_cls = SpyreVllmPagedCausalLM
     model: Optional[SpyrePagedCausalLM]  # type: ignore[assignment]
 
     def __init__(self, vllm_config: VllmConfig,
@@ -252,7 +255,7 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         if model_input.logprob_ids is not None:
             assert self.model is not None
             computed[0] = prompt_logprobs.compute(
-                self.model.fms_model, model_input.logprob_ids,
+                self.model, model_input.logprob_ids,
                 model_input.logprob_k)
         if model_input.sampling_metadata is None:
             return []  # a non-driver rank: the driver samples

@@ -21,6 +21,7 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.sampler import SamplerOutput
 from vllm.model_executor.models.spyre_causal_lm import SpyreCausalLM
+from vllm.model_executor.models.spyre_vllm_causal_lm import SpyreVllmCausalLM
 from vllm.model_executor.sampling_metadata import SamplingMetadata
 from vllm.platforms import current_platform
 from vllm.platforms.spyre_config import SpyreConfig, WarmupShape
@@ -88,6 +89,7 @@ class _Batch:
 class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
 
     model_cls = SpyreCausalLM
+    vllm_model_cls = SpyreVllmCausalLM
 
     def __init__(self, vllm_config: VllmConfig,
                  spyre_config: SpyreConfig) -> None:
@@ -249,7 +251,7 @@ class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
         live = model_input.live_rows.tolist()
         return {
             live.index(row): prompt_logprobs.compute(
-                self.model.fms_model, ids[row, ids.shape[1] - n:], k)
+                self.model, ids[row, ids.shape[1] - n:], k)
             for row, n, k in model_input.logprob_rows.tolist()
         }
 

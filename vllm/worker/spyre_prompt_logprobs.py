@@ -6,8 +6,9 @@ only, which is all that sampling needs.  A request that asks for prompt
 log-probabilities needs every prompt position's, so the runner gets them
 by a second pass over that request's prompt alone (``compute``):
 
-* FMS's model is called uncompiled, without a cache (its causal attention
-  over the prompt's own tokens, unpadded): nothing is compiled after
+* the model (FMS's, or vLLM's with ``--model-impl vllm``) is called
+  uncompiled, without a cache (causal attention over the prompt's own
+  tokens, unpadded): nothing is compiled after
   warm-up, and the batch's key/value cache is left to the compiled
   prefill that fills it;
 * the output head, the log-softmax, the ranks and the top ``k`` run over
@@ -67,22 +68,20 @@ def for_sampler(metas: list[SequenceGroupMetadata],
 
 
 @torch.no_grad()
-def compute(fms_model: nn.Module, token_ids: torch.Tensor, k: int,
+def compute(model: nn.Module, token_ids: torch.Tensor, k: int,
             slice_len: int = SLICE) -> list[dict[int, Logprob]]:
     """For each position of one prompt (``token_ids``, ``[L]``) after the
     first: the log-probability and rank of its token given the tokens
-    before it, and the ``k`` most likely tokens with theirs."""
+    before it, and the ``k`` most likely tokens with theirs.  ``model``
+    gives the prompt's hidden states and their logits
+    (``prompt_hidden``, ``prompt_logits``)."""
     ids = token_ids.view(1, -1).to(torch.long)
     length = ids.shape[1]
-    positions = torch.arange(length).unsqueeze(0)
-    hidden, _ = fms_model.base_model(ids, positions, None, False)
-    scale = getattr(fms_model.config, "logits_scaling", 1.0)
+    hidden = model.prompt_hidden(ids)
     out: list[dict[int, Logprob]] = []
     for start in range(0, length - 1, slice_len):
         end = min(start + slice_len, length - 1)
-        logits = fms_model.head(hidden[:, start:end])[0].float()
-        if scale != 1.0:
-            logits = logits / scale
+        logits = model.prompt_logits(hidden[:, start:end])
         logprobs = torch.log_softmax(logits, dim=-1)
         nxt = ids[0, start + 1:end + 1].unsqueeze(1)
         chosen = logprobs.gather(1, nxt)

@@ -33,6 +33,9 @@ class SpyreRunnerBase(ModelRunnerBase[T]):
 
     #: The model class each runner loads (``SpyreCausalLM``, ...).
     model_cls: type
+    #: Its twin on vLLM's own model code (``--model-impl vllm``), if the
+    #: mode has one.
+    vllm_model_cls: Optional[type] = None
 
     def __init__(self, vllm_config: VllmConfig,
                  spyre_config: SpyreConfig) -> None:
@@ -47,12 +50,22 @@ class SpyreRunnerBase(ModelRunnerBase[T]):
     def load_model(self) -> None:
         start = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
-            self.model = self.model_cls(vllm_config=self.vllm_config,
-                                        spyre_config=self.spyre_config)
+            self.model = self.model_class()(vllm_config=self.vllm_config,
+                                            spyre_config=self.spyre_config)
         self.pad_id = pad_token_id(self.model_config)
         self.startup_timings["load"] = time.perf_counter() - start
         logger.info("Spyre model load took %.1f s",
                     self.startup_timings["load"])
+
+    def model_class(self) -> type:
+        """``model_cls``, or its twin on vLLM's model code when the
+        platform chose that (``SpyreConfig.model_impl``)."""
+        if self.spyre_config.model_impl == "vllm":
+            if self.vllm_model_cls is None:
+                raise NotImplementedError(
+                    f"{type(self).__name__} does not run vLLM's model code")
+            return self.vllm_model_cls
+        return self.model_cls
 
     def get_model(self) -> nn.Module:
         assert self.model is not None

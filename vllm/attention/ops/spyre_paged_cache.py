@@ -37,7 +37,7 @@ ATTN_NAME = "spyre_paged"
 ATTN_NAME_CPU_KERNEL = "spyre_paged_cpu_kernel"
 
 
-def _store(keys: torch.Tensor, values: torch.Tensor, key_pool: torch.Tensor,
+def store(keys: torch.Tensor, values: torch.Tensor, key_pool: torch.Tensor,
            value_pool: torch.Tensor, **attn_kwargs):
     """keys, values: [B, L, kv_heads, head_dim]; pools: [slots, kv_heads,
     head_dim]; ``cache_slots``: [B, L] int64.  The compute op reads the
@@ -84,6 +84,6 @@ def register() -> None:
     """Registers the ops with FMS once per process.  Every step attends
     through the pool, so there is no separate prefill op."""
     register_ops({
-        ATTN_NAME: dict(store_op=_store, compute_op=compute),
-        ATTN_NAME_CPU_KERNEL: dict(store_op=_store, compute_op=compute_kernel),
+        ATTN_NAME: dict(store_op=store, compute_op=compute),
+        ATTN_NAME_CPU_KERNEL: dict(store_op=store, compute_op=compute_kernel),
     })

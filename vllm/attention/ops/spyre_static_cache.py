@@ -32,7 +32,7 @@ ATTN_NAME = "spyre_static_kv"
 ATTN_NAME_CPU_KERNEL = "spyre_static_kv_cpu_kernel"
 
 
-def _store(keys: torch.Tensor, values: torch.Tensor,
+def store(keys: torch.Tensor, values: torch.Tensor,
            key_cache: torch.Tensor, value_cache: torch.Tensor,
            **attn_kwargs):
     """keys, values: [B, L, kv_heads, head_dim]; caches: [B, kv_heads, T,
@@ -49,7 +49,7 @@ def _store(keys: torch.Tensor, values: torch.Tensor,
     return key_cache, value_cache, key_cache, value_cache
 
 
-def _compute(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+def compute_prefill(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
              nheads: int, kvheads: int, p_dropout: float,
              scale_factor, **attn_kwargs) -> torch.Tensor:
     """query: [B, L, heads, head_dim]; keys/values: [B, kv_heads, S,
@@ -83,6 +83,14 @@ _compute_decode_kernel = decode_op(
     lambda q, k, v, scale, kw: _attend_kernel(q, k, v, kw["mask"], scale))
 
 
+def compute_op(prefill: bool, on_kernel: bool):
+    """The compute op of a prefill or a decode step, on the C++ kernel
+    (decode only: a prefill attends through SDPA) or in torch ops."""
+    if prefill:
+        return compute_prefill
+    return _compute_decode_kernel if on_kernel else _compute_decode
+
+
 def _is_prefill(**attn_kwargs) -> bool:
     return bool(attn_kwargs.get("spyre_prefill", False))
 
@@ -90,7 +98,7 @@ def _is_prefill(**attn_kwargs) -> bool:
 def register() -> None:
     """Registers the ops with FMS once per process."""
     register_ops({
-        name: dict(store_op=_store, compute_op=_compute,
+        name: dict(store_op=store, compute_op=compute_prefill,
                    is_prefill_op=_is_prefill, compute_decode_op=decode)
         for name, decode in ((ATTN_NAME, _compute_decode),
                              (ATTN_NAME_CPU_KERNEL, _compute_decode_kernel))

@@ -73,30 +73,39 @@ class SpyreCausalLM(nn.Module):
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.model_path = model_config.model
         self.hf_config = model_config.hf_config
-        self.fms_model = spyre_loader.load_fms_decoder(
-            model_config.model, model_config.hf_config, self.dtype,
-            self.tp_size, spyre_config.dynamo_backend)
-        #: FMS attention op of every forward.
-        self.attn_name = self.ATTN_NAMES[0]
         #: Whether the graphs hold the weights as constants (inductor
         #: freezing) rather than reading them as inputs.
         self.frozen = False
         #: Whether the model runs on the project's C++ kernels.
         self.native, why = native.in_use(spyre_config.dynamo_backend,
                                          spyre_config.native_kernels)
-        if self.native:
-            self._use_cpu_kernels()
-        else:
-            self._bf16_products()
         logger.info("Spyre native CPU kernels %s (%s)",
                     "in use" if self.native else "not in use", why)
-        self._register_attention()
-        self.cache_layout = CacheLayout.of(self.fms_model)
-        self.model = self._compile(self.fms_model)
+        self.model = self._compile(self._build(vllm_config))
         #: One key/value cache per (batch size, cache length).
         self.kv_caches: dict[tuple[int, int], list] = {}
         #: The cache of the running batch.
         self.kv_cache: Optional[list] = None
+
+    def _build(self, vllm_config: VllmConfig) -> nn.Module:
+        """Loads the FMS model (``fms_model``), puts it on the kernels or
+        oneDNN, registers its attention ops and reads its cache layout;
+        returns the module to compile."""
+        model_config = vllm_config.model_config
+        self.fms_model = spyre_loader.load_fms_decoder(
+            model_config.model, model_config.hf_config, self.dtype,
+            self.tp_size, self.spyre_config.dynamo_backend)
+        logger.info("Spyre model implementation: FMS (%s)",
+                    type(self.fms_model).__name__)
+        #: FMS attention op of every forward.
+        self.attn_name = self.ATTN_NAMES[0]
+        if self.native:
+            self._use_cpu_kernels()
+        else:
+            self._bf16_products()
+        self._register_attention()
+        self.cache_layout = CacheLayout.of(self.fms_model)
+        return self.fms_model
 
     def _use_cpu_kernels(self) -> None:
         """The CPU backends: linear layers go to the packed CPU kernel
@@ -280,6 +289,21 @@ class SpyreCausalLM(nn.Module):
             spyre_prefill=is_prompt,
         )
         return logits[:, -1, :]  # [B, vocab]
+
+    # ---- prompt log-probabilities (``spyre_prompt_logprobs``) -----------
+    def prompt_hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        """The last hidden states of one whole prompt (``[1, L]``), run
+        uncompiled and without a cache: ``[1, L, hidden]``."""
+        hidden, _ = self.fms_model.base_model(
+            ids, torch.arange(ids.shape[1]).unsqueeze(0), None, False)
+        return hidden
+
+    def prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of ``[1, n, hidden]`` hidden states: ``[n,
+        vocab]``."""
+        logits = self.fms_model.head(hidden)[0].float()
+        scale = getattr(self.fms_model.config, "logits_scaling", 1.0)
+        return logits / scale if scale != 1.0 else logits
 
     def compute_logits(self, hidden_states: torch.Tensor,
                        sampling_metadata: SamplingMetadata) -> torch.Tensor:

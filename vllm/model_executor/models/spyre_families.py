@@ -61,7 +61,7 @@ def _dense_experts(model) -> None:
     use_dense_experts(model)
 
 
-def _window_of(hf_config) -> Optional[int]:
+def window_of(hf_config) -> Optional[int]:
     """The sliding-window length of a config, if it sets one (Qwen3 sets
     one only with ``use_sliding_window``)."""
     if getattr(hf_config, "use_sliding_window", True) is False:
@@ -92,7 +92,7 @@ class DecoderFamily:
         return self.prepare is _as_loaded
 
     def sliding_window(self, hf_config) -> Optional[int]:
-        return _window_of(hf_config) if self.has_window else None
+        return window_of(hf_config) if self.has_window else None
 
 
 #: Every supported architecture, by its Hugging Face name.

@@ -57,9 +57,8 @@ class SpyrePagedCausalLM(SpyreCausalLM):
         #: prefill of SmolLM2 reads for 4 ms per chunk to keep one row of
         #: logits; the kernel scores one query position at a time, so a
         #: whole prompt costs it no more memory than a chunk.
-        on_kernel = self.attn_name == paged_cache.ATTN_NAME_CPU_KERNEL
         self.prefill_len_range = (MIN_PREFILL_LEN, max(
-            self.max_model_len, MIN_PREFILL_LEN + 1)) if on_kernel else None
+            self.max_model_len, MIN_PREFILL_LEN + 1)) if self.native else None
 
     @staticmethod
     def _register_attention() -> None:
@@ -109,6 +108,25 @@ class SpyrePagedCausalLM(SpyreCausalLM):
     def forward(self, step: PagedInputs) -> torch.Tensor:  # type: ignore
         """One prefill ([1, L]) or one decode step ([B, 1]).  Returns the
         logits of each row's last position: [B, vocab]."""
+        is_decode = self._mark_dynamic(step)
+        logits, _ = self.model(
+            self.paged_graph_name(not is_decode, step.block_table.shape[1]),
+            step.input_ids,
+            position_ids=step.position_ids,
+            past_key_value_states=self.kv_pool,
+            use_cache=True,
+            last_n_tokens=1,
+            attn_name=self.attn_name,
+            cache_slots=step.cache_slots,
+            block_table=step.block_table,
+            ctx_lens=step.ctx_lens,
+        )
+        return logits[:, -1, :]  # [B, vocab]
+
+    def _mark_dynamic(self, step: PagedInputs) -> bool:
+        """Marks the step's dynamic dimension (the decode batch, or the
+        prefill length on the kernel) within its range; whether the step
+        is a decode step."""
         if self.kv_pool is None:
             raise RuntimeError("a step before the key/value pool exists")
         is_decode = step.input_ids.shape[1] == 1
@@ -124,16 +142,4 @@ class SpyrePagedCausalLM(SpyreCausalLM):
             for t in (step.input_ids, step.position_ids, step.cache_slots,
                       step.ctx_lens):
                 torch._dynamo.mark_dynamic(t, 1, min=low, max=high)
-        logits, _ = self.model(
-            self.paged_graph_name(not is_decode, step.block_table.shape[1]),
-            step.input_ids,
-            position_ids=step.position_ids,
-            past_key_value_states=self.kv_pool,
-            use_cache=True,
-            last_n_tokens=1,
-            attn_name=self.attn_name,
-            cache_slots=step.cache_slots,
-            block_table=step.block_table,
-            ctx_lens=step.ctx_lens,
-        )
-        return logits[:, -1, :]  # [B, vocab]
+        return is_decode

@@ -1,0 +1,273 @@
+"""The Spyre attention backend of vLLM's own model code (``--model-impl
+vllm``).
+
+vLLM's model classes (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...)
+attend through ``vllm.attention.Attention`` layers, which ask the platform
+for a backend (``SpyrePlatform.get_attn_backend_cls``) and call its
+``AttentionImpl`` with the step's ``AttentionMetadata``.  This backend
+serves both Spyre modes over the caches the FMS path already uses, with
+the same ops (``spyre_static_cache``, ``spyre_paged_cache``) and so the
+same C++ kernels:
+
+* static batching: each layer's cache is a ``[2, B, kv_heads, T,
+  head_size]`` tensor of one warm-up shape (keys, values), written at the
+  step's ``cache_slots`` and read under the step's mask;
+* continuous batching: each layer's cache is a block pool, ``[2, blocks *
+  block_size, kv_heads, head_size]`` (``get_kv_cache_shape``), written at
+  the step's slots and read through its block tables;
+* no cache (a prompt scored whole for its prompt log-probabilities):
+  causal attention over the prompt's own positions.
+
+vLLM's models flatten a step to ``[num_tokens, ...]``; the metadata says
+how those tokens form ``B`` rows of ``L`` positions.  The model runs the
+layers as vLLM's opaque ``unified_attention`` op (``SpyreVllmCausalLM``
+sets it up), so ``torch.compile`` sees neither the metadata nor the
+caches: one graph serves every step of its shape, and the kernels run as
+they do for FMS.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple, Type
+
+import torch
+import torch.nn.functional as F
+
+from vllm.attention.backends.abstract import (AttentionBackend,
+                                              AttentionImpl,
+                                              AttentionMetadata,
+                                              AttentionMetadataBuilder,
+                                              AttentionType)
+from vllm.attention.backends.utils import CommonAttentionState
+from vllm.attention.ops import spyre_paged_cache as paged_cache
+from vllm.attention.ops import spyre_static_cache as static_cache
+from vllm.attention.ops.spyre_paged_inputs import PagedInputs
+
+#: What a step's metadata describes.
+STATIC_PREFILL = "static-prefill"
+STATIC_DECODE = "static-decode"
+PAGED = "paged"
+CAUSAL = "causal"
+
+
+class SpyreAttentionBackend(AttentionBackend):
+    """vLLM's attention interface over the Spyre caches."""
+
+    accept_output_buffer = False
+
+    @staticmethod
+    def get_name() -> str:
+        return "SPYRE"
+
+    @staticmethod
+    def get_impl_cls() -> Type["SpyreAttentionImpl"]:
+        return SpyreAttentionImpl
+
+    @staticmethod
+    def get_metadata_cls() -> Type["SpyreAttentionMetadata"]:
+        return SpyreAttentionMetadata
+
+    @staticmethod
+    def get_builder_cls() -> Type["SpyreAttentionMetadataBuilder"]:
+        return SpyreAttentionMetadataBuilder
+
+    @staticmethod
+    def get_state_cls() -> Type[CommonAttentionState]:
+        return CommonAttentionState
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int,
+                           num_kv_heads: int,
+                           head_size: int) -> Tuple[int, ...]:
+        """A layer's block pool: keys and values, one row per slot."""
+        return (2, num_blocks * block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def swap_blocks(src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor,
+                    src_to_dst: torch.Tensor) -> None:
+        raise NotImplementedError(
+            "Swapping key/value blocks is not supported on Spyre: preempted "
+            "sequences are recomputed")
+
+    @staticmethod
+    def copy_blocks(kv_caches: List[torch.Tensor],
+                    src_to_dists: torch.Tensor) -> None:
+        raise NotImplementedError(
+            "Copying key/value blocks (beam search) is not supported on "
+            "Spyre")
+
+
+@dataclass
+class SpyreAttentionMetadata(AttentionMetadata):
+    """One step: ``rows`` x ``length`` positions, flattened in the model.
+
+    ``kind`` is one of ``STATIC_PREFILL``, ``STATIC_DECODE``, ``PAGED`` and
+    ``CAUSAL``.  Static steps carry ``mask`` (``[B, L, T]``, True =
+    attend) and ``cache_slots`` (``[L]``); paged steps ``cache_slots``
+    (``[B, L]``, pool slots), ``block_table`` and ``ctx_lens``.
+    ``on_kernel``: the C++ kernels attend (else torch ops)."""
+
+    kind: str = CAUSAL
+    rows: int = 1
+    length: int = 0
+    mask: Optional[torch.Tensor] = None
+    cache_slots: Optional[torch.Tensor] = None
+    block_table: Optional[torch.Tensor] = None
+    ctx_lens: Optional[torch.Tensor] = None
+    on_kernel: bool = False
+
+    @property
+    def prefill_metadata(self) -> Optional["SpyreAttentionMetadata"]:
+        return self if self.num_prefills else None
+
+    @property
+    def decode_metadata(self) -> Optional["SpyreAttentionMetadata"]:
+        return self if self.num_decode_tokens else None
+
+    def cache_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments the Spyre cache ops read."""
+        return dict(mask=self.mask, cache_slots=self.cache_slots,
+                    block_table=self.block_table, ctx_lens=self.ctx_lens,
+                    spyre_prefill=self.kind == STATIC_PREFILL)
+
+
+def _metadata(kind: str, rows: int, length: int, prefills: int,
+              decodes: int, **tensors) -> SpyreAttentionMetadata:
+    slots = tensors.get("cache_slots")
+    return SpyreAttentionMetadata(
+        num_prefills=prefills,
+        num_prefill_tokens=prefills * length,
+        num_decode_tokens=decodes,
+        slot_mapping=slots.flatten() if slots is not None else
+        torch.empty(0, dtype=torch.long),
+        multi_modal_placeholder_index_maps=None,
+        enable_kv_scales_calculation=False,
+        kind=kind, rows=rows, length=length, **tensors)
+
+
+class SpyreAttentionMetadataBuilder(
+        AttentionMetadataBuilder[SpyreAttentionMetadata]):
+    """Builds a step's metadata from the Spyre runners' step inputs: a
+    static step (``static``), a paged one (``paged``) or a whole prompt
+    without a cache (``causal``), given to ``add`` before ``build``."""
+
+    def __init__(self, input_builder: Any = None,
+                 on_kernel: bool = False) -> None:
+        self.input_builder = input_builder
+        self.on_kernel = on_kernel
+        self._step: Optional[SpyreAttentionMetadata] = None
+
+    def prepare(self) -> None:
+        self._step = None
+
+    def static(self, input_ids: torch.Tensor, mask: torch.Tensor,
+               cache_slots: torch.Tensor, is_prompt: bool) -> None:
+        rows, length = input_ids.shape
+        self._step = _metadata(
+            STATIC_PREFILL if is_prompt else STATIC_DECODE, rows, length,
+            rows if is_prompt else 0, 0 if is_prompt else rows,
+            mask=mask, cache_slots=cache_slots, on_kernel=self.on_kernel)
+
+    def paged(self, step: PagedInputs) -> None:
+        rows, length = step.input_ids.shape
+        decode = length == 1
+        self._step = _metadata(
+            PAGED, rows, length, 0 if decode else rows, rows if decode else 0,
+            cache_slots=step.cache_slots, block_table=step.block_table,
+            ctx_lens=step.ctx_lens, on_kernel=self.on_kernel)
+
+    def causal(self, length: int) -> None:
+        self._step = _metadata(CAUSAL, 1, length, 1, 0)
+
+    def build(self, seq_lens: List[int], query_lens: List[int],
+              cuda_graph_pad_size: int,
+              batch_size: int) -> SpyreAttentionMetadata:
+        if self._step is None:
+            raise RuntimeError("build() before a step was added")
+        step, self._step = self._step, None
+        return step
+
+
+def _window_applies(window: Optional[int]) -> bool:
+    """Whether a sliding window would drop tokens of some sequence: the
+    platform refuses such a window at start-up; a longer one attends as
+    full attention."""
+    if window is None:
+        return False
+    from vllm.config import get_current_vllm_config
+    return window < get_current_vllm_config().model_config.max_model_len
+
+
+class SpyreAttentionImpl(AttentionImpl[SpyreAttentionMetadata]):
+    """Decoder self-attention over the Spyre caches."""
+
+    def __init__(self,
+                 num_heads: int,
+                 head_size: int,
+                 scale: float,
+                 num_kv_heads: Optional[int] = None,
+                 alibi_slopes: Optional[List[float]] = None,
+                 sliding_window: Optional[int] = None,
+                 kv_cache_dtype: str = "auto",
+                 logits_soft_cap: Optional[float] = None,
+                 attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: Optional[str] = None,
+                 **extra: Any) -> None:
+        unsupported = {
+            "ALiBi slopes": alibi_slopes is not None,
+            f"a sliding window ({sliding_window}) shorter than the longest "
+            "sequence": _window_applies(sliding_window),
+            f"a key/value cache dtype of {kv_cache_dtype!r}":
+            kv_cache_dtype != "auto",
+            f"a logits soft cap ({logits_soft_cap})":
+            logits_soft_cap not in (None, 0, 0.0),
+            f"attention type {attn_type!r}":
+            attn_type != AttentionType.DECODER,
+            "key/value sharing between layers":
+            kv_sharing_target_layer_name is not None,
+            f"attention options {sorted(extra)}": bool(
+                {k: v for k, v in extra.items() if v is not None}),
+        }
+        named = [what for what, used in unsupported.items() if used]
+        if named:
+            raise NotImplementedError(
+                "The Spyre attention backend does not support "
+                f"{', '.join(named)}: this model cannot run with "
+                "--model-impl vllm on Spyre")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: SpyreAttentionMetadata,
+                output: Optional[torch.Tensor] = None,
+                output_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """query: [N, heads * head_size]; key, value: [N, kv_heads *
+        head_size], N = rows * length.  Returns [N, heads * head_size]."""
+        meta = attn_metadata
+        B, L = meta.rows, meta.length
+        q = query.view(B, L, self.num_heads, self.head_size)
+        k = key.view(B, L, self.num_kv_heads, self.head_size)
+        v = value.view(B, L, self.num_kv_heads, self.head_size)
+        if meta.kind == CAUSAL:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                is_causal=True, scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads
+            ).transpose(1, 2)
+            return out.reshape(B * L, -1)
+        kwargs = meta.cache_kwargs()
+        if meta.kind == PAGED:
+            store = paged_cache.store
+            compute = (paged_cache.compute_kernel
+                       if meta.on_kernel else paged_cache.compute)
+        else:
+            store = static_cache.store
+            compute = static_cache.compute_op(meta.kind == STATIC_PREFILL,
+                                              meta.on_kernel)
+        keys, values, _, _ = store(k, v, kv_cache[0], kv_cache[1], **kwargs)
+        out = compute(q, keys, values, self.num_heads, self.num_kv_heads,
+                      0.0, self.scale, **kwargs)
+        return out.reshape(B * L, -1)

@@ -1,0 +1,157 @@
+"""vLLM's own model code on Spyre (``--model-impl vllm``): the RFC's P5.
+
+``SpyreVllmCausalLM`` (static batching) and ``SpyreVllmPagedCausalLM``
+(continuous batching) are the FMS models' twins: the same runners call
+them the same way, with the same step inputs, caches, warm-up and graphs.
+What differs is the model inside:
+
+* vLLM's model class, loaded by vLLM's loader (``spyre_vllm``), its linear
+  layers moved to the packed CPU kernels (``spyre_linear_method``);
+* its ``Attention`` layers on the Spyre attention backend (``spyre_attn``),
+  called as vLLM's opaque ``unified_attention`` op: ``torch.compile``
+  traces everything but attention, which runs the Spyre cache ops and
+  kernels with the step's metadata, set as vLLM's forward context;
+* the compiled part (``_LastHidden``) returns each row's last hidden
+  state; vLLM's ``compute_logits`` (its output head, the gather of a
+  vocabulary split over tensor-parallel ranks, the model's logit scale)
+  runs after it.
+
+The caches are the FMS path's (``spyre_kv_layout``): one per static
+warm-up shape, or the block pool, each layer's ``(keys, values)`` bound to
+its ``Attention`` layer's ``kv_cache``, vLLM's place for it.
+"""
+from __future__ import annotations
+
+import time
+import torch
+from torch import nn
+
+from vllm.attention.backends.spyre_attn import SpyreAttentionMetadataBuilder
+from vllm.attention.ops.spyre_kv_layout import CacheLayout
+from vllm.attention.ops.spyre_paged_inputs import PagedInputs
+from vllm.config import VllmConfig
+from vllm.forward_context import set_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.layers.spyre_linear_method import use_spyre_linears
+from vllm.model_executor.model_loader.spyre_vllm import load_vllm_decoder
+from vllm.model_executor.models.spyre_causal_lm import SpyreCausalLM
+from vllm.model_executor.models.spyre_paged_causal_lm import \
+    SpyrePagedCausalLM
+
+logger = init_logger(__name__)
+
+
+class _LastHidden(nn.Module):
+    """What is compiled: vLLM's model over a step of ``[B, L]`` token ids
+    (flattened, as vLLM's models take them), returning each row's last
+    hidden state, ``[B, hidden]``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.vllm_model = model
+
+    def forward(self, input_ids: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        rows, length = input_ids.shape
+        hidden = self.vllm_model(input_ids.flatten(), positions.flatten())
+        return hidden.view(rows, length, -1)[:, -1]
+
+
+class SpyreVllmCausalLM(SpyreCausalLM):
+    """vLLM's model class under static batching."""
+
+    def _build(self, vllm_config: VllmConfig) -> nn.Module:
+        from vllm.attention import Attention
+        self.vllm_config = vllm_config
+        self.vllm_model = load_vllm_decoder(vllm_config, self.dtype)
+        logger.info("Spyre model implementation: vLLM (%s)",
+                    type(self.vllm_model).__name__)
+        #: Names the attention in the graph cache's keys.
+        self.attn_name = "vllm-" + ("kernel" if self.native else "torch")
+        start = time.perf_counter()
+        moved = use_spyre_linears(self.vllm_model, self.precision.linear,
+                                  self.native)
+        if moved:
+            logger.info("Moved %d linear layers to the %s in %.1f s", moved,
+                        "packed CPU kernel" if self.native else
+                        "bfloat16 products", time.perf_counter() - start)
+        self.attention_layers = [
+            m for m in self.vllm_model.modules() if isinstance(m, Attention)
+        ]
+        if not self.attention_layers:
+            raise ValueError(f"{type(self.vllm_model).__name__} has no "
+                             "attention layers")
+        for layer in self.attention_layers:
+            # vLLM's opaque attention op, as on its CPU and CUDA platforms:
+            # compiled graphs leave attention, its metadata and caches out.
+            layer.use_direct_call = False
+        impl = self.attention_layers[0].impl
+        self.cache_layout = CacheLayout(layers=len(self.attention_layers),
+                                        kv_heads=impl.num_kv_heads,
+                                        k_head_dim=impl.head_size,
+                                        v_head_dim=impl.head_size)
+        self.metadata = SpyreAttentionMetadataBuilder(on_kernel=self.native)
+        return _LastHidden(self.vllm_model)
+
+    def _bind(self, caches: list) -> None:
+        """Gives each attention layer its ``(keys, values)``."""
+        for layer, cache in zip(self.attention_layers, caches):
+            layer.kv_cache = [cache]
+
+    def _run(self, graph: str, input_ids: torch.Tensor,
+             positions: torch.Tensor) -> torch.Tensor:
+        """The compiled model under the step's metadata (added to
+        ``self.metadata``), then vLLM's logits: ``[B, vocab]``."""
+        meta = self.metadata.build([], [], 0, input_ids.shape[0])
+        with set_forward_context(meta, self.vllm_config):
+            hidden = self.model(graph, input_ids, positions)
+        return self.vllm_model.compute_logits(hidden, None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor, cache_slots: torch.Tensor,
+                cache_len: int, is_prompt: bool) -> torch.Tensor:
+        """One static step, as ``SpyreCausalLM.forward``."""
+        if is_prompt:
+            self.kv_cache = self._cache_for(input_ids.shape[0], cache_len)
+            self._bind(self.kv_cache)
+        elif self.kv_cache is None:
+            raise RuntimeError("decode step without a prefill")
+        self.metadata.static(input_ids, mask, cache_slots, is_prompt)
+        return self._run(
+            self.graph_name(is_prompt, input_ids.shape[0],
+                            input_ids.shape[1], cache_len), input_ids,
+            positions)
+
+    # ---- prompt log-probabilities -----------------------------------------
+    def prompt_hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        self.metadata.causal(ids.shape[1])
+        meta = self.metadata.build([], [], 0, 1)
+        with set_forward_context(meta, self.vllm_config):
+            hidden = self.vllm_model(ids[0], torch.arange(ids.shape[1]))
+        return hidden.unsqueeze(0)
+
+    def prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.vllm_model.compute_logits(hidden[0], None).float()
+
+    def update_weights_in_place(self, state_dict) -> int:
+        raise NotImplementedError(
+            "In-place weight updates are not supported on Spyre with "
+            "--model-impl vllm: they load into FMS's model code "
+            "(--model-impl auto, for an architecture FMS has)")
+
+
+class SpyreVllmPagedCausalLM(SpyreVllmCausalLM, SpyrePagedCausalLM):
+    """vLLM's model class under continuous batching, on the block pool."""
+
+    def allocate_pool(self, num_blocks: int) -> None:
+        super().allocate_pool(num_blocks)
+        self._bind(self.kv_pool)
+
+    def forward(self, step: PagedInputs) -> torch.Tensor:  # type: ignore
+        """One prefill ([1, L]) or decode step ([B, 1]), as
+        ``SpyrePagedCausalLM.forward``."""
+        is_decode = self._mark_dynamic(step)
+        self.metadata.paged(step)
+        return self._run(
+            self.paged_graph_name(not is_decode, step.block_table.shape[1]),
+            step.input_ids, step.position_ids)
