@@ -90,6 +90,13 @@ def build_tiny_llama(out_dir: Path, seed: int = 0, heads: int = 4,
     return _save(LlamaForCausalLM(config).eval(), tokenizer, out_dir)
 
 
+def _llama(vocab: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(**_common(vocab, 6),
+                                        num_key_value_heads=3,
+                                        rms_norm_eps=1e-5))
+
+
 def _granite(vocab: int):
     from transformers import GraniteConfig, GraniteForCausalLM
     # Every multiplier away from 1, so that a family that ignored one of
@@ -135,6 +142,23 @@ def _qwen3(vocab: int, window: bool = False):
         max_window_layers=0))
 
 
+def _qwen2(vocab: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    # Biases on the q/k/v projections; no sliding window.
+    return Qwen2ForCausalLM(Qwen2Config(
+        **_common(vocab, 6), num_key_value_heads=3, rms_norm_eps=1e-6,
+        use_sliding_window=False))
+
+
+def _phi3(vocab: int):
+    from transformers import Phi3Config, Phi3ForCausalLM
+    # Fused qkv and gate/up projections, partial rotary embedding.
+    return Phi3ForCausalLM(Phi3Config(
+        **_common(vocab, 6), num_key_value_heads=3, rms_norm_eps=1e-5,
+        partial_rotary_factor=0.5, sliding_window=None,
+        resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0))
+
+
 #: Family name -> model factory taking the vocabulary size.
 FAMILIES = {
     "granite": _granite,
@@ -161,12 +185,21 @@ def build_retrained(src_dir: Path, out_dir: Path, seed: int = 1) -> Path:
                  out_dir)
 
 
+#: Architectures FMS lacks, served by vLLM's model code on Spyre.
+VLLM_ONLY = {
+    "qwen2": _qwen2,
+    "phi3": _phi3,
+}
+
+
 def build_tiny_family(family: str, out_dir: Path, seed: int = 0,
                       **options) -> Path:
-    """A tiny random checkpoint of ``family`` (a key of ``FAMILIES``);
+    """A tiny random checkpoint of ``family`` (a key of ``FAMILIES`` or
+    ``VLLM_ONLY``, or ``"llama"``);
     ``options`` go to its factory (``window=True`` for Qwen3)."""
     import torch
     tokenizer = build_tokenizer(seed)
     torch.manual_seed(seed)
-    model = FAMILIES[family](len(tokenizer), **options).eval()
+    factories = {**FAMILIES, **VLLM_ONLY, "llama": _llama}
+    model = factories[family](len(tokenizer), **options).eval()
     return _save(model, tokenizer, out_dir)
