@@ -29,7 +29,7 @@ class SpyreDriver:
     with one warm-up shape per batch size; start-up compiles them all."""
 
     def __init__(self, work: Workload, backend: str,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", model_impl: str = "auto") -> None:
         # Before vLLM is first imported (the platform reads it at start-up).
         os.environ.update(self.env(work, backend))
         from vllm import EngineArgs, LLMEngine
@@ -37,7 +37,7 @@ class SpyreDriver:
         # No periodic stats logging inside timed steps (vllm.LLM's default).
         self.engine = LLMEngine.from_engine_args(
             EngineArgs(model=work.model, disable_log_stats=True, dtype=dtype,
-                       **self.engine_args(work)))
+                       model_impl=model_impl, **self.engine_args(work)))
         self.next_id = 0
 
     @staticmethod
@@ -242,6 +242,9 @@ class Engine:
     static_peer: Optional[str] = None
     # the weights' precision: ours/peer ratios compare equal precisions
     precision: str = "fp32"
+    # vLLM's model code (--model-impl vllm): the FMS engine it is compared
+    # with
+    fms_peer: Optional[str] = None
 
 
 ENGINES: dict[str, Engine] = {
@@ -271,6 +274,25 @@ ENGINES: dict[str, Engine] = {
         static_peer="spyre-inductor-bf16", precision="bf16"),
     "hf-bf16": Engine(partial(HFDriver, dtype="bfloat16"), precision="bf16"),
 }
+
+
+def _with_vllm_model_code(engines: dict[str, Engine]) -> dict[str, Engine]:
+    """Each of our engines, and its twin on vLLM's model code (name
+    suffix ``-vllm``, ``--model-impl vllm``)."""
+    out = dict(engines)
+    for name, spec in engines.items():
+        if not spec.ours or name.endswith("graph-cache"):
+            continue
+        base = getattr(spec.driver, "func", spec.driver)
+        kwargs = dict(getattr(spec.driver, "keywords", {}))
+        out[f"{name}-vllm"] = Engine(
+            partial(base, **kwargs, model_impl="vllm"), spec.backend,
+            ours=True, precision=spec.precision, fms_peer=name,
+            static_peer=spec.static_peer and f"{spec.static_peer}-vllm")
+    return out
+
+
+ENGINES = _with_vllm_model_code(ENGINES)
 
 
 def is_ours(engine: str) -> bool:

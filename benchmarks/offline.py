@@ -40,6 +40,15 @@ CB slower).
         (add spyre-cb-inductor,spyre-cb-eager for continuous batching,
         llamacpp-f32,llamacpp-bf16,llamacpp-q4_1 for llama.cpp)
         [--json PATH] [--plot PATH] [--allow-mismatch]
+        [--model-impl vllm]
+
+``--model-impl vllm`` adds, beside each of our engines, its twin on vLLM's
+own model code (``<engine>-vllm``, ``LLM(model_impl="vllm")``), and the
+column "decode vllm/fms": its decode tokens/s over the FMS engine's (< 1:
+vLLM's model code slower).  The comparison in docs/model-implementations.md:
+
+    python benchmarks/offline.py --engines spyre-inductor --model-impl vllm \
+        --batch-sizes 1,8
 
 The decode tokens/s plot is written only with ``--plot``; the one in
 docs/performance.md:
@@ -110,6 +119,7 @@ def print_agreement(engines: list[str], work: Workload, ids: dict,
 
 
 CB_STEP = "cbstep/static"
+VLLM_FMS = "decode vllm/fms"
 
 
 def same_precision(a: str, b: str) -> bool:
@@ -144,6 +154,10 @@ def ratios(engines: list[str], summaries: dict, batch: int,
     if static in engines:
         out[CB_STEP] = (summaries[static, batch]["decode_tok_s"] /
                         mine["decode_tok_s"])
+    fms = ENGINES[engine].fms_peer
+    if fms in engines:
+        out[VLLM_FMS] = (mine["decode_tok_s"] /
+                         summaries[fms, batch]["decode_tok_s"])
     return out
 
 
@@ -183,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: no plot)")
     ap.add_argument("--allow-mismatch", action="store_true",
                     help="exit 0 even if engines generate different ids")
+    ap.add_argument("--model-impl", choices=("auto", "vllm"), default="auto",
+                    help="vllm: run each of our engines also on vLLM's own "
+                    "model code (engine name + '-vllm'), beside FMS's")
     return ap
 
 
@@ -190,6 +207,9 @@ def main() -> int:
     ap = build_parser()
     args = ap.parse_args()
     engines = args.engines.split(",")
+    if args.model_impl == "vllm":
+        engines += [f"{e}-vllm" for e in engines
+                    if f"{e}-vllm" in ENGINES and f"{e}-vllm" not in engines]
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
         ap.error(f"unknown engine(s) {unknown}; choose from {list(ENGINES)}")
@@ -260,6 +280,8 @@ def print_table(engines, work, summaries, found, repetitions) -> None:
         if any(is_ours(e) for e in engines) else []
     if any(ENGINES[e].static_peer in engines for e in engines):
         ratio_cols.append(CB_STEP)
+    if any(ENGINES[e].fms_peer in engines for e in engines):
+        ratio_cols.append(VLLM_FMS)
     cb = [e for e in engines if is_cb(e)]
     rows = []
     for engine, batch in itertools.product(engines, work.batch_sizes):

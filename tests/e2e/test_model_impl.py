@@ -1,0 +1,202 @@
+"""vLLM's own model code on Spyre (``--model-impl vllm``, the RFC's P5).
+
+* SmolLM2 on vLLM's ``LlamaForCausalLM``: greedy ids equal to the FMS
+  path's and to transformers', static and continuous batching (``eager``)
+  and over 3 tensor-parallel ranks.
+* The tiny Llama on ``inductor``: equal to transformers' in both modes,
+  nothing compiled after warm-up.
+* Qwen2 and Phi-3, which FMS lacks, under ``--model-impl auto``: equal to
+  transformers', static, continuous batching, 3 ranks, and ``vllm serve``
+  (whose log names the implementation).
+* Every architecture of ``spyre_model_impl.VLLM_ARCHITECTURES`` from a
+  tiny random checkpoint with ``--model-impl vllm``.
+* Prompt log-probabilities equal to the FMS path's; architectures and
+  implementations Spyre does not run are refused at start-up.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import (HFReference, build_tiny_family, compile_count,
+                      mode_llm, spyre_env, spyre_llm)
+from server import Server
+
+pytestmark = pytest.mark.e2e
+
+#: (prompt ids, new tokens): rows of different lengths finishing apart.
+REQUESTS = [(list(range(5, 5 + n)), m)
+            for n, m in ((9, 12), (60, 6), (2, 9), (33, 12))]
+STATIC = dict(prompt_lens=[64], new_tokens=[12], batch_sizes=[4])
+MAX_MODEL_LEN = 128
+
+#: Tiny checkpoint factory (``tiny_models``) of each vLLM architecture.
+FACTORY = {
+    "LlamaForCausalLM": "llama",
+    "GraniteForCausalLM": "granite",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+}
+
+
+def generate(llm, requests=REQUESTS) -> list[list[int]]:
+    from vllm import SamplingParams, TokensPrompt
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p, _ in requests],
+        [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+         for _, m in requests], use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def reference(path) -> list[list[int]]:
+    hf = HFReference(path)
+    return [hf.greedy(p, m)[0] for p, m in REQUESTS]
+
+
+def run(path, mode: str, backend: str = "eager", **kwargs):
+    """Greedy ids of REQUESTS, and compilations after warm-up."""
+    with mode_llm(path, mode, backend, max_model_len=MAX_MODEL_LEN,
+                  **STATIC, **kwargs) as llm:
+        before = compile_count()
+        got = generate(llm)
+        return got, compile_count() - before
+
+
+def test_every_listed_architecture_has_a_tiny_checkpoint():
+    from vllm.model_executor.models.spyre_model_impl import \
+        VLLM_ARCHITECTURES
+    assert sorted(FACTORY) == sorted(VLLM_ARCHITECTURES)
+
+
+@pytest.fixture(scope="module", params=sorted(FACTORY))
+def architecture(request, tmp_path_factory):
+    """(architecture, tiny checkpoint, transformers' greedy ids)."""
+    name = FACTORY[request.param]
+    path = build_tiny_family(name, tmp_path_factory.mktemp(name))
+    return request.param, path, reference(path)
+
+
+def test_every_architecture_on_vllm_model_code(architecture):
+    arch, path, expected = architecture
+    got, _ = run(path, "static", model_impl="vllm")
+    assert got == expected, arch
+
+
+@pytest.fixture(scope="module", params=["qwen2", "phi3"])
+def vllm_only(request, tmp_path_factory):
+    """A checkpoint of an architecture FMS lacks, and transformers' ids."""
+    path = build_tiny_family(request.param,
+                             tmp_path_factory.mktemp(request.param))
+    return request.param, path, reference(path)
+
+
+@pytest.mark.parametrize("mode", ["static", "cb"])
+def test_auto_serves_architectures_fms_lacks(vllm_only, mode):
+    name, path, expected = vllm_only
+    got, _ = run(path, mode)
+    assert got == expected, (name, mode)
+
+
+@pytest.mark.parametrize("mode", ["static", "cb"])
+def test_auto_over_three_ranks(vllm_only, mode):
+    name, path, expected = vllm_only
+    got, _ = run(path, mode, tensor_parallel_size=3)
+    assert got == expected, (name, mode)
+
+
+def served_ids(server: Server, prompt: list[int], max_tokens: int) -> list:
+    import requests
+    reply = requests.post(server.url + "/v1/completions", json=dict(
+        model=server.model, prompt=prompt, max_tokens=max_tokens,
+        temperature=0.0, ignore_eos=True, logprobs=0,
+        return_tokens_as_token_ids=True), timeout=300)
+    assert reply.status_code == 200, reply.text
+    tokens = reply.json()["choices"][0]["logprobs"]["tokens"]
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def test_vllm_serve_names_the_implementation(vllm_only, tmp_path):
+    """``vllm serve`` of a Qwen2 / Phi-3 folder, all requests at once."""
+    name, path, expected = vllm_only
+    log = tmp_path / "serve.log"
+    with Server(path, spyre_env("eager", **STATIC), log_path=log) as server:
+        with ThreadPoolExecutor(len(REQUESTS)) as pool:
+            got = list(pool.map(lambda r: served_ids(server, *r), REQUESTS))
+    assert got == expected, name
+    text = log.read_text()
+    assert "Spyre model implementation: vLLM for" in text
+    assert "Loaded vLLM model" in text
+
+
+@pytest.mark.parametrize("mode", ["static", "cb"])
+def test_tiny_llama_inductor_without_recompiling(tiny_llama, hf_tiny, mode):
+    expected = [hf_tiny.greedy(p, m)[0] for p, m in REQUESTS]
+    got, compiled = run(tiny_llama, mode, "inductor", model_impl="vllm")
+    assert got == expected, mode
+    assert compiled == 0, f"{compiled} compilations after warm-up ({mode})"
+
+
+@pytest.mark.parametrize("mode", ["static", "cb"])
+def test_tiny_llama_over_three_ranks(tiny_llama_3kv, mode):
+    got, _ = run(tiny_llama_3kv, mode, model_impl="vllm",
+                 tensor_parallel_size=3)
+    assert got == reference(tiny_llama_3kv), mode
+
+
+def test_prompt_logprobs_equal_the_fms_path(tiny_llama):
+    from vllm import SamplingParams, TokensPrompt
+    prompt = TokensPrompt(prompt_token_ids=list(range(7, 47)))
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    results = {}
+    for impl in ("auto", "vllm"):
+        with mode_llm(tiny_llama, "cb", "eager", max_model_len=MAX_MODEL_LEN,
+                      **STATIC, model_impl=impl) as llm:
+            results[impl] = llm.generate(prompt, params, use_tqdm=False)[0]
+    fms, ours = results["auto"], results["vllm"]
+    assert ours.outputs[0].token_ids == fms.outputs[0].token_ids
+    assert len(ours.prompt_logprobs) == len(fms.prompt_logprobs) == 40
+    for mine, theirs in zip(ours.prompt_logprobs[1:], fms.prompt_logprobs[1:]):
+        assert mine.keys() == theirs.keys()
+        for token, value in theirs.items():
+            assert mine[token].rank == value.rank
+            assert mine[token].logprob == pytest.approx(value.logprob,
+                                                        abs=1e-4)
+
+
+@pytest.mark.parametrize("impl, error, words", [
+    ("vllm", ValueError, ["GPTBigCodeForCausalLM", "--model-impl vllm",
+                          "Phi3ForCausalLM"]),
+    ("transformers", NotImplementedError, ["--model-impl transformers"]),
+])
+def test_refused_at_start_up(tmp_path, impl, error, words):
+    path = build_tiny_family("gpt_bigcode", tmp_path / "bigcode")
+    with pytest.raises(error) as info:
+        with spyre_llm(path, spyre_env("eager", **STATIC), model_impl=impl):
+            pass
+    for word in words:
+        assert word in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def smollm2_expected(smollm2):
+    hf = HFReference(smollm2)
+    return [hf.greedy(p, m)[0] for p, m in REQUESTS]
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("mode, ranks", [("static", 1), ("cb", 1),
+                                         ("static", 3)])
+def test_smollm2_equals_transformers(smollm2, smollm2_expected, mode, ranks):
+    got, _ = run(smollm2, mode, model_impl="vllm", tensor_parallel_size=ranks)
+    assert got == smollm2_expected, (mode, ranks)
+
+
+@pytest.mark.smollm2
+def test_smollm2_equals_the_fms_path(smollm2, smollm2_expected):
+    """The FMS path (``auto``) on the same requests: the same ids (each
+    also equals transformers' in the test above)."""
+    got, _ = run(smollm2, "static")
+    assert got == smollm2_expected

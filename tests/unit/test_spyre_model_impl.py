@@ -1,0 +1,65 @@
+"""Which model code serves a decoder (``spyre_model_impl.resolve``):
+``--model-impl auto`` takes FMS where FMS has the architecture and vLLM's
+model code otherwise; ``vllm`` forces vLLM's; anything else is refused
+with the supported lists."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from vllm.model_executor.models.spyre_families import FAMILIES
+from vllm.model_executor.models.spyre_model_impl import (FMS, VLLM,
+                                                         VLLM_ARCHITECTURES,
+                                                         resolve)
+
+
+def config(*archs: str, model_type: str = "x"):
+    return SimpleNamespace(architectures=list(archs), model_type=model_type)
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_auto_takes_fms_where_it_has_the_architecture(arch):
+    assert resolve("auto", config(arch)) == (FMS, arch)
+
+
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Phi3ForCausalLM"])
+def test_auto_takes_vllm_where_fms_lacks_it(arch):
+    assert arch not in FAMILIES
+    assert resolve("auto", config(arch)) == (VLLM, arch)
+
+
+@pytest.mark.parametrize("arch", VLLM_ARCHITECTURES)
+def test_vllm_forces_vllm_model_code(arch):
+    assert resolve("vllm", config(arch)) == (VLLM, arch)
+
+
+def test_the_enum_value_is_read():
+    from vllm.config import ModelImpl
+    assert resolve(ModelImpl.VLLM, config("LlamaForCausalLM"))[0] == VLLM
+    assert resolve(ModelImpl.AUTO, config("LlamaForCausalLM"))[0] == FMS
+
+
+def test_an_architecture_neither_runs_lists_both():
+    with pytest.raises(ValueError) as info:
+        resolve("auto", config("GPT2LMHeadModel"))
+    text = str(info.value)
+    assert "GPT2LMHeadModel" in text
+    assert "LlamaForCausalLM" in text and "(FMS model code)" in text
+    assert "Qwen2ForCausalLM" in text and "Phi3ForCausalLM" in text
+
+
+def test_an_fms_only_architecture_is_refused_under_vllm():
+    with pytest.raises(ValueError, match="GPTBigCodeForCausalLM.*"
+                       "--model-impl vllm.*Qwen2ForCausalLM"):
+        resolve("vllm", config("GPTBigCodeForCausalLM"))
+
+
+def test_a_config_without_architectures_names_its_type():
+    with pytest.raises(ValueError, match="model_type 'foo'"):
+        resolve("auto", config(model_type="foo"))
+
+
+def test_transformers_backend_is_refused():
+    with pytest.raises(NotImplementedError, match="--model-impl transformers"):
+        resolve("transformers", config("LlamaForCausalLM"))
