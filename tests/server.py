@@ -95,6 +95,18 @@ class Server:
         self.stop()
 
 
+def served_ids(server: Server, prompt: list[int], max_tokens: int) -> list:
+    """Greedy ids of one completion of token ids, EOS ignored, read
+    exactly from its logprobs (``return_tokens_as_token_ids``)."""
+    reply = requests.post(server.url + "/v1/completions", json=dict(
+        model=server.model, prompt=prompt, max_tokens=max_tokens,
+        temperature=0.0, ignore_eos=True, logprobs=0,
+        return_tokens_as_token_ids=True), timeout=300)
+    assert reply.status_code == 200, reply.text
+    tokens = reply.json()["choices"][0]["logprobs"]["tokens"]
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
 def metric(server, name: str) -> float:
     """The sum of a Prometheus metric's samples on ``server``."""
     return url_metric(server.url, name)

@@ -61,6 +61,27 @@ def test_offline_benchmark_small(smollm2, tmp_path):
     assert len(last) - header == 2 + 6  # header, rule, 3 engines x 2 sizes
 
 
+def test_offline_benchmark_vllm_model_code(smollm2, tmp_path):
+    """``--model-impl vllm``: each of our engines again on vLLM's model
+    code, the same ids, and its decode rate over the FMS engine's."""
+    out = tmp_path / "offline.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "offline.py"),
+         "--model", str(smollm2), "--engines", "spyre-eager",
+         "--model-impl", "vllm", "--batch-sizes", "2", "--prompt-len", "61",
+         "--new-tokens", "4", "--repetitions", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["compilations"] == 0 and result["ids_match"] is True
+    fms = result["engines"]["spyre-eager"]["batches"]["2"]
+    ours = result["engines"]["spyre-eager-vllm"]["batches"]["2"]
+    assert ours["ids"] == fms["ids"]
+    assert ours["ratios"]["decode vllm/fms"] == pytest.approx(
+        ours["median"]["decode_tok_s"] / fms["median"]["decode_tok_s"])
+    assert "decode vllm/fms" in proc.stdout
+
+
 def test_linear_benchmark_small(smollm2, tmp_path):
     """benchmarks/linear.py: every kernel over every linear layer of the
     model, outputs compared, no compilation, JSON and table."""

@@ -4,8 +4,8 @@ start can only skip compiling through the cache directory.
 
 * a cold start compiles and keeps every graph; a warm start loads them all,
   compiles nothing (dynamo's counters and the cache's own), and gives the
-  same ids as transformers: static on ``inductor`` and ``eager``, CB, and
-  TP=3 (every rank);
+  same ids as transformers: static on ``inductor`` and ``eager``, CB,
+  TP=3 (every rank), and vLLM's model code, whose graphs are its own;
 * a truncated graph file, a file of another model, and a read-only
   directory each give a warning and a working start with the same ids;
 * strict mode (``VLLM_SPYRE_REQUIRE_PRECOMPILED=1``) refuses to start
@@ -110,6 +110,21 @@ def test_continuous_batching_warm_start(tmp_path, tiny_llama, hf_ids):
     assert cold["graphs"] == [{"compiled": 2}]  # prefill, decode
     warm = start(tiny_llama, tmp_path, env, CB_ARGS, strict=True)
     assert_warm(warm, 2)
+    assert cold["ids"] == warm["ids"] == hf_ids
+
+
+def test_vllm_model_code_warm_start(static_cache, tmp_path, tiny_llama,
+                                    hf_ids):
+    """vLLM's model code (``--model-impl vllm``) keeps graphs of its own:
+    none of the FMS path's is taken for them, and a second start loads
+    them all."""
+    fms_cache, env = static_cache
+    args = {"model_impl": "vllm"}
+    shutil.copytree(fms_cache, tmp_path / "mixed")
+    cold = start(tiny_llama, tmp_path / "mixed", env, args)
+    assert cold["graphs"] == [{"compiled": 4}]
+    warm = start(tiny_llama, tmp_path / "mixed", env, args, strict=True)
+    assert_warm(warm, 4)
     assert cold["ids"] == warm["ids"] == hf_ids
 
 

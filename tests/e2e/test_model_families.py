@@ -12,12 +12,11 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import requests
 import torch
 
 from conftest import (HFReference, build_tiny_family, compile_count,
                       spyre_env, spyre_llm)
-from server import Server
+from server import Server, served_ids
 from tiny_models import FAMILIES, WINDOW
 
 pytestmark = pytest.mark.e2e
@@ -100,17 +99,6 @@ def test_tp3_matches_transformers(family):
     with spyre_llm(path, spyre_env("eager", **ONE_SHAPE),
                    tensor_parallel_size=3) as llm:
         assert generate(llm) == expected, name
-
-
-def served_ids(server: Server, prompt: list[int], max_tokens: int) -> list:
-    """Greedy ids of one completion, read exactly from its logprobs."""
-    reply = requests.post(server.url + "/v1/completions", json=dict(
-        model=server.model, prompt=prompt, max_tokens=max_tokens,
-        temperature=0.0, ignore_eos=True, logprobs=0,
-        return_tokens_as_token_ids=True), timeout=300)
-    assert reply.status_code == 200, reply.text
-    tokens = reply.json()["choices"][0]["logprobs"]["tokens"]
-    return [int(t.removeprefix("token_id:")) for t in tokens]
 
 
 def test_vllm_serve_matches_transformers(family, tmp_path):

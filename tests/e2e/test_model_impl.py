@@ -21,7 +21,7 @@ import pytest
 
 from conftest import (HFReference, build_tiny_family, compile_count,
                       mode_llm, spyre_env, spyre_llm)
-from server import Server
+from server import Server, served_ids
 
 pytestmark = pytest.mark.e2e
 
@@ -107,17 +107,6 @@ def test_auto_over_three_ranks(vllm_only, mode):
     assert got == expected, (name, mode)
 
 
-def served_ids(server: Server, prompt: list[int], max_tokens: int) -> list:
-    import requests
-    reply = requests.post(server.url + "/v1/completions", json=dict(
-        model=server.model, prompt=prompt, max_tokens=max_tokens,
-        temperature=0.0, ignore_eos=True, logprobs=0,
-        return_tokens_as_token_ids=True), timeout=300)
-    assert reply.status_code == 200, reply.text
-    tokens = reply.json()["choices"][0]["logprobs"]["tokens"]
-    return [int(t.removeprefix("token_id:")) for t in tokens]
-
-
 def test_vllm_serve_names_the_implementation(vllm_only, tmp_path):
     """``vllm serve`` of a Qwen2 / Phi-3 folder, all requests at once."""
     name, path, expected = vllm_only
@@ -166,13 +155,14 @@ def test_prompt_logprobs_equal_the_fms_path(tiny_llama):
                                                         abs=1e-4)
 
 
-@pytest.mark.parametrize("impl, error, words", [
-    ("vllm", ValueError, ["GPTBigCodeForCausalLM", "--model-impl vllm",
-                          "Phi3ForCausalLM"]),
-    ("transformers", NotImplementedError, ["--model-impl transformers"]),
+@pytest.mark.parametrize("family, impl, error, words", [
+    ("gpt_bigcode", "vllm", ValueError,
+     ["GPTBigCodeForCausalLM", "--model-impl vllm", "Phi3ForCausalLM"]),
+    ("llama", "transformers", NotImplementedError,
+     ["--model-impl transformers", "--model-impl auto"]),
 ])
-def test_refused_at_start_up(tmp_path, impl, error, words):
-    path = build_tiny_family("gpt_bigcode", tmp_path / "bigcode")
+def test_refused_at_start_up(tmp_path, family, impl, error, words):
+    path = build_tiny_family(family, tmp_path / family)
     with pytest.raises(error) as info:
         with spyre_llm(path, spyre_env("eager", **STATIC), model_impl=impl):
             pass
@@ -200,3 +190,4 @@ def test_smollm2_equals_the_fms_path(smollm2, smollm2_expected):
     also equals transformers' in the test above)."""
     got, _ = run(smollm2, "static")
     assert got == smollm2_expected
+
