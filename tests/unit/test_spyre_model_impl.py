@@ -63,3 +63,22 @@ def test_a_config_without_architectures_names_its_type():
 def test_transformers_backend_is_refused():
     with pytest.raises(NotImplementedError, match="--model-impl transformers"):
         resolve("transformers", config("LlamaForCausalLM"))
+
+
+def test_the_platform_records_the_choice_and_refuses_the_card():
+    """``SpyrePlatform`` keeps the choice in the Spyre settings every
+    process reads; vLLM's model code is refused on the card (sendnn),
+    where its attention, run outside the graphs, would not be."""
+    from vllm.platforms import spyre
+    from vllm.platforms.spyre_config import SpyreConfig
+    model = SimpleNamespace(model_impl="auto",
+                            hf_config=config("Qwen2ForCausalLM"))
+    cpu = SpyreConfig(dynamo_backend="inductor", warmup_shapes=())
+    assert spyre._choose_model_impl(model, cpu).model_impl == VLLM
+    model.hf_config = config("LlamaForCausalLM")
+    assert spyre._choose_model_impl(model, cpu).model_impl == FMS
+    card = SpyreConfig(dynamo_backend="sendnn", warmup_shapes=())
+    assert spyre._choose_model_impl(model, card).model_impl == FMS
+    model.model_impl = "vllm"
+    with pytest.raises(NotImplementedError, match="not yet on the card"):
+        spyre._choose_model_impl(model, card)

@@ -216,6 +216,14 @@ def _choose_model_impl(model_config, spyre: SpyreConfig) -> SpyreConfig:
     from vllm.model_executor.models import spyre_model_impl
     impl, arch = spyre_model_impl.resolve(model_config.model_impl,
                                           model_config.hf_config)
+    if impl == spyre_model_impl.VLLM and spyre.dynamo_backend == "sendnn":
+        # Its attention runs outside the compiled graphs (vLLM's opaque
+        # attention op), on the host: the card needs it inside them.
+        raise NotImplementedError(
+            f"vLLM's model code (here for {arch}) runs on the CPU backends "
+            "(VLLM_SPYRE_DYNAMO_BACKEND=eager or inductor), not yet on the "
+            "card (sendnn); on the card use FMS's model code (--model-impl "
+            "auto) and an architecture FMS has")
     logger.info(
         "Spyre model implementation: %s for %s (--model-impl %s)",
         "FMS" if impl == spyre_model_impl.FMS else "vLLM", arch,
