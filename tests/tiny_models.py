@@ -142,12 +142,14 @@ def _qwen3(vocab: int, window: bool = False):
         max_window_layers=0))
 
 
-def _qwen2(vocab: int):
+def _qwen2(vocab: int, tied: bool = False):
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    # Biases on the q/k/v projections; no sliding window.
+    # Biases on the q/k/v projections; no sliding window; ``tied``: the
+    # output head is the token embedding (vLLM's Qwen2 then uses the
+    # embedding module as its head).
     return Qwen2ForCausalLM(Qwen2Config(
-        **_common(vocab, 6), num_key_value_heads=3, rms_norm_eps=1e-6,
-        use_sliding_window=False))
+        **{**_common(vocab, 6), "tie_word_embeddings": tied},
+        num_key_value_heads=3, rms_norm_eps=1e-6, use_sliding_window=False))
 
 
 def _phi3(vocab: int):

@@ -9,7 +9,12 @@
   transformers', static, continuous batching, 3 ranks, and ``vllm serve``
   (whose log names the implementation).
 * Every architecture of ``spyre_model_impl.VLLM_ARCHITECTURES`` from a
-  tiny random checkpoint with ``--model-impl vllm``.
+  tiny random checkpoint with ``--model-impl vllm``: static, continuous
+  batching and 3 ranks.
+
+Each run also asks every rank what it ran (``probe``): vLLM's model class,
+every linear layer and the output head (a tied Qwen2's too) on the packed
+kernel.
 * Prompt log-probabilities equal to the FMS path's; architectures and
   implementations Spyre does not run are refused at start-up.
 """
@@ -56,13 +61,37 @@ def reference(path) -> list[list[int]]:
     return [hf.greedy(p, m)[0] for p, m in REQUESTS]
 
 
+def probe(worker) -> dict:
+    """What a rank's model runs (for ``collective_rpc``): its class, its
+    output head's method, and how many linear layers were left off the
+    kernels."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    model = worker.model_runner.model
+    inner = getattr(model, "vllm_model", None)
+    if inner is None:
+        return dict(cls=type(model).__name__)
+    return dict(cls=type(model).__name__,
+                head=type(inner.lm_head.quant_method).__name__,
+                left=sum(type(getattr(m, "quant_method", None)) is
+                         UnquantizedLinearMethod for m in inner.modules()))
+
+
+def on_vllm_code(ranks: list[dict]) -> bool:
+    """Every rank ran vLLM's model class, every linear layer and the head
+    on the packed kernel."""
+    return all(r["cls"].startswith("SpyreVllm") and r["left"] == 0
+               and r["head"] == "PackedHeadMethod" for r in ranks)
+
+
 def run(path, mode: str, backend: str = "eager", **kwargs):
-    """Greedy ids of REQUESTS, and compilations after warm-up."""
+    """Greedy ids of REQUESTS, compilations after warm-up, and each rank's
+    ``probe``."""
     with mode_llm(path, mode, backend, max_model_len=MAX_MODEL_LEN,
                   **STATIC, **kwargs) as llm:
         before = compile_count()
         got = generate(llm)
-        return got, compile_count() - before
+        compiled = compile_count() - before
+        return got, compiled, llm.collective_rpc(probe)
 
 
 def test_every_listed_architecture_has_a_tiny_checkpoint():
@@ -79,10 +108,23 @@ def architecture(request, tmp_path_factory):
     return request.param, path, reference(path)
 
 
-def test_every_architecture_on_vllm_model_code(architecture):
+@pytest.mark.parametrize("mode, ranks", [("static", 1), ("cb", 1),
+                                         ("static", 3)])
+def test_every_architecture_on_vllm_model_code(architecture, mode, ranks):
     arch, path, expected = architecture
-    got, _ = run(path, "static", model_impl="vllm")
-    assert got == expected, arch
+    got, _, probes = run(path, mode, model_impl="vllm",
+                         tensor_parallel_size=ranks)
+    assert got == expected, (arch, mode, ranks)
+    assert len(probes) == ranks and on_vllm_code(probes), probes
+
+
+def test_tied_head_on_the_kernel(tmp_path):
+    """A tied Qwen2 head is its token embedding: its logits move to the
+    packed kernel, its lookups keep the weight."""
+    path = build_tiny_family("qwen2", tmp_path / "qwen2-tied", tied=True)
+    got, _, probes = run(path, "cb")
+    assert got == reference(path)
+    assert on_vllm_code(probes), probes
 
 
 @pytest.fixture(scope="module", params=["qwen2", "phi3"])
@@ -96,15 +138,16 @@ def vllm_only(request, tmp_path_factory):
 @pytest.mark.parametrize("mode", ["static", "cb"])
 def test_auto_serves_architectures_fms_lacks(vllm_only, mode):
     name, path, expected = vllm_only
-    got, _ = run(path, mode)
+    got, _, probes = run(path, mode)
     assert got == expected, (name, mode)
+    assert on_vllm_code(probes), probes
 
 
-@pytest.mark.parametrize("mode", ["static", "cb"])
-def test_auto_over_three_ranks(vllm_only, mode):
+def test_auto_over_three_ranks(vllm_only):
     name, path, expected = vllm_only
-    got, _ = run(path, mode, tensor_parallel_size=3)
-    assert got == expected, (name, mode)
+    got, _, probes = run(path, "cb", tensor_parallel_size=3)
+    assert got == expected, name
+    assert len(probes) == 3 and on_vllm_code(probes), probes
 
 
 def test_vllm_serve_names_the_implementation(vllm_only, tmp_path):
@@ -123,16 +166,19 @@ def test_vllm_serve_names_the_implementation(vllm_only, tmp_path):
 @pytest.mark.parametrize("mode", ["static", "cb"])
 def test_tiny_llama_inductor_without_recompiling(tiny_llama, hf_tiny, mode):
     expected = [hf_tiny.greedy(p, m)[0] for p, m in REQUESTS]
-    got, compiled = run(tiny_llama, mode, "inductor", model_impl="vllm")
+    got, compiled, probes = run(tiny_llama, mode, "inductor",
+                                model_impl="vllm")
     assert got == expected, mode
+    assert on_vllm_code(probes), probes
     assert compiled == 0, f"{compiled} compilations after warm-up ({mode})"
 
 
 @pytest.mark.parametrize("mode", ["static", "cb"])
 def test_tiny_llama_over_three_ranks(tiny_llama_3kv, mode):
-    got, _ = run(tiny_llama_3kv, mode, model_impl="vllm",
-                 tensor_parallel_size=3)
+    got, _, probes = run(tiny_llama_3kv, mode, model_impl="vllm",
+                         tensor_parallel_size=3)
     assert got == reference(tiny_llama_3kv), mode
+    assert len(probes) == 3 and on_vllm_code(probes), probes
 
 
 def test_prompt_logprobs_equal_the_fms_path(tiny_llama):
@@ -180,14 +226,18 @@ def smollm2_expected(smollm2):
 @pytest.mark.parametrize("mode, ranks", [("static", 1), ("cb", 1),
                                          ("static", 3)])
 def test_smollm2_equals_transformers(smollm2, smollm2_expected, mode, ranks):
-    got, _ = run(smollm2, mode, model_impl="vllm", tensor_parallel_size=ranks)
+    got, _, probes = run(smollm2, mode, model_impl="vllm",
+                         tensor_parallel_size=ranks)
     assert got == smollm2_expected, (mode, ranks)
+    assert len(probes) == ranks and on_vllm_code(probes), probes
 
 
 @pytest.mark.smollm2
-def test_smollm2_equals_the_fms_path(smollm2, smollm2_expected):
-    """The FMS path (``auto``) on the same requests: the same ids (each
-    also equals transformers' in the test above)."""
-    got, _ = run(smollm2, "static")
-    assert got == smollm2_expected
-
+def test_smollm2_equals_the_fms_path(smollm2):
+    """The same requests on FMS's model code (``auto``) and on vLLM's:
+    the same ids."""
+    fms, _, fms_probes = run(smollm2, "static")
+    ours, _, probes = run(smollm2, "static", model_impl="vllm")
+    assert fms_probes == [dict(cls="SpyreCausalLM")]
+    assert on_vllm_code(probes), probes
+    assert ours == fms

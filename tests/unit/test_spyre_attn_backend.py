@@ -2,7 +2,9 @@
 its own: vLLM's flattened ``[tokens, heads * head_size]`` query, keys and
 values against causal attention written out in float64, through the block
 pool (a whole prefill, then a decode step; torch ops and the C++ kernel)
-and without a cache; its vLLM interface; the options it refuses."""
+and through a static warm-up shape's cache (a left-padded prefill, then a
+decode step), and without a cache; its vLLM interface; the options it
+refuses."""
 from __future__ import annotations
 
 import pytest
@@ -15,8 +17,10 @@ from vllm.attention.backends.spyre_attn import (SpyreAttentionBackend,
 from vllm.attention.ops import spyre_native as native
 from vllm.attention.ops.spyre_kv_layout import CacheLayout, PoolLayout
 from vllm.platforms.spyre_config import CB_BLOCK_SIZE
+from vllm.platforms.spyre_warmup_shapes import WarmupShape
 from vllm.worker.spyre_cb_inputs import (decode_batch, prefill_chunks,
                                          whole_prefill_len)
+from vllm.worker.spyre_inputs import DecodeSteps, prefill_inputs
 
 H, KVH, D, N = 4, 2, 16, 90
 
@@ -93,6 +97,39 @@ def test_block_pool_prefill_then_decode(qkv, on_kernel):
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("on_kernel", [False, True])
+def test_static_cache_prefill_then_decode(qkv, on_kernel):
+    """A warm-up shape's cache: a left-padded prefill of N - 1 positions
+    (the shape's prompt length is longer), then the first decode step."""
+    if on_kernel and not native.available():
+        pytest.skip("no C++ compiler for the kernel")
+    q, k, v = qkv
+    scale = D**-0.5
+    shape = WarmupShape(prompt_len=N + 6, new_tokens=4, batch_size=1)
+    pads = shape.prompt_len - (N - 1)
+    cache = CacheLayout(1, KVH, D, D).allocate(1, shape.max_len,
+                                               torch.float32)[0]
+    impl = SpyreAttentionImpl(H, D, scale, KVH)
+    builder = SpyreAttentionMetadataBuilder(on_kernel=on_kernel)
+    expected = causal_reference(q, k, v, scale)
+
+    def padded(x):  # the pads' rows hold other values: they must not leak
+        return flat(torch.cat([torch.randn(pads, *x.shape[1:]), x[:-1]]))
+
+    step = prefill_inputs([list(range(N - 1))], shape, 0)
+    builder.static(step.input_ids, step.mask, step.cache_slots, True)
+    out = impl.forward(None, padded(q), padded(k), padded(v), cache,
+                       builder.build([], [], 0, 1))
+    torch.testing.assert_close(out[pads:].view(N - 1, H, D), expected[:-1],
+                               atol=1e-5, rtol=1e-5)
+    step = DecodeSteps([N - 1], shape).inputs([N - 1], 1)
+    builder.static(step.input_ids, step.mask, step.cache_slots, False)
+    out = impl.forward(None, flat(q[-1:]), flat(k[-1:]), flat(v[-1:]),
+                       cache, builder.build([], [], 0, 1))
+    torch.testing.assert_close(out.view(1, H, D), expected[-1:],
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_metadata_counts_prefills_and_decodes():
     builder = SpyreAttentionMetadataBuilder()
     step = decode_batch([5, 6, 7], [3, 9, 70], [[0], [1], [2, 3]],
@@ -108,6 +145,9 @@ def test_metadata_counts_prefills_and_decodes():
 
 
 def test_backend_interface():
+    """What vLLM's V0 interface asks of a backend (``get_kv_cache_shape``
+    states the pool's layout: the runners allocate it through
+    ``PoolLayout``, keys and values apart, of that size)."""
     backend = SpyreAttentionBackend
     assert backend.get_impl_cls() is SpyreAttentionImpl
     assert backend.get_metadata_cls() is SpyreAttentionMetadata

@@ -96,9 +96,8 @@ def _attend(op, q, pool_k, pool_v, H, kvh, step: PagedInputs, scale=None):
 
 
 def _store(pool, keys, values, step):
-    k, v, rk, rv = paged_cache.store(keys, values, pool.keys,
-                                         pool.values,
-                                         cache_slots=step.cache_slots)
+    k, v, rk, rv = paged_cache.store(keys, values, pool.keys, pool.values,
+                                     cache_slots=step.cache_slots)
     assert k is pool.keys and v is pool.values
     assert rk is pool.keys and rv is pool.values
 

@@ -108,6 +108,7 @@ class SpyrePlatform(Platform):
 
     @classmethod
     def get_device_communicator_cls(cls) -> str:
+        """vLLM's base communicator with an ``all_gather`` gloo has."""
         return SPYRE_COMMUNICATOR_CLS
 
     @classmethod
@@ -172,12 +173,14 @@ class SpyrePlatform(Platform):
         # Imported here: vllm.model_executor imports vllm.config, which
         # resolves the platform.
         if pooling:
-            if str(getattr(model_config.model_impl, "value",
-                           model_config.model_impl)) != "auto":
+            from vllm.model_executor.models.spyre_model_impl import \
+                flag_value
+            impl = flag_value(model_config.model_impl)
+            if impl != "auto":
                 raise NotImplementedError(
-                    f"--model-impl {model_config.model_impl} is not "
-                    "supported for pooling models on Spyre: they run the "
-                    "encoders of spyre_encoder_families (--model-impl auto)")
+                    f"--model-impl {impl} for pooling models is not "
+                    "supported on Spyre: they run the encoders of "
+                    "spyre_encoder_families (--model-impl auto)")
             from vllm.model_executor.models.spyre_encoder_families import (
                 check_parallel, encoder_family)
             check_parallel(encoder_family(model_config.hf_config),
@@ -227,7 +230,7 @@ def _choose_model_impl(model_config, spyre: SpyreConfig) -> SpyreConfig:
     logger.info(
         "Spyre model implementation: %s for %s (--model-impl %s)",
         "FMS" if impl == spyre_model_impl.FMS else "vLLM", arch,
-        getattr(model_config.model_impl, "value", model_config.model_impl))
+        spyre_model_impl.flag_value(model_config.model_impl))
     return dataclasses.replace(spyre, model_impl=impl)
 
 
@@ -236,7 +239,8 @@ def _sliding_window(hf_config, spyre: SpyreConfig) -> Optional[int]:
     family's, or for vLLM's model code the config's own."""
     from vllm.model_executor.models.spyre_families import (family_of,
                                                            window_of)
-    if spyre.model_impl == "fms":
+    from vllm.model_executor.models.spyre_model_impl import FMS
+    if spyre.model_impl == FMS:
         return family_of(hf_config).sliding_window(hf_config)
     return window_of(hf_config)
 

@@ -19,6 +19,7 @@ from torch import nn
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.logger import init_logger
 from vllm.model_executor.layers.sampler import SamplerOutput
+from vllm.model_executor.models import spyre_model_impl
 from vllm.model_executor.sampling_metadata import SamplingMetadata
 from vllm.platforms.spyre_config import SpyreConfig
 from vllm.sequence import SequenceGroupMetadata
@@ -60,7 +61,7 @@ class SpyreRunnerBase(ModelRunnerBase[T]):
     def model_class(self) -> type:
         """``model_cls``, or its twin on vLLM's model code when the
         platform chose that (``SpyreConfig.model_impl``)."""
-        if self.spyre_config.model_impl == "vllm":
+        if self.spyre_config.model_impl == spyre_model_impl.VLLM:
             if self.vllm_model_cls is None:
                 raise NotImplementedError(
                     f"{type(self).__name__} does not run vLLM's model code")

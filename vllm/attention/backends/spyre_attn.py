@@ -9,12 +9,14 @@ serves both Spyre modes over the caches the FMS path already uses, with
 the same ops (``spyre_static_cache``, ``spyre_paged_cache``) and so the
 same C++ kernels:
 
-* static batching: each layer's cache is a ``[2, B, kv_heads, T,
-  head_size]`` tensor of one warm-up shape (keys, values), written at the
-  step's ``cache_slots`` and read under the step's mask;
-* continuous batching: each layer's cache is a block pool, ``[2, blocks *
-  block_size, kv_heads, head_size]`` (``get_kv_cache_shape``), written at
-  the step's slots and read through its block tables;
+* static batching: each layer's cache is the ``(keys, values)`` pair of
+  one warm-up shape, each ``[B, kv_heads, T, head_size]``
+  (``CacheLayout``), written at the step's ``cache_slots`` and read under
+  the step's mask;
+* continuous batching: each layer's cache is the ``(keys, values)`` pair
+  of the block pool, each ``[blocks * block_size, kv_heads, head_size]``
+  (``PoolLayout``; ``get_kv_cache_shape`` states the two together),
+  written at the step's slots and read through its block tables;
 * no cache (a prompt scored whole for its prompt log-probabilities):
   causal attention over the prompt's own positions.
 
@@ -182,6 +184,9 @@ class SpyreAttentionMetadataBuilder(
     def build(self, seq_lens: List[int], query_lens: List[int],
               cuda_graph_pad_size: int,
               batch_size: int) -> SpyreAttentionMetadata:
+        """The metadata of the step added last.  vLLM's arguments are
+        ignored: the Spyre step inputs already fix every length, and no
+        CUDA graph pads them."""
         if self._step is None:
             raise RuntimeError("build() before a step was added")
         step, self._step = self._step, None
@@ -231,9 +236,9 @@ class SpyreAttentionImpl(AttentionImpl[SpyreAttentionMetadata]):
         named = [what for what, used in unsupported.items() if used]
         if named:
             raise NotImplementedError(
-                "The Spyre attention backend does not support "
-                f"{', '.join(named)}: this model cannot run with "
-                "--model-impl vllm on Spyre")
+                f"{', '.join(named)} in attention "
+                f"{'is' if len(named) == 1 else 'are'} not supported on "
+                "Spyre (vLLM's model code, --model-impl vllm)")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)

@@ -38,7 +38,7 @@ ATTN_NAME_CPU_KERNEL = "spyre_paged_cpu_kernel"
 
 
 def store(keys: torch.Tensor, values: torch.Tensor, key_pool: torch.Tensor,
-           value_pool: torch.Tensor, **attn_kwargs):
+          value_pool: torch.Tensor, **attn_kwargs):
     """keys, values: [B, L, kv_heads, head_dim]; pools: [slots, kv_heads,
     head_dim]; ``cache_slots``: [B, L] int64.  The compute op reads the
     pools, so they are returned in place of this step's keys/values."""

@@ -33,8 +33,8 @@ ATTN_NAME_CPU_KERNEL = "spyre_static_kv_cpu_kernel"
 
 
 def store(keys: torch.Tensor, values: torch.Tensor,
-           key_cache: torch.Tensor, value_cache: torch.Tensor,
-           **attn_kwargs):
+          key_cache: torch.Tensor, value_cache: torch.Tensor,
+          **attn_kwargs):
     """keys, values: [B, L, kv_heads, head_dim]; caches: [B, kv_heads, T,
     head_dim].  Returns (keys to attend over, values to attend over, cache
     keys to return, cache values to return)."""
@@ -49,9 +49,10 @@ def store(keys: torch.Tensor, values: torch.Tensor,
     return key_cache, value_cache, key_cache, value_cache
 
 
-def compute_prefill(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-             nheads: int, kvheads: int, p_dropout: float,
-             scale_factor, **attn_kwargs) -> torch.Tensor:
+def compute_prefill(query: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor, nheads: int, kvheads: int,
+                    p_dropout: float, scale_factor,
+                    **attn_kwargs) -> torch.Tensor:
     """query: [B, L, heads, head_dim]; keys/values: [B, kv_heads, S,
     head_dim]; mask: [B, L, S] bool.  Returns [B, L, heads, head_dim]."""
     out = F.scaled_dot_product_attention(

@@ -14,8 +14,11 @@ does (``spyre_linear``):
   no C++ compiler), bfloat16 products on oneDNN where the precision asks
   for them.
 
-Each layer's own weight is dropped once packed, except an output head's
-weight tied to the token embedding, which the embedding still reads.
+The output head (the model's ``lm_head``: a ``ParallelLMHead``, or the
+token embedding itself where the model ties them) gets
+``PackedHeadMethod`` / ``Bf16HeadMethod``.  Each layer's own weight is
+dropped once packed, except a weight the token embedding looks tokens up
+in.
 """
 from __future__ import annotations
 
@@ -29,7 +32,18 @@ from vllm.model_executor.layers.linear import (LinearMethodBase,
 from vllm.model_executor.layers.spyre_linear import (onednn_bf16_linear,
                                                      pack_weight)
 from vllm.model_executor.layers.vocab_parallel_embedding import (
-    ParallelLMHead, UnquantizedEmbeddingMethod)
+    ParallelLMHead, UnquantizedEmbeddingMethod, VocabParallelEmbedding)
+
+
+def _packed(layer: nn.Module, x: torch.Tensor,
+            bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.ops.spyre_cpu.packed_linear(x, layer.spyre_packed,
+                                             layer.spyre_out_features, bias)
+
+
+def _bf16(layer: nn.Module, x: torch.Tensor,
+          bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return onednn_bf16_linear(x, layer.spyre_bf16, bias)
 
 
 class _AfterLoading(LinearMethodBase):
@@ -47,9 +61,7 @@ class PackedLinearMethod(_AfterLoading):
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return torch.ops.spyre_cpu.packed_linear(x, layer.spyre_packed,
-                                                 layer.spyre_out_features,
-                                                 bias)
+        return _packed(layer, x, bias)
 
 
 class Bf16LinearMethod(_AfterLoading):
@@ -58,30 +70,52 @@ class Bf16LinearMethod(_AfterLoading):
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return onednn_bf16_linear(x, layer.spyre_bf16, bias)
+        return _bf16(layer, x, bias)
 
 
-def _swappable(module: nn.Module) -> bool:
-    method = getattr(module, "quant_method", None)
-    return (type(method) is UnquantizedLinearMethod or
-            (isinstance(module, ParallelLMHead)
-             and type(method) is UnquantizedEmbeddingMethod))
+class PackedHeadMethod(UnquantizedEmbeddingMethod):
+    """An output head's logits on the packed kernel.  The head may be the
+    token embedding itself (a tied Qwen2 head), whose lookups keep reading
+    its weight (``embedding``, inherited)."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return _packed(layer, x, bias)
+
+
+class Bf16HeadMethod(UnquantizedEmbeddingMethod):
+    """An output head's logits in bfloat16 products on oneDNN."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return _bf16(layer, x, bias)
+
+
+def _heads(model: nn.Module) -> set[int]:
+    """The output head the logits processor multiplies by: the model's
+    ``lm_head``, a ``ParallelLMHead`` or, tied, the token embedding."""
+    head = getattr(model, "lm_head", None)
+    return {id(head)} if head is not None else set()
 
 
 def use_spyre_linears(model: nn.Module, dtype: torch.dtype,
                       native: bool) -> int:
-    """Puts every unquantized float32 linear layer of ``model`` (and its
-    output head) on the packed kernel (``native``) with weights held in
+    """Puts every unquantized float32 linear layer of ``model`` and its
+    output head on the packed kernel (``native``) with weights held in
     ``dtype``, or, off the kernels, on oneDNN's bfloat16 products when
     ``dtype`` is bfloat16.  Returns how many layers moved."""
     if not native and dtype != torch.bfloat16:
         return 0
-    shared = _embedding_weights(model)
+    heads = _heads(model)
+    looked_up = _embedding_weights(model)
     moved = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if not _swappable(module) or weight is None or \
-                weight.dtype != torch.float32:
+        method = getattr(module, "quant_method", None)
+        is_head = id(module) in heads and \
+            type(method) is UnquantizedEmbeddingMethod
+        if not (is_head or type(method) is UnquantizedLinearMethod) or \
+                weight is None or weight.dtype != torch.float32:
             continue
         if native and dtype == torch.bfloat16 and weight.shape[1] % 2:
             continue  # the bfloat16 kernel reads input features in pairs
@@ -91,14 +125,17 @@ def use_spyre_linears(model: nn.Module, dtype: torch.dtype,
                                        pack_weight(weight.detach().to(dtype)),
                                        persistent=False)
                 module.spyre_out_features = weight.shape[0]
-                module.quant_method = PackedLinearMethod()
             else:
                 module.register_buffer("spyre_bf16",
                                        weight.detach().to(torch.bfloat16),
                                        persistent=False)
-                module.quant_method = Bf16LinearMethod()
-        if not isinstance(module, ParallelLMHead) or \
-                weight.data_ptr() not in shared:
+        if is_head:
+            module.quant_method = (PackedHeadMethod()
+                                   if native else Bf16HeadMethod())
+        else:
+            module.quant_method = (PackedLinearMethod()
+                                   if native else Bf16LinearMethod())
+        if weight.data_ptr() not in looked_up:
             module.weight = nn.Parameter(weight.new_empty(0),
                                          requires_grad=False)
         moved += 1
@@ -106,9 +143,7 @@ def use_spyre_linears(model: nn.Module, dtype: torch.dtype,
 
 
 def _embedding_weights(model: nn.Module) -> set[int]:
-    """Storage of every weight a token embedding (not a head) reads."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import \
-        VocabParallelEmbedding
+    """Storage of every weight a token embedding looks tokens up in."""
     return {
         m.weight.data_ptr()
         for m in model.modules()

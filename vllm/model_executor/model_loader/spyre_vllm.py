@@ -22,7 +22,8 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 
-def load_vllm_decoder(vllm_config: VllmConfig, dtype: torch.dtype) -> nn.Module:
+def load_vllm_decoder(vllm_config: VllmConfig,
+                      dtype: torch.dtype) -> nn.Module:
     """vLLM's model of the configured checkpoint, its tensors in
     ``dtype``, this rank's shard under tensor parallelism, frozen."""
     from vllm.model_executor.model_loader import get_model_loader

@@ -35,11 +35,17 @@ VLLM_ARCHITECTURES: tuple[str, ...] = (
 )
 
 
-def resolve(model_impl: str, hf_config) -> tuple[str, str]:
+def flag_value(model_impl) -> str:
+    """``--model-impl`` as the user wrote it (vLLM's ``ModelImpl`` or its
+    string)."""
+    return str(getattr(model_impl, "value", model_impl))
+
+
+def resolve(model_impl, hf_config) -> tuple[str, str]:
     """(``FMS`` or ``VLLM``, the architecture) for vLLM's ``--model-impl``
     value and a Hugging Face config; a clear error for an implementation
     or an architecture Spyre does not run."""
-    value = str(getattr(model_impl, "value", model_impl))
+    value = flag_value(model_impl)
     archs = list(getattr(hf_config, "architectures", None) or [])
     if value == "transformers":
         raise NotImplementedError(

@@ -23,10 +23,12 @@ its ``Attention`` layer's ``kv_cache``, vLLM's place for it.
 from __future__ import annotations
 
 import time
+
 import torch
 from torch import nn
 
-from vllm.attention.backends.spyre_attn import SpyreAttentionMetadataBuilder
+from vllm.attention.backends.spyre_attn import (SpyreAttentionMetadata,
+                                               SpyreAttentionMetadataBuilder)
 from vllm.attention.ops.spyre_kv_layout import CacheLayout
 from vllm.attention.ops.spyre_paged_inputs import PagedInputs
 from vllm.config import VllmConfig
@@ -99,10 +101,10 @@ class SpyreVllmCausalLM(SpyreCausalLM):
             layer.kv_cache = [cache]
 
     def _run(self, graph: str, input_ids: torch.Tensor,
-             positions: torch.Tensor) -> torch.Tensor:
-        """The compiled model under the step's metadata (added to
-        ``self.metadata``), then vLLM's logits: ``[B, vocab]``."""
-        meta = self.metadata.build([], [], 0, input_ids.shape[0])
+             positions: torch.Tensor,
+             meta: SpyreAttentionMetadata) -> torch.Tensor:
+        """The compiled model with ``meta`` as vLLM's forward context, then
+        vLLM's logits: ``[B, vocab]``."""
         with set_forward_context(meta, self.vllm_config):
             hidden = self.model(graph, input_ids, positions)
         return self.vllm_model.compute_logits(hidden, None)
@@ -120,10 +122,12 @@ class SpyreVllmCausalLM(SpyreCausalLM):
         return self._run(
             self.graph_name(is_prompt, input_ids.shape[0],
                             input_ids.shape[1], cache_len), input_ids,
-            positions)
+            positions, self.metadata.build([], [], 0, input_ids.shape[0]))
 
     # ---- prompt log-probabilities -----------------------------------------
     def prompt_hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        """``SpyreCausalLM.prompt_hidden`` on vLLM's model: uncompiled,
+        attention causal over the prompt, no cache."""
         self.metadata.causal(ids.shape[1])
         meta = self.metadata.build([], [], 0, 1)
         with set_forward_context(meta, self.vllm_config):
@@ -131,6 +135,8 @@ class SpyreVllmCausalLM(SpyreCausalLM):
         return hidden.unsqueeze(0)
 
     def prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """vLLM's logits (head, gather, logit scale) of ``[1, n, hidden]``:
+        ``[n, vocab]`` float32."""
         return self.vllm_model.compute_logits(hidden[0], None).float()
 
     def update_weights_in_place(self, state_dict) -> int:
@@ -144,6 +150,7 @@ class SpyreVllmPagedCausalLM(SpyreVllmCausalLM, SpyrePagedCausalLM):
     """vLLM's model class under continuous batching, on the block pool."""
 
     def allocate_pool(self, num_blocks: int) -> None:
+        """The pool, bound to the attention layers."""
         super().allocate_pool(num_blocks)
         self._bind(self.kv_pool)
 
@@ -154,4 +161,5 @@ class SpyreVllmPagedCausalLM(SpyreVllmCausalLM, SpyrePagedCausalLM):
         self.metadata.paged(step)
         return self._run(
             self.paged_graph_name(not is_decode, step.block_table.shape[1]),
-            step.input_ids, step.position_ids)
+            step.input_ids, step.position_ids,
+            self.metadata.build([], [], 0, step.input_ids.shape[0]))
