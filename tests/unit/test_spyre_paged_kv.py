@@ -467,7 +467,7 @@ def test_register_is_idempotent():
     paged_cache.register()
     paged_cache.register()
     ops = attention.get_attention_type(attn_name=paged_cache.ATTN_NAME)
-    assert ops["store"] is paged_cache._store
+    assert ops["store"] is paged_cache.store
     assert ops["compute_decode"] is paged_cache.compute
     kernel = attention.get_attention_type(
         attn_name=paged_cache.ATTN_NAME_CPU_KERNEL)
