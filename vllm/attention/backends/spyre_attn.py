@@ -29,7 +29,7 @@ they do for FMS.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple, Type
 
 import torch
@@ -126,11 +126,22 @@ class SpyreAttentionMetadata(AttentionMetadata):
     def decode_metadata(self) -> Optional["SpyreAttentionMetadata"]:
         return self if self.num_decode_tokens else None
 
-    def cache_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments the Spyre cache ops read."""
-        return dict(mask=self.mask, cache_slots=self.cache_slots,
-                    block_table=self.block_table, ctx_lens=self.ctx_lens,
-                    spyre_prefill=self.kind == STATIC_PREFILL)
+    #: Set once per step, read by every layer: the keyword arguments the
+    #: Spyre cache ops read, and the (store, compute) ops of the step.
+    cache_kwargs: dict[str, Any] = field(init=False, repr=False)
+    ops: tuple = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.cache_kwargs = dict(mask=self.mask, cache_slots=self.cache_slots,
+                                 block_table=self.block_table,
+                                 ctx_lens=self.ctx_lens,
+                                 spyre_prefill=self.kind == STATIC_PREFILL)
+        if self.kind == PAGED:
+            self.ops = (paged_cache.store, paged_cache.compute_kernel
+                        if self.on_kernel else paged_cache.compute)
+        else:
+            self.ops = (static_cache.store, static_cache.compute_op(
+                self.kind == STATIC_PREFILL, self.on_kernel))
 
 
 def _metadata(kind: str, rows: int, length: int, prefills: int,
@@ -263,15 +274,8 @@ class SpyreAttentionImpl(AttentionImpl[SpyreAttentionMetadata]):
                 enable_gqa=self.num_heads != self.num_kv_heads
             ).transpose(1, 2)
             return out.reshape(B * L, -1)
-        kwargs = meta.cache_kwargs()
-        if meta.kind == PAGED:
-            store = paged_cache.store
-            compute = (paged_cache.compute_kernel
-                       if meta.on_kernel else paged_cache.compute)
-        else:
-            store = static_cache.store
-            compute = static_cache.compute_op(meta.kind == STATIC_PREFILL,
-                                              meta.on_kernel)
+        kwargs = meta.cache_kwargs
+        store, compute = meta.ops
         keys, values, _, _ = store(k, v, kv_cache[0], kv_cache[1], **kwargs)
         out = compute(q, keys, values, self.num_heads, self.num_kv_heads,
                       0.0, self.scale, **kwargs)
