@@ -40,6 +40,8 @@ setup(
             "vllm.entrypoints.openai.spyre_error_status:install",
             "spyre_model_inspection = "
             "vllm.model_executor.models.spyre_inspection:install",
+            "spyre_quantization = "
+            "vllm.model_executor.layers.quantization.spyre_quant:install",
         ],
     },
 )

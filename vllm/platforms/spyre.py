@@ -119,6 +119,16 @@ class SpyrePlatform(Platform):
         return True
 
     @classmethod
+    def verify_quantization(cls, quant: str) -> None:
+        """Only the methods ``spyre_quant`` reads: vLLM's other kernels
+        (AWQ, Marlin, bitsandbytes, ...) are CUDA's."""
+        from vllm.model_executor.layers.quantization import spyre_quant
+        if quant != spyre_quant.NAME:
+            raise ValueError(
+                f"{quant} quantization is not supported on Spyre. Supported "
+                f"quantization: {spyre_quant.SUPPORTED}.")
+
+    @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:
         import psutil
         return psutil.virtual_memory().total
@@ -217,8 +227,15 @@ def _choose_model_impl(model_config, spyre: SpyreConfig) -> SpyreConfig:
     (``spyre_model_impl.resolve``); an architecture neither runs is
     refused here, before anything loads."""
     from vllm.model_executor.models import spyre_model_impl
+    quantized = model_config.quantization is not None
     impl, arch = spyre_model_impl.resolve(model_config.model_impl,
-                                          model_config.hf_config)
+                                          model_config.hf_config, quantized)
+    if quantized and spyre.dynamo_backend == "sendnn":
+        raise NotImplementedError(
+            f"Quantized checkpoints ({model_config.quantization}) run on the "
+            "CPU backends (VLLM_SPYRE_DYNAMO_BACKEND=eager or inductor), not "
+            "yet on the card (sendnn), whose FMS gptq/fp8 linear types are "
+            "not wired in")
     if impl == spyre_model_impl.VLLM and spyre.dynamo_backend == "sendnn":
         # Its attention runs outside the compiled graphs (vLLM's opaque
         # attention op), on the host: the card needs it inside them.

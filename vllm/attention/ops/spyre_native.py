@@ -6,6 +6,9 @@ that inductor calls them like any other external kernel:
 
 * ``spyre_cpu::packed_linear`` (``spyre_native_linear.cpp``): linear layers whose
   weights were packed once (``vllm.model_executor.layers.spyre_linear``);
+* ``spyre_cpu::quant_linear`` (``spyre_native_quant.cpp``): linear layers of
+  quantized checkpoints, their int8, FP8 or int4 codes dequantized in
+  registers (``vllm.model_executor.layers.spyre_quant_linear``);
 * ``spyre_cpu::decode_attention``, ``spyre_cpu::paged_attention`` and
   ``spyre_cpu::encoder_attention`` (``spyre_native_attention.cpp``): attention
   over the static cache (``spyre_static_cache``), the block pool
@@ -40,7 +43,8 @@ logger = init_logger(__name__)
 
 _SOURCES = [Path(__file__).with_name("spyre_native_linear.cpp"),
             Path(__file__).with_name("spyre_native_attention.cpp"),
-            Path(__file__).with_name("spyre_native_elementwise.cpp")]
+            Path(__file__).with_name("spyre_native_elementwise.cpp"),
+            Path(__file__).with_name("spyre_native_quant.cpp")]
 _NATIVE_FLAG = {"x86_64": "-march=native", "s390x": "-march=native",
                 "ppc64le": "-mcpu=native", "aarch64": "-mcpu=native"}
 _loaded: Optional[bool] = None
@@ -98,6 +102,7 @@ def _load() -> bool:
         _fake_paged_attention)
     torch.library.register_fake("spyre_cpu::encoder_attention")(
         _fake_encoder_attention)
+    torch.library.register_fake("spyre_cpu::quant_linear")(_fake_quant)
     torch.library.register_fake("spyre_cpu::rms_norm")(_fake_rms_norm)
     torch.library.register_fake("spyre_cpu::rotary_qk")(_fake_rotary_qk)
     logger.info("Loaded the native CPU kernels in %.1f s",
@@ -107,6 +112,13 @@ def _load() -> bool:
 
 def _fake(input: torch.Tensor, packed: torch.Tensor, out_features: int,
           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return input.new_empty((*input.shape[:-1], out_features))
+
+
+def _fake_quant(input: torch.Tensor, packed: torch.Tensor,
+                scales: torch.Tensor, offsets: Optional[torch.Tensor],
+                kind: int, out_features: int,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     return input.new_empty((*input.shape[:-1], out_features))
 
 

@@ -41,10 +41,13 @@ def flag_value(model_impl) -> str:
     return str(getattr(model_impl, "value", model_impl))
 
 
-def resolve(model_impl, hf_config) -> tuple[str, str]:
+def resolve(model_impl, hf_config,
+            quantized: bool = False) -> tuple[str, str]:
     """(``FMS`` or ``VLLM``, the architecture) for vLLM's ``--model-impl``
     value and a Hugging Face config; a clear error for an implementation
-    or an architecture Spyre does not run."""
+    or an architecture Spyre does not run.  A ``quantized`` checkpoint
+    (GPTQ, compressed-tensors: ``spyre_quant``) runs on vLLM's model code,
+    whose layers load its codes and scales, under ``auto`` too."""
     value = flag_value(model_impl)
     archs = list(getattr(hf_config, "architectures", None) or [])
     if value == "transformers":
@@ -55,7 +58,7 @@ def resolve(model_impl, hf_config) -> tuple[str, str]:
     if value not in ("auto", VLLM):
         raise ValueError(f"Unknown --model-impl {value!r}: auto, vllm and "
                          "transformers are vLLM's values")
-    if value == "auto":
+    if value == "auto" and not quantized:
         for arch in archs:
             if arch in FAMILIES:
                 return FMS, arch
@@ -63,6 +66,11 @@ def resolve(model_impl, hf_config) -> tuple[str, str]:
         if arch in VLLM_ARCHITECTURES:
             return VLLM, arch
     named = ", ".join(archs) or f"model_type {hf_config.model_type!r}"
+    if quantized:
+        raise ValueError(
+            f"Quantized checkpoints of architecture {named} are not "
+            "supported on Spyre: they run on vLLM's model code, which "
+            f"Spyre runs for {', '.join(VLLM_ARCHITECTURES)}.")
     if value == VLLM:
         raise ValueError(
             f"Architecture {named} is not supported on Spyre with "

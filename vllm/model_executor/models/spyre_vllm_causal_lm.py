@@ -34,6 +34,8 @@ from vllm.attention.ops.spyre_paged_inputs import PagedInputs
 from vllm.config import VllmConfig
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
+from vllm.model_executor.layers.quantization.spyre_quant import \
+    finish_quantized_layers
 from vllm.model_executor.layers.spyre_linear_method import use_spyre_linears
 from vllm.model_executor.model_loader.spyre_vllm import load_vllm_decoder
 from vllm.model_executor.models.spyre_causal_lm import SpyreCausalLM
@@ -70,6 +72,15 @@ class SpyreVllmCausalLM(SpyreCausalLM):
                     type(self.vllm_model).__name__)
         #: Names the attention in the graph cache's keys.
         self.attn_name = "vllm-" + ("kernel" if self.native else "torch")
+        start = time.perf_counter()
+        quantized = finish_quantized_layers(self.vllm_model, self.native)
+        if quantized:
+            logger.info(
+                "Put %d quantized linear layers (%s) on the %s in %.1f s",
+                quantized, vllm_config.quant_config.describe(),
+                "quantized CPU kernel" if self.native else
+                "float32 products (dequantized once)",
+                time.perf_counter() - start)
         start = time.perf_counter()
         moved = use_spyre_linears(self.vllm_model, self.precision.linear,
                                   self.native)

@@ -1,0 +1,150 @@
+"""Quantized linear weights on the CPU: held compact, dequantized in
+registers by ``spyre_cpu::quant_linear``.
+
+A decode step reads every weight once, so its time is the bytes per
+weight.  A quantized checkpoint's codes stay as they are on disk (one byte
+per weight for int8 and FP8, half a byte for int4) and its scales beside
+them; the kernel (``vllm/attention/ops/spyre_native_quant.cpp``) widens
+each code to float32 in registers, scales it and multiplies it by the
+float32 inputs.  So a layer computes exactly ``x @ dequantize(...).T``, the
+format's own reference.
+
+``QuantWeight`` is one layer's weight as a format defines it: integer or
+FP8 codes ``[N, K]`` and, per group of ``group_size`` input features and
+per output, a scale and (asymmetric formats) a zero point:
+``weight = (code - zero) * scale``.  ``pack`` lays it out for the kernel;
+``dequantize`` gives the float32 weight (the reference, and the path off
+the kernels).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+#: Output columns per packed block (kBlock in spyre_native_quant.cpp).
+BLOCK = 32
+
+#: Code kinds, as the kernel numbers them.
+KINDS = {"int8": 0, "fp8": 1, "int4": 2}
+
+#: FP8 codes widen to 2^-8 times their value (a half float's exponent
+#: bias, against e4m3's): the packed scales carry the 2^8.
+_FP8_CODE_SCALE = 256.0
+
+
+@dataclass
+class QuantWeight:
+    """One linear layer's quantized weight, ``[N, K]``.
+
+    ``codes``: int8 (``int8``: -128..127; ``int4``: 0..15) or
+    ``torch.float8_e4m3fn`` (``fp8``).  ``scales``: float32 ``[N, G]``,
+    ``G = K / group_size``.  ``zeros``: float32 ``[N, G]`` or None
+    (symmetric)."""
+
+    kind: str
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown code kind {self.kind!r}: "
+                             f"{', '.join(KINDS)}")
+        n, k = self.codes.shape
+        groups = self.scales.shape[1]
+        if self.scales.shape[0] != n or k % groups:
+            raise ValueError(
+                f"scales of shape {tuple(self.scales.shape)} for a weight "
+                f"of {n} x {k}: need [{n}, G] with G dividing {k}")
+        if self.zeros is not None and self.zeros.shape != self.scales.shape:
+            raise ValueError("zero points must have the scales' shape")
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1]
+
+    @property
+    def group_size(self) -> int:
+        return self.in_features // self.scales.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight ``(code - zero) * scale``."""
+        codes = self.codes.to(torch.float32)
+        scales = self.scales.repeat_interleave(self.group_size, dim=1)
+        if self.zeros is not None:
+            codes = codes - self.zeros.repeat_interleave(self.group_size,
+                                                         dim=1)
+        return codes * scales
+
+
+@dataclass
+class PackedQuant:
+    """A ``QuantWeight`` laid out for ``spyre_cpu::quant_linear``."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    offsets: Optional[torch.Tensor]
+    kind: int
+    out_features: int
+
+
+def _blocked(t: torch.Tensor, blocks: int) -> torch.Tensor:
+    """[N, G] -> [blocks, G, BLOCK] float32, zero-padded columns."""
+    n, g = t.shape
+    out = t.new_zeros(blocks * BLOCK, g, dtype=torch.float32)
+    out[:n] = t
+    return out.view(blocks, BLOCK, g).transpose(1, 2).contiguous()
+
+
+def pack(weight: QuantWeight) -> PackedQuant:
+    """Codes in column blocks ``[N / 32][K][32]`` bytes (int4: two codes
+    per byte, columns c and c + 16 of the block), scales and offsets
+    ``[N / 32][G][32]`` float32, where ``code * scale + offset`` is the
+    weight."""
+    n, k = weight.codes.shape
+    blocks = -(-n // BLOCK)
+    if weight.kind == "fp8":
+        codes = weight.codes.view(torch.uint8)
+        scales = weight.scales * _FP8_CODE_SCALE
+    else:
+        codes = weight.codes.view(torch.uint8) if weight.kind == "int8" \
+            else weight.codes.to(torch.uint8)
+        scales = weight.scales
+    padded = codes.new_zeros(blocks * BLOCK, k)
+    padded[:n] = codes
+    packed = padded.view(blocks, BLOCK, k).transpose(1, 2)
+    if weight.kind == "int4":
+        packed = packed[..., :BLOCK // 2] | (packed[..., BLOCK // 2:] << 4)
+    offsets = None
+    if weight.zeros is not None:
+        offsets = _blocked(-weight.zeros * weight.scales, blocks)
+    return PackedQuant(packed.contiguous(), _blocked(scales, blocks),
+                       offsets, KINDS[weight.kind], n)
+
+
+def quant_linear(x: torch.Tensor, weight: PackedQuant,
+                 bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` on the kernel, in ``x``'s dtype."""
+    return torch.ops.spyre_cpu.quant_linear(x, weight.packed, weight.scales,
+                                            weight.offsets, weight.kind,
+                                            weight.out_features, bias)
+
+
+def fake_quantize_fp8(x: torch.Tensor,
+                      scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """The input as an FP8 activation sees it: divided by its scale,
+    rounded to ``float8_e4m3fn`` (nearest, saturated at +-448) and scaled
+    back, in ``x``'s dtype.  ``scale`` None: dynamic, per token, the row's
+    largest magnitude over 448."""
+    finfo = torch.finfo(torch.float8_e4m3fn)
+    if scale is None:
+        scale = x.abs().amax(dim=-1, keepdim=True).float() / finfo.max
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (x.float() / scale).clamp(finfo.min, finfo.max)
+    return (q.to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
