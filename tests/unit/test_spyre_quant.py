@@ -1,0 +1,199 @@
+"""Quantized linear layers: the kernel, the packing, the config reader.
+
+* ``spyre_cpu::quant_linear`` against ``x @ dequantize(weight).T`` in
+  float64 for every code kind (int8, FP8, int4), one group or several,
+  with zero points or without, row counts below, at and above the 12-row
+  tile, a partial last column block, a bias, bfloat16 inputs, and under
+  ``torch.compile`` (the op's fake implementation);
+* every FP8 code (subnormals included) read exactly;
+* GPTQ's and compressed-tensors' int32 packing read back;
+* the quantization configs Spyre runs, and a clear refusal, naming the
+  value and what is supported, for the ones it does not.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm.attention.ops import spyre_native as native
+from vllm.model_executor.layers.quantization import spyre_quant
+from vllm.model_executor.layers.spyre_quant_linear import (QuantWeight,
+                                                           fake_quantize_fp8,
+                                                           pack, quant_linear)
+
+kernel = pytest.mark.skipif(not native.available(),
+                            reason="no C++ compiler for the kernel")
+
+
+def _weight(kind: str, n: int, k: int, groups: int, zeros: bool,
+            seed: int = 0) -> QuantWeight:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "int8":
+        codes = torch.randint(-128, 128, (n, k), generator=g,
+                              dtype=torch.int8)
+    elif kind == "int4":
+        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
+    else:
+        codes = (torch.randn(n, k, generator=g) * 40).clamp(
+            -448, 448).to(torch.float8_e4m3fn)
+    scales = torch.rand(n, groups, generator=g) + 0.05
+    z = (torch.randint(0, 16, (n, groups), generator=g).float()
+         if zeros else None)
+    return QuantWeight(kind, codes, scales, z)
+
+
+@kernel
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("n,k,groups,zeros", [(70, 256, 1, False),
+                                              (96, 256, 2, True),
+                                              (33, 128, 4, False),
+                                              (64, 576, 1, True)])
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 30])
+def test_kernel_equals_dequantized_product(kind, n, k, groups, zeros, rows):
+    w = _weight(kind, n, k, groups, zeros)
+    x = torch.randn(rows, k)
+    got = quant_linear(x, pack(w), None)
+    want = x.double() @ w.dequantize().double().T
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    assert torch.allclose(got.double(), want, rtol=1e-5,
+                          atol=1e-5 * want.abs().max().item())
+
+
+@kernel
+def test_kernel_bias_batch_dims_and_bfloat16():
+    w = _weight("int4", 40, 128, 2, True)
+    bias = torch.randn(40)
+    x = torch.randn(3, 7, 128)
+    want = x @ w.dequantize().T + bias
+    got = quant_linear(x, pack(w), bias)
+    assert got.shape == (3, 7, 40)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-3)
+    got16 = quant_linear(x.bfloat16(), pack(w), bias)
+    assert got16.dtype == torch.bfloat16
+    assert torch.allclose(got16.float(),
+                          x.bfloat16().float() @ w.dequantize().T + bias,
+                          rtol=2e-2, atol=5e-2)
+
+
+@kernel
+def test_every_fp8_code_is_read_exactly():
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # no NaN codes
+    codes = codes.view(torch.float8_e4m3fn).view(-1, 1).repeat(1, 32)
+    w = QuantWeight("fp8", codes, torch.ones(codes.shape[0], 1))
+    got = quant_linear(torch.eye(32)[:1], pack(w), None)[0]
+    assert torch.equal(got, codes[:, 0].float())
+
+
+@kernel
+def test_kernel_under_torch_compile():
+    w = pack(_weight("int8", 48, 64, 1, False))
+
+    def f(x):
+        return torch.relu(quant_linear(x, w, None)) * 2
+
+    x = torch.randn(4, 64)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="inductor", fullgraph=True)
+    assert torch.allclose(compiled(x), f(x), rtol=1e-5, atol=1e-5)
+
+
+def test_pack_layout():
+    w = _weight("int4", 40, 8, 1, False)
+    p = pack(w)
+    assert p.packed.shape == (2, 8, 16) and p.packed.dtype == torch.uint8
+    # column 3 (low nibble of byte 3) and column 19 (its high nibble)
+    assert torch.equal(p.packed[0, :, 3] & 15, w.codes[3].to(torch.uint8))
+    assert torch.equal(p.packed[0, :, 3] >> 4, w.codes[19].to(torch.uint8))
+    assert p.scales.shape == (2, 1, 32) and not p.scales[1, 0, 8:].any()
+    assert p.offsets is None
+
+
+def test_fake_quantize_fp8_static_and_dynamic():
+    x = torch.tensor([[0.1, -3.0, 1000.0], [0.0, 0.0, 0.0]])
+    s = torch.tensor([0.5])
+    got = fake_quantize_fp8(x, s)
+    assert got[0, 2] == 448 * 0.5  # saturated, not NaN
+    assert got[0, 1] == -3.0
+    dyn = fake_quantize_fp8(x, None)
+    assert dyn[0, 2] == 1000.0 and torch.equal(dyn[1], x[1])
+
+
+def test_unpack_int32_orders():
+    codes = torch.arange(16, dtype=torch.int32).view(2, 8) % 16
+    packed = torch.zeros(2, 1, dtype=torch.int32)
+    for j in range(8):
+        packed[:, 0] |= codes[:, j] << (4 * j)
+    assert torch.equal(spyre_quant._unpack_int32(packed, 4, 1), codes)
+    assert torch.equal(spyre_quant._unpack_int32(packed.t(), 4, 0),
+                       codes.t())
+
+
+GPTQ = dict(quant_method="gptq", bits=4, group_size=128, desc_act=False,
+            sym=True, checkpoint_format="gptq")
+
+
+def _fp8_group(strategy="tensor", inputs=("tensor", False)):
+    group = {"targets": ["Linear"],
+             "weights": {"num_bits": 8, "type": "float", "symmetric": True,
+                         "strategy": strategy, "dynamic": False}}
+    if inputs:
+        group["input_activations"] = {
+            "num_bits": 8, "type": "float", "symmetric": True,
+            "strategy": inputs[0], "dynamic": inputs[1]}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": group}, "ignore": ["lm_head"]}
+
+
+def test_configs_spyre_runs():
+    c = spyre_quant.SpyreQuantConfig.from_config(GPTQ)
+    assert c.gptq.bits == 4 and c.gptq.group_size == 128
+    assert not c.head_quantized
+    assert c.describe() == "GPTQ 4-bit group 128, symmetric"
+    c = spyre_quant.SpyreQuantConfig.from_config(
+        {**GPTQ, "bits": 8, "group_size": -1, "lm_head": True})
+    assert c.head_quantized and c.gptq.strategy == "channel"
+    c = spyre_quant.SpyreQuantConfig.from_config(_fp8_group())
+    assert c.describe() == "FP8 (tensor weight scales, static input scales)"
+    c = spyre_quant.SpyreQuantConfig.from_config(
+        _fp8_group("channel", ("token", True)))
+    assert c.targets["Linear"].activations == "dynamic"
+    c = spyre_quant.SpyreQuantConfig.from_config(_fp8_group(inputs=None))
+    assert c.targets["Linear"].activations is None
+    w4 = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+          "config_groups": {"g": {"targets": ["Linear"], "weights": {
+              "num_bits": 4, "type": "int", "symmetric": True,
+              "strategy": "group", "group_size": 128}}}}
+    c = spyre_quant.SpyreQuantConfig.from_config(w4)
+    assert c.describe() == "int 4-bit group 128, symmetric"
+
+
+@pytest.mark.parametrize("config,named", [
+    ({**GPTQ, "bits": 3}, "GPTQ with bits=3"),
+    ({**GPTQ, "desc_act": True}, "desc_act=true"),
+    ({**GPTQ, "checkpoint_format": "marlin"}, "checkpoint_format='marlin'"),
+    ({**GPTQ, "group_size": 0}, "group_size=0"),
+    (_fp8_group("block"), "strategy 'block'"),
+    (_fp8_group(inputs=("group", False)), "strategy 'group'"),
+    ({**_fp8_group(), "kv_cache_scheme": {"num_bits": 8}},
+     "kv_cache_scheme"),
+    ({**_fp8_group(), "format": "marlin-24"}, "format 'marlin-24'"),
+    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+])
+def test_configs_refused_with_value_and_list(config, named):
+    with pytest.raises(ValueError) as e:
+        spyre_quant.SpyreQuantConfig.from_config(config)
+    assert named in str(e.value)
+    assert "Supported quantization: GPTQ (4 or 8 bits" in str(e.value)
+
+
+def test_int8_activations_refused():
+    config = _fp8_group()
+    group = config["config_groups"]["group_0"]
+    group["weights"]["type"] = group["input_activations"]["type"] = "int"
+    config["format"] = "int-quantized"
+    with pytest.raises(ValueError, match="format 'int-quantized'"):
+        spyre_quant.SpyreQuantConfig.from_config(config)
+    config["format"] = "pack-quantized"
+    with pytest.raises(ValueError, match="int8 weights with quantized inputs"):
+        spyre_quant.SpyreQuantConfig.from_config(config)
