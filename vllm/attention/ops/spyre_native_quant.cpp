@@ -124,35 +124,69 @@ constexpr int64_t row_bytes() {
   return K == kInt4 ? kBlock / 2 : kBlock;
 }
 
-// y[r, 0:cols] = x[r, :] . dequantized block (+ bias), for the R rows of x.
+// Independent sums per row and column vector: with few rows, each weight
+// vector feeds few fused multiply-adds, and one chain of sums would wait
+// on its own latency (4 cycles) at every input feature.
+template <int R>
+constexpr int chains() {
+  return R == 1 ? 4 : R <= 3 ? 2 : 1;
+}
+
+// y[r, 0:cols] = x[r, :] . dequantized block (+ bias), for the R rows of
+// x.  Within a group the codes are multiplied as they are; the group's
+// sums are then scaled, and its offsets weighted by the group's sum of
+// inputs (xsums, [R][groups]): sum(x * (q * s + o)) = s * sum(x * q) +
+// o * sum(x).
 template <int K, int R>
-void tile(const float* x, int64_t ldx, const uint8_t* block, int64_t in,
-          int64_t group, const float* scales, const float* offsets,
-          float* y, int64_t ldy, int64_t cols, const float* bias) {
+void tile(const float* x, int64_t ldx, const float* xsums, int64_t groups,
+          const uint8_t* block, int64_t in, int64_t group,
+          const float* scales, const float* offsets, float* y, int64_t ldy,
+          int64_t cols, const float* bias) {
+  constexpr int U = chains<R>();
   constexpr int64_t bytes = row_bytes<K>();
   vfloat acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vfloat{};
   for (int64_t k0 = 0, g = 0; k0 < in; k0 += group, ++g) {
-    const float* sg = scales + g * kBlock;
-    const vfloat s0 = *reinterpret_cast<const vfloat_u*>(sg);
-    const vfloat s1 = *reinterpret_cast<const vfloat_u*>(sg + kLanes);
-    vfloat o0{}, o1{};
-    if (offsets) {
-      o0 = *reinterpret_cast<const vfloat_u*>(offsets + g * kBlock);
-      o1 = *reinterpret_cast<const vfloat_u*>(offsets + g * kBlock + kLanes);
-    }
-    for (int64_t k = k0; k < k0 + group; ++k) {
-      const uint8_t* row = block + k * bytes;
+    vfloat part[U][R][2];
+    for (int u = 0; u < U; ++u)
+      for (int r = 0; r < R; ++r) part[u][r][0] = part[u][r][1] = vfloat{};
+    const int64_t end = k0 + group;
+    int64_t k = k0;
+    auto step = [&](int u, int64_t kk) {
+      const uint8_t* row = block + kk * bytes;
       __builtin_prefetch(row + kAheadL1);
       __builtin_prefetch(row + kAheadL2, 0, 2);
       vfloat w0, w1;
       codes<K>(row, w0, w1);
-      w0 = w0 * s0 + o0;
-      w1 = w1 * s1 + o1;
       for (int r = 0; r < R; ++r) {
-        const float xs = x[r * ldx + k];
-        acc[r][0] += xs * w0;
-        acc[r][1] += xs * w1;
+        const float xs = x[r * ldx + kk];
+        part[u][r][0] += xs * w0;
+        part[u][r][1] += xs * w1;
+      }
+    };
+    for (; k + U <= end; k += U)
+      for (int u = 0; u < U; ++u) step(u, k + u);
+    for (; k < end; ++k) step(0, k);
+    const float* sg = scales + g * kBlock;
+    const vfloat s0 = *reinterpret_cast<const vfloat_u*>(sg);
+    const vfloat s1 = *reinterpret_cast<const vfloat_u*>(sg + kLanes);
+    for (int r = 0; r < R; ++r) {
+      vfloat p0 = part[0][r][0], p1 = part[0][r][1];
+      for (int u = 1; u < U; ++u) {
+        p0 += part[u][r][0];
+        p1 += part[u][r][1];
+      }
+      acc[r][0] += p0 * s0;
+      acc[r][1] += p1 * s1;
+    }
+    if (offsets) {
+      const float* og = offsets + g * kBlock;
+      const vfloat o0 = *reinterpret_cast<const vfloat_u*>(og);
+      const vfloat o1 = *reinterpret_cast<const vfloat_u*>(og + kLanes);
+      for (int r = 0; r < R; ++r) {
+        const float xs = xsums[r * groups + g];
+        acc[r][0] += xs * o0;
+        acc[r][1] += xs * o1;
       }
     }
   }
@@ -169,9 +203,10 @@ void tile(const float* x, int64_t ldx, const uint8_t* block, int64_t in,
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t,
-                        int64_t, const float*, const float*, float*, int64_t,
-                        int64_t, const float*);
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t,
+                        const uint8_t*, int64_t, int64_t, const float*,
+                        const float*, float*, int64_t, int64_t,
+                        const float*);
 
 template <int K>
 constexpr TileFn kTiles[kMaxRows + 1] = {
@@ -242,6 +277,10 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
       M ? (M + (M + kMaxRows - 1) / kMaxRows - 1) /
               ((M + kMaxRows - 1) / kMaxRows)
         : 0;
+  // Each row's sum of inputs per group, for the offsets.
+  at::Tensor xsums;
+  if (op) xsums = x.view({M, groups, K / groups}).sum(-1).contiguous();
+  const float* xsp = op ? xsums.data_ptr<float>() : nullptr;
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
@@ -253,7 +292,8 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
       const int64_t at = blk * groups * kBlock;
       for (int64_t m0 = 0; m0 < M; m0 += height) {
         const int64_t rows = std::min(height, M - m0);
-        tiles[rows](xp + m0 * K, K, wp + blk * K * bytes, K, group, sp + at,
+        tiles[rows](xp + m0 * K, K, xsp ? xsp + m0 * groups : nullptr,
+                    groups, wp + blk * K * bytes, K, group, sp + at,
                     op ? op + at : nullptr, yp + m0 * out_features + c0,
                     out_features, cols, bp ? bp + c0 : nullptr);
       }
