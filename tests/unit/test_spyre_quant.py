@@ -26,7 +26,7 @@ kernel = pytest.mark.skipif(not native.available(),
 
 
 def _weight(kind: str, n: int, k: int, groups: int, zeros: bool,
-            seed: int = 0) -> QuantWeight:
+            seed: int = 0, group_size=None) -> QuantWeight:
     g = torch.Generator().manual_seed(seed)
     if kind == "int8":
         codes = torch.randint(-128, 128, (n, k), generator=g,
@@ -39,7 +39,7 @@ def _weight(kind: str, n: int, k: int, groups: int, zeros: bool,
     scales = torch.rand(n, groups, generator=g) + 0.05
     z = (torch.randint(0, 16, (n, groups), generator=g).float()
          if zeros else None)
-    return QuantWeight(kind, codes, scales, z)
+    return QuantWeight(kind, codes, scales, z, group_size)
 
 
 @kernel
@@ -57,6 +57,21 @@ def test_kernel_equals_dequantized_product(kind, n, k, groups, zeros, rows):
     assert got.shape == (rows, n) and got.dtype == torch.float32
     assert torch.allclose(got.double(), want, rtol=1e-5,
                           atol=1e-5 * want.abs().max().item())
+
+
+@kernel
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_kernel_last_group_shorter(kind, rows):
+    # 576 features in groups of 128, as GPTQ groups SmolLM2's: 4 + 64.
+    w = _weight(kind, 64, 576, 5, True, group_size=128)
+    x = torch.randn(rows, 576)
+    want = x.double() @ w.dequantize().double().T
+    got = quant_linear(x, pack(w), None)
+    assert torch.allclose(got.double(), want, rtol=1e-5,
+                          atol=1e-5 * want.abs().max().item())
+    with pytest.raises(ValueError, match="ceil"):
+        QuantWeight(kind, w.codes, w.scales[:, :4], None, 128)
 
 
 @kernel

@@ -117,7 +117,7 @@ def _fake(input: torch.Tensor, packed: torch.Tensor, out_features: int,
 
 def _fake_quant(input: torch.Tensor, packed: torch.Tensor,
                 scales: torch.Tensor, offsets: Optional[torch.Tensor],
-                kind: int, out_features: int,
+                kind: int, group_size: int, out_features: int,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     return input.new_empty((*input.shape[:-1], out_features))
 

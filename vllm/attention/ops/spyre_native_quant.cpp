@@ -13,7 +13,8 @@
 //               c holding column c and the high nibble column c + 16.
 //
 // Scales come per group of input features and per column, [N / kBlock]
-// [G][kBlock] float32 (one group: per-channel or per-tensor scales), with
+// [G][kBlock] float32 (G = ceil(K / group size), the last group possibly
+// shorter; one group: per-channel or per-tensor scales), with
 // optional offsets of the same shape: the weight of column c at feature k
 // in group g is code * scale[g][c] + offset[g][c].  An FP8 code is the
 // e4m3 value times 2^-8 (its bits widened to a half float, see
@@ -150,7 +151,7 @@ void tile(const float* x, int64_t ldx, const float* xsums, int64_t groups,
     vfloat part[U][R][2];
     for (int u = 0; u < U; ++u)
       for (int r = 0; r < R; ++r) part[u][r][0] = part[u][r][1] = vfloat{};
-    const int64_t end = k0 + group;
+    const int64_t end = std::min(k0 + group, in);
     int64_t k = k0;
     auto step = [&](int u, int64_t kk) {
       const uint8_t* row = block + kk * bytes;
@@ -217,7 +218,7 @@ constexpr TileFn kTiles[kMaxRows + 1] = {
 at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
                         const at::Tensor& scales,
                         const std::optional<at::Tensor>& offsets,
-                        int64_t kind, int64_t out_features,
+                        int64_t kind, int64_t group, int64_t out_features,
                         const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(kind == kInt8 || kind == kFp8 || kind == kInt4,
               "quant_linear: unknown weight kind ", kind,
@@ -238,8 +239,9 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
               "quant_linear: scales must be float32 [blocks, groups, ",
               kBlock, "]");
   const int64_t groups = scales.size(1);
-  TORCH_CHECK(groups > 0 && K % groups == 0, "quant_linear: ", groups,
-              " groups do not divide ", K, " input features");
+  TORCH_CHECK(group > 0 && groups == (K + group - 1) / group,
+              "quant_linear: ", groups, " groups of ", group, " for ", K,
+              " input features");
   const float* op = nullptr;
   if (offsets.has_value() && offsets->defined()) {
     TORCH_CHECK(offsets->sizes() == scales.sizes() &&
@@ -272,14 +274,20 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
   const TileFn* tiles = kind == kInt8  ? kTiles<kInt8>
                         : kind == kFp8 ? kTiles<kFp8>
                                        : kTiles<kInt4>;
-  const int64_t group = K / groups;
   const int64_t height =
       M ? (M + (M + kMaxRows - 1) / kMaxRows - 1) /
               ((M + kMaxRows - 1) / kMaxRows)
         : 0;
   // Each row's sum of inputs per group, for the offsets.
   at::Tensor xsums;
-  if (op) xsums = x.view({M, groups, K / groups}).sum(-1).contiguous();
+  if (op) {
+    xsums = groups * group == K
+                ? x.view({M, groups, group}).sum(-1)
+                : at::constant_pad_nd(x.view({M, K}), {0, groups * group - K})
+                      .view({M, groups, group})
+                      .sum(-1);
+    xsums = xsums.contiguous();
+  }
   const float* xsp = op ? xsums.data_ptr<float>() : nullptr;
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
@@ -307,7 +315,8 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
 TORCH_LIBRARY_FRAGMENT(spyre_cpu, m) {
   m.def(
       "quant_linear(Tensor input, Tensor packed, Tensor scales, "
-      "Tensor? offsets, int kind, int out_features, Tensor? bias=None) "
+      "Tensor? offsets, int kind, int group_size, int out_features, "
+      "Tensor? bias=None) "
       "-> Tensor");
 }
 

@@ -40,13 +40,15 @@ class QuantWeight:
 
     ``codes``: int8 (``int8``: -128..127; ``int4``: 0..15) or
     ``torch.float8_e4m3fn`` (``fp8``).  ``scales``: float32 ``[N, G]``,
-    ``G = K / group_size``.  ``zeros``: float32 ``[N, G]`` or None
-    (symmetric)."""
+    ``G = ceil(K / group_size)`` (the last group may be shorter, as GPTQ
+    groups 576 features by 128); ``group_size`` None: ``K / G``.
+    ``zeros``: float32 ``[N, G]`` or None (symmetric)."""
 
     kind: str
     codes: torch.Tensor
     scales: torch.Tensor
     zeros: Optional[torch.Tensor] = None
+    group_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -54,10 +56,15 @@ class QuantWeight:
                              f"{', '.join(KINDS)}")
         n, k = self.codes.shape
         groups = self.scales.shape[1]
-        if self.scales.shape[0] != n or k % groups:
+        if self.group_size is None:
+            self.group_size = k // groups if groups and k % groups == 0 \
+                else 0
+        if self.scales.shape[0] != n or self.group_size <= 0 or \
+                groups != -(-k // self.group_size):
             raise ValueError(
                 f"scales of shape {tuple(self.scales.shape)} for a weight "
-                f"of {n} x {k}: need [{n}, G] with G dividing {k}")
+                f"of {n} x {k} in groups of {self.group_size}: need "
+                f"[{n}, ceil({k} / group size)]")
         if self.zeros is not None and self.zeros.shape != self.scales.shape:
             raise ValueError("zero points must have the scales' shape")
 
@@ -69,18 +76,16 @@ class QuantWeight:
     def in_features(self) -> int:
         return self.codes.shape[1]
 
-    @property
-    def group_size(self) -> int:
-        return self.in_features // self.scales.shape[1]
+    def _per_feature(self, t: torch.Tensor) -> torch.Tensor:
+        return t.repeat_interleave(self.group_size,
+                                   dim=1)[:, :self.in_features]
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight ``(code - zero) * scale``."""
         codes = self.codes.to(torch.float32)
-        scales = self.scales.repeat_interleave(self.group_size, dim=1)
         if self.zeros is not None:
-            codes = codes - self.zeros.repeat_interleave(self.group_size,
-                                                         dim=1)
-        return codes * scales
+            codes = codes - self._per_feature(self.zeros)
+        return codes * self._per_feature(self.scales)
 
 
 @dataclass
@@ -91,6 +96,7 @@ class PackedQuant:
     scales: torch.Tensor
     offsets: Optional[torch.Tensor]
     kind: int
+    group_size: int
     out_features: int
 
 
@@ -125,7 +131,7 @@ def pack(weight: QuantWeight) -> PackedQuant:
     if weight.zeros is not None:
         offsets = _blocked(-weight.zeros * weight.scales, blocks)
     return PackedQuant(packed.contiguous(), _blocked(scales, blocks),
-                       offsets, KINDS[weight.kind], n)
+                       offsets, KINDS[weight.kind], weight.group_size, n)
 
 
 def quant_linear(x: torch.Tensor, weight: PackedQuant,
@@ -133,6 +139,7 @@ def quant_linear(x: torch.Tensor, weight: PackedQuant,
     """``x @ weight.T (+ bias)`` on the kernel, in ``x``'s dtype."""
     return torch.ops.spyre_cpu.quant_linear(x, weight.packed, weight.scales,
                                             weight.offsets, weight.kind,
+                                            weight.group_size,
                                             weight.out_features, bias)
 
 

@@ -6,7 +6,7 @@ it, as with vLLM elsewhere; ``--quantization`` may name its method
 mismatch error.  The formats:
 
 * **GPTQ** (``quant_method: gptq``): 4 or 8 bits, symmetric or not, group
-  size 128 (any that divides the layers' input features) or -1 (one scale
+  size 128 (or any other; a last group may be shorter) or -1 (one scale
   per output channel), ``desc_act: false``; checkpoint format ``gptq``
   (zero points stored minus one) or ``gptq_v2``; ``lm_head: true``
   quantizes the output head too.
@@ -56,8 +56,10 @@ from vllm.model_executor.parameter import (BasevLLMParameter,
                                            ChannelQuantScaleParameter,
                                            GroupQuantScaleParameter,
                                            ModelWeightParameter,
+                                           PackedColumnParameter,
                                            PackedvLLMParameter,
-                                           PerTensorScaleParameter)
+                                           PerTensorScaleParameter,
+                                           RowvLLMParameter)
 
 logger = init_logger(__name__)
 
@@ -67,8 +69,7 @@ NAME = "spyre"
 METHODS = ("gptq", "compressed-tensors")
 
 SUPPORTED = (
-    "GPTQ (4 or 8 bits, group size -1 or dividing the input features, "
-    "desc_act false) and compressed-tensors (float-quantized FP8 weights, "
+    "GPTQ (4 or 8 bits, any group size or -1, desc_act false) and compressed-tensors (float-quantized FP8 weights, "
     "per tensor or per channel, with static per-tensor, dynamic per-token "
     "or no input quantization; pack-quantized int8 or int4 symmetric "
     "weight-only, per channel or per group)")
@@ -355,7 +356,8 @@ class SpyreQuantLinearMethod(LinearMethodBase):
         scheme = self.scheme
         loader = extra_weight_attrs.get("weight_loader")
         group = scheme.group_size
-        if group > 0 and input_size_per_partition % group:
+        if group > 0 and input_size_per_partition % group and \
+                input_size_per_partition != input_size:
             raise ValueError(
                 f"{scheme.describe()}: this rank's {input_size_per_partition}"
                 f" input features (of {input_size}) are not a whole number of"
@@ -375,22 +377,60 @@ class SpyreQuantLinearMethod(LinearMethodBase):
                                     output_partition_sizes, input_size,
                                     loader)
 
+    def _groups(self, input_size_per_partition: int) -> int:
+        group = self.scheme.group_size
+        return 1 if group == -1 else -(-input_size_per_partition // group)
+
     def _create_gptq(self, layer, input_size_per_partition,
                      output_partition_sizes, input_size, output_size,
                      params_dtype, extra) -> None:
-        # vLLM's own GPTQ tensors (qweight, qzeros, scales, g_idx) and
-        # their loaders; only its CUDA kernels are left out.
-        from vllm.model_executor.layers.quantization.gptq import (
-            GPTQConfig, GPTQLinearMethod)
-        gptq = GPTQConfig(self.scheme.bits, self.scheme.group_size,
-                          desc_act=False,
-                          lm_head_quantized=self.config.head_quantized,
-                          dynamic={})
-        GPTQLinearMethod(gptq).create_weights(layer,
-                                              input_size_per_partition,
-                                              output_partition_sizes,
-                                              input_size, output_size,
-                                              params_dtype, **extra)
+        # GPTQ's tensors as vLLM's GPTQ layers declare them, except that a
+        # last group may be shorter (SmolLM2's 576 features in groups of
+        # 128: 5 groups, as GPTQ's tools write them).
+        loader = extra.get("weight_loader")
+        per = 32 // self.scheme.bits
+        rows = sum(output_partition_sizes)
+        if input_size_per_partition % per or rows % per:
+            raise ValueError(
+                f"GPTQ {self.scheme.bits}-bit: {input_size_per_partition} "
+                f"input and {rows} output features do not pack {per} to an "
+                "int32; use a tensor-parallel size that keeps them whole")
+        groups = self._groups(input_size_per_partition)
+        split = (input_size != input_size_per_partition
+                 and self.scheme.group_size != -1)
+        layer.register_parameter(
+            "qweight",
+            PackedvLLMParameter(data=torch.empty(
+                input_size_per_partition // per, rows, dtype=torch.int32),
+                                input_dim=0, output_dim=1, packed_dim=0,
+                                packed_factor=per, weight_loader=loader))
+        layer.register_parameter(
+            "g_idx",
+            RowvLLMParameter(data=torch.empty(input_size_per_partition,
+                                              dtype=torch.int32),
+                             input_dim=0, weight_loader=loader))
+        zeros = torch.empty(groups, rows // per, dtype=torch.int32)
+        scales = torch.empty(groups, rows, dtype=params_dtype)
+        if split:
+            layer.register_parameter(
+                "qzeros",
+                PackedvLLMParameter(data=zeros, input_dim=0, output_dim=1,
+                                    packed_dim=1, packed_factor=per,
+                                    weight_loader=loader))
+            layer.register_parameter(
+                "scales",
+                GroupQuantScaleParameter(data=scales, input_dim=0,
+                                         output_dim=1, weight_loader=loader))
+        else:
+            layer.register_parameter(
+                "qzeros",
+                PackedColumnParameter(data=zeros, output_dim=1, packed_dim=1,
+                                      packed_factor=per,
+                                      weight_loader=loader))
+            layer.register_parameter(
+                "scales",
+                ChannelQuantScaleParameter(data=scales, output_dim=1,
+                                           weight_loader=loader))
 
     def _create_fp8(self, layer, input_size_per_partition,
                     output_partition_sizes, loader) -> None:
@@ -439,7 +479,7 @@ class SpyreQuantLinearMethod(LinearMethodBase):
                 data=torch.empty(rows, 1, dtype=torch.float32),
                 output_dim=0, weight_loader=loader)
         else:
-            groups = input_size_per_partition // self.scheme.group_size
+            groups = self._groups(input_size_per_partition)
             row_parallel = input_size != input_size_per_partition
             scale = (GroupQuantScaleParameter if row_parallel else
                      ChannelQuantScaleParameter)(
@@ -476,16 +516,19 @@ class SpyreQuantLinearMethod(LinearMethodBase):
         if self.scheme.zeros_minus_one:
             zeros = zeros + 1
         scales = layer.scales.data.t().float()
-        groups = scales.shape[1]
-        if zeros.shape[1] != groups:  # replicated (per channel)
-            zeros = zeros[:, :groups]
+        group = self._group_size(codes.shape[1])
         if bits == 8:  # unsigned codes, shifted to int8
             zeros = zeros - 128
             return QuantWeight(
                 "int8", (codes - 128).to(torch.int8), scales.contiguous(),
-                zeros.float().contiguous() if zeros.any() else None)
+                zeros.float().contiguous() if zeros.any() else None, group)
         return QuantWeight("int4", codes.to(torch.int8).contiguous(),
-                           scales.contiguous(), zeros.float().contiguous())
+                           scales.contiguous(), zeros.float().contiguous(),
+                           group)
+
+    def _group_size(self, in_features: int) -> int:
+        group = self.scheme.group_size
+        return in_features if group == -1 else group
 
     def _fp8_weight(self, layer: nn.Module) -> QuantWeight:
         scale = layer.weight_scale.data.float()
@@ -512,11 +555,12 @@ class SpyreQuantLinearMethod(LinearMethodBase):
         codes = _unpack_int32(layer.weight_packed.data, bits, 1)  # unsigned
         scales = layer.weight_scale.data.float().contiguous()
         offset = 1 << (bits - 1)
+        group = self._group_size(codes.shape[1])
         if bits == 8:
             return QuantWeight("int8", (codes - offset).to(torch.int8),
-                               scales)
+                               scales, None, group)
         return QuantWeight("int4", codes.to(torch.int8), scales,
-                           torch.full_like(scales, float(offset)))
+                           torch.full_like(scales, float(offset)), group)
 
     def finish(self, layer: nn.Module, native: bool) -> None:
         """Packs the layer for the quantized kernel (``native``), or, off
@@ -531,6 +575,7 @@ class SpyreQuantLinearMethod(LinearMethodBase):
             layer.register_buffer("spyre_qoffsets", packed.offsets,
                                   persistent=False)
             layer.spyre_qkind = packed.kind
+            layer.spyre_qgroup = packed.group_size
             layer.spyre_out_features = packed.out_features
         else:
             layer.register_buffer("spyre_dequantized", weight.dequantize(),
@@ -555,7 +600,7 @@ class SpyreQuantLinearMethod(LinearMethodBase):
         if hasattr(layer, "spyre_qcodes"):
             return torch.ops.spyre_cpu.quant_linear(
                 x, layer.spyre_qcodes, layer.spyre_qscales,
-                layer.spyre_qoffsets, layer.spyre_qkind,
+                layer.spyre_qoffsets, layer.spyre_qkind, layer.spyre_qgroup,
                 layer.spyre_out_features, bias)
         return F.linear(x, layer.spyre_dequantized.to(x.dtype), bias)
 
