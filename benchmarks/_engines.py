@@ -2,8 +2,10 @@
 each with one interface, ``run(prompts) -> Run``: our Spyre engine stepped
 by hand, under static batching (``SpyreDriver``) or continuous batching
 (``SpyreCBDriver``), Hugging Face ``generate`` (``HFDriver``) and FMS
-``generate`` on a compiled FMS model (``FMSDriver``), and llama.cpp at
-three precisions (``_peers.LlamaCppDriver``); ``ENGINES`` names them.
+``generate`` on a compiled FMS model (``FMSDriver``), llama.cpp at five
+precisions (``_peers.LlamaCppDriver``), and ours on the default model
+quantized by ``scripts/quantize.py`` (``QUANT_FORMATS``, ``quantized_model``);
+``ENGINES`` names them.
 ``start_engines`` starts one per child process (``_common.Child``),
 ``measure`` alternates their timed runs.
 
@@ -12,14 +14,16 @@ process must be able to set its environment before vLLM is imported.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
+import sys
 import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
-from _common import (TORCH_OPS, Child, Run, Timings, Workload,
+from _common import (REPO, TORCH_OPS, Child, Run, Timings, Workload,
                      cb_max_model_len, compile_count, spyre_cb_env, spyre_env)
 from _peers import LlamaCppDriver
 
@@ -245,6 +249,9 @@ class Engine:
     # vLLM's model code (--model-impl vllm): the FMS engine it is compared
     # with
     fms_peer: Optional[str] = None
+    # a quantized checkpoint: ours on the unquantized model it is compared
+    # with
+    unquantized_peer: Optional[str] = None
 
 
 ENGINES: dict[str, Engine] = {
@@ -266,11 +273,11 @@ ENGINES: dict[str, Engine] = {
     "llamacpp-bf16": Engine(partial(LlamaCppDriver, precision="bf16"),
                             precision="bf16"),
     "llamacpp-q8_0": Engine(partial(LlamaCppDriver, precision="q8_0"),
-                            precision="q8_0"),
+                            precision="8-bit"),
     "llamacpp-q4_0": Engine(partial(LlamaCppDriver, precision="q4_0"),
-                            precision="q4_0"),
+                            precision="4-bit"),
     "llamacpp-q4_1": Engine(partial(LlamaCppDriver, precision="q4_1"),
-                            precision="q4_1"),
+                            precision="4-bit"),
     "spyre-inductor-bf16": Engine(partial(SpyreDriver, dtype="bfloat16"),
                                   "inductor", ours=True, precision="bf16"),
     "spyre-cb-inductor-bf16": Engine(
@@ -298,6 +305,55 @@ def _with_vllm_model_code(engines: dict[str, Engine]) -> dict[str, Engine]:
 
 ENGINES = _with_vllm_model_code(ENGINES)
 
+#: Quantized formats of scripts/quantize.py -> the bits the ratio columns
+#: compare at (llama.cpp's Q8_0 against the 8-bit ones, Q4_0 and Q4_1
+#: against the 4-bit ones).
+QUANT_FORMATS = {"gptq-int8": "8-bit", "fp8": "8-bit", "fp8-dynamic": "8-bit",
+                 "w8a16": "8-bit", "gptq-int4": "4-bit", "w4a16": "4-bit"}
+
+
+def quantized_model(model: str, fmt: str) -> str:
+    """``model`` quantized to ``fmt`` by ``scripts/quantize.py``, the output
+    head included (as llama.cpp's GGUFs quantize theirs), written on first
+    use to the git-ignored ``.quantized/`` folder."""
+    out = REPO / ".quantized" / f"{os.path.basename(model)}-{fmt}"
+    if not (out / "config.json").exists():
+        sys.path.insert(0, str(REPO / "scripts"))
+        from quantize import quantize
+        print(f"quantizing {model} to {fmt} in {out} ...", flush=True)
+        quantize(model, out, fmt, lm_head=True)
+    return str(out)
+
+
+def _quantized(driver, fmt: str):
+    """A driver of ours on the ``fmt`` checkpoint of the workload's model,
+    served in bfloat16 (its unquantized tensors and KV cache as our bf16
+    engines hold them)."""
+    def make(work: Workload, backend: str):
+        work = dataclasses.replace(work,
+                                   model=quantized_model(work.model, fmt))
+        return driver(work, backend, dtype="bfloat16")
+    make.base = driver
+    return make
+
+
+def _with_quantized(engines: dict[str, Engine]) -> dict[str, Engine]:
+    """``spyre-inductor-<fmt>`` and ``spyre-cb-inductor-<fmt>`` for every
+    format of ``QUANT_FORMATS``."""
+    out = dict(engines)
+    for fmt, bits in QUANT_FORMATS.items():
+        out[f"spyre-inductor-{fmt}"] = Engine(
+            _quantized(SpyreDriver, fmt), "inductor", ours=True,
+            precision=bits, unquantized_peer="spyre-inductor-bf16")
+        out[f"spyre-cb-inductor-{fmt}"] = Engine(
+            _quantized(SpyreCBDriver, fmt), "inductor", ours=True,
+            precision=bits, unquantized_peer="spyre-cb-inductor-bf16",
+            static_peer=f"spyre-inductor-{fmt}")
+    return out
+
+
+ENGINES = _with_quantized(ENGINES)
+
 
 def is_ours(engine: str) -> bool:
     return ENGINES[engine].ours
@@ -306,7 +362,8 @@ def is_ours(engine: str) -> bool:
 def is_cb(engine: str) -> bool:
     """Whether the engine is ours under continuous batching."""
     driver = ENGINES[engine].driver
-    return issubclass(getattr(driver, "func", driver), SpyreCBDriver)
+    base = getattr(driver, "base", None) or getattr(driver, "func", driver)
+    return isinstance(base, type) and issubclass(base, SpyreCBDriver)
 
 
 class EngineWorker:
@@ -333,6 +390,7 @@ class EngineWorker:
                     warm_s=self.warm_s, threads=torch.get_num_threads())
         if hasattr(self.driver, "weight_bytes"):
             info["weight_bytes"] = self.driver.weight_bytes()
+        info["rss_bytes"] = resident_bytes()
         return info
 
     def run(self, batch: int) -> dict[str, Any]:
@@ -342,6 +400,12 @@ class EngineWorker:
         run = self.driver.run(self.work.prompts[batch])
         run.compiles = compile_count() - before
         return run.__dict__
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (after load and warm-up)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def start_engines(engines: Sequence[str], work: Workload) -> dict:

@@ -22,11 +22,20 @@ up to 64; the B prefills run one by one, then every decode step runs the
 whole batch), hf (transformers generate, sdpa), fms (FMS generate on the
 FMS model compiled with inductor), fms-eager (the same with the eager
 backend: a cheap check of the FMS path), llamacpp-f32, llamacpp-bf16,
-llamacpp-q4_1 (llama.cpp through its C API on GGUF files of the model, B
-sequences in one context, one decode call per step; set up once with
-``bash benchmarks/peers/setup_llamacpp.sh``).  TTFT is the time until every
-row has its first token.  Ratios are shown against the peers at our
-precision, float32 (not llamacpp-bf16 or llamacpp-q4_1).  llama.cpp's
+llamacpp-q8_0, llamacpp-q4_0, llamacpp-q4_1 (llama.cpp through its C API on
+GGUF files of the model, B sequences in one context, one decode call per
+step; set up once with ``bash benchmarks/peers/setup_llamacpp.sh``), and
+spyre-inductor-<format>, spyre-cb-inductor-<format> (ours, static and
+continuous batching, on the model quantized by scripts/quantize.py to
+<format>: gptq-int8, fp8, fp8-dynamic, w8a16, gptq-int4 or w4a16, the
+output head included, served with --dtype bfloat16; written on first use
+under .quantized/).  TTFT is the time until every row has its first
+token.  Ratios are shown against the peers at each of our engines'
+precision: float32 against llamacpp-f32, bf16 against llamacpp-bf16, our
+8-bit formats against llamacpp-q8_0 and our 4-bit ones against
+llamacpp-q4_0 and llamacpp-q4_1; a quantized engine run next to ours in
+bf16 also gets "decode q/bf16", its decode tokens/s over bf16's.  After
+the table, each engine's resident memory after warm-up.  llama.cpp's
 kernels round differently from torch's: its ids agree with ours for some
 leading tokens (the ids column says how many), then may part; pass
 ``--allow-mismatch`` to accept that.  A CB engine run next to its static
@@ -38,7 +47,9 @@ CB slower).
         [--prompt-len 64] [--new-tokens 64] [--repetitions 3]
         [--engines spyre-inductor,spyre-eager,hf,fms]
         (add spyre-cb-inductor,spyre-cb-eager for continuous batching,
-        llamacpp-f32,llamacpp-bf16,llamacpp-q4_1 for llama.cpp)
+        llamacpp-f32,llamacpp-bf16,llamacpp-q8_0,llamacpp-q4_0,llamacpp-q4_1
+        for llama.cpp, spyre-inductor-<format> and spyre-cb-inductor-<format>
+        for ours on a quantized checkpoint)
         [--json PATH] [--plot PATH] [--allow-mismatch]
         [--model-impl vllm]
 
@@ -120,6 +131,7 @@ def print_agreement(engines: list[str], work: Workload, ids: dict,
 
 CB_STEP = "cbstep/static"
 VLLM_FMS = "decode vllm/fms"
+QUANT_BF16 = "decode q/bf16"
 
 
 def same_precision(a: str, b: str) -> bool:
@@ -158,6 +170,10 @@ def ratios(engines: list[str], summaries: dict, batch: int,
     if fms in engines:
         out[VLLM_FMS] = (mine["decode_tok_s"] /
                          summaries[fms, batch]["decode_tok_s"])
+    unquantized = ENGINES[engine].unquantized_peer
+    if unquantized in engines:
+        out[QUANT_BF16] = (mine["decode_tok_s"] /
+                           summaries[unquantized, batch]["decode_tok_s"])
     return out
 
 
@@ -245,6 +261,7 @@ def main() -> int:
     if args.plot:
         plot(args.plot, engines, work, summaries)
     print_table(engines, work, summaries, found, args.repetitions)
+    print_memory(engines, children)
     if compiled:
         print(f"FAILED: {compiled} compilation(s) during timed runs")
         return 1
@@ -253,6 +270,20 @@ def main() -> int:
               "--allow-mismatch to accept")
         return 1
     return 0
+
+
+def print_memory(engines: list[str], children: dict) -> None:
+    """Each engine's resident memory after load and warm-up, and the bytes
+    its weights are held in where the engine reports them."""
+    rows = []
+    for engine in engines:
+        info = children[engine][1]
+        weights = info.get("weight_bytes")
+        rows.append([engine, f"{info['rss_bytes'] / 2**20:.0f}",
+                     f"{weights / 2**20:.0f}" if weights else "-"])
+    print("\nresident memory after warm-up (whole process: Python, torch, "
+          "vLLM, compiled graphs, caches)")
+    print(table(["engine", "RSS MiB", "weights MiB"], rows))
 
 
 def ids_cell(found: list[dict], ref: str, engine: str, batch: int,
@@ -282,6 +313,8 @@ def print_table(engines, work, summaries, found, repetitions) -> None:
         ratio_cols.append(CB_STEP)
     if any(ENGINES[e].fms_peer in engines for e in engines):
         ratio_cols.append(VLLM_FMS)
+    if any(ENGINES[e].unquantized_peer in engines for e in engines):
+        ratio_cols.append(QUANT_BF16)
     cb = [e for e in engines if is_cb(e)]
     rows = []
     for engine, batch in itertools.product(engines, work.batch_sizes):
