@@ -55,6 +55,13 @@ class SpyreDriver:
     def engine_args(work: Workload) -> dict[str, Any]:
         return dict(max_num_seqs=max(work.batch_sizes))
 
+    def weight_bytes(self) -> int:
+        """What this rank's model holds in parameters and buffers (packed
+        and quantized weights, norms, embeddings; not the KV cache)."""
+        worker = self.engine.model_executor.driver_worker.worker
+        return unique_parameter_bytes(worker.model_runner.model,
+                                      buffers=True)
+
     def run(self, prompts: list[list[int]]) -> Run:
         from vllm import SamplingParams, TokensPrompt
         ids: dict[int, list[int]] = {}
@@ -211,11 +218,15 @@ class FMSDriver:
         return unique_parameter_bytes(self.fms_model)
 
 
-def unique_parameter_bytes(model) -> int:
+def unique_parameter_bytes(model, buffers: bool = False) -> int:
     """Bytes of the model's weights, each storage once (tied embeddings
-    count once)."""
+    count once); with ``buffers``, its buffers too (our packed and
+    quantized weights are buffers)."""
+    import itertools
     seen: dict[int, int] = {}
-    for p in model.parameters():
+    tensors = itertools.chain(model.parameters(),
+                              model.buffers() if buffers else ())
+    for p in tensors:
         seen[p.data_ptr()] = max(seen.get(p.data_ptr(), 0),
                                  p.numel() * p.element_size())
     return sum(seen.values())
@@ -312,6 +323,13 @@ QUANT_FORMATS = {"gptq-int8": "8-bit", "fp8": "8-bit", "fp8-dynamic": "8-bit",
                  "w8a16": "8-bit", "gptq-int4": "4-bit", "w4a16": "4-bit"}
 
 
+#: Group sizes other than scripts/quantize.py's defaults (GPTQ 128, with a
+#: shorter last group where the features are not a multiple, as GPTQ's
+#: tools write them): compressed-tensors 0.10.2 writes whole groups only,
+#: and 64 divides SmolLM2's 576 features.
+QUANT_GROUP_SIZES = {"w4a16": 64}
+
+
 def quantized_model(model: str, fmt: str) -> str:
     """``model`` quantized to ``fmt`` by ``scripts/quantize.py``, the output
     head included (as llama.cpp's GGUFs quantize theirs), written on first
@@ -321,7 +339,8 @@ def quantized_model(model: str, fmt: str) -> str:
         sys.path.insert(0, str(REPO / "scripts"))
         from quantize import quantize
         print(f"quantizing {model} to {fmt} in {out} ...", flush=True)
-        quantize(model, out, fmt, lm_head=True)
+        quantize(model, out, fmt, lm_head=True,
+                 group_size=QUANT_GROUP_SIZES.get(fmt))
     return str(out)
 
 

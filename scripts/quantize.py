@@ -11,8 +11,9 @@ Formats (``FORMATS``):
     GPTQ's layout but not GPTQ's accuracy.  Every ``nn.Linear`` of the
     decoder layers is quantized (the output head too with ``lm_head``);
     embeddings and norms stay float.  Per quantized linear ``<p>`` with
-    weight ``W`` of shape [N, K] (out, in) and G groups (K / group_size, or
-    1 for group_size -1):
+    weight ``W`` of shape [N, K] (out, in) and G groups (``ceil(K /
+    group_size)``, the last one shorter where K is not a multiple, as
+    GPTQ's tools write them; 1 for group_size -1):
 
     * ``<p>.qweight`` int32 [K * bits / 32, N]: the codes ``q[k, n]``
       packed along the input dimension; int32 row i holds input rows
@@ -225,9 +226,13 @@ def _gptq_rtn(weight: torch.Tensor, bits: int, group_size: int, sym: bool):
     (int64) of ``weight`` [N, K] under GPTQ's rule (module docstring)."""
     n_out, k_in = weight.shape
     group = k_in if group_size == -1 else group_size
-    groups = k_in // group
+    groups = -(-k_in // group)  # a last group may be shorter, as GPTQ's
     maxq = 2**bits - 1
-    w = weight.to(torch.float32).reshape(n_out, groups, group)
+    # Zeros pad the last group: they change neither its min (<= 0) nor
+    # its max (>= 0), and their codes are dropped.
+    w = torch.nn.functional.pad(weight.to(torch.float32),
+                                (0, groups * group - k_in))
+    w = w.reshape(n_out, groups, group)
     zero_t = torch.zeros((), dtype=torch.float32)
     wmin = torch.minimum(w.amin(dim=-1), zero_t)
     wmax = torch.maximum(w.amax(dim=-1), zero_t)
@@ -245,7 +250,8 @@ def _gptq_rtn(weight: torch.Tensor, bits: int, group_size: int, sym: bool):
         zero = torch.clamp(torch.round(-wmin / scale), 1, maxq)
     codes = torch.clamp(torch.round(w / scale[..., None]) + zero[..., None],
                         0, maxq)
-    return (codes.reshape(n_out, k_in).to(torch.int64), scale16,
+    codes = codes.reshape(n_out, groups * group)[:, :k_in]
+    return (codes.to(torch.int64), scale16,
             zero.to(torch.int64))
 
 
@@ -294,9 +300,6 @@ def _gptq_quantize(src: Path, out: Path, bits: int, group_size: int,
                             if tensor.is_floating_point() else tensor)
             continue
         n_out, k_in = tensor.shape
-        if group_size != -1 and k_in % group_size:
-            raise ValueError(f"{name}: input size {k_in} is not a multiple "
-                             f"of group size {group_size}")
         if k_in % per_word or n_out % per_word:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not "
                              f"pack {per_word} codes per int32")
