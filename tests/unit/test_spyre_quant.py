@@ -75,6 +75,20 @@ def test_kernel_last_group_shorter(kind, rows):
 
 
 @kernel
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 12, 40])
+def test_kernel_rounding_inputs_to_bfloat16(kind, rows):
+    # The bfloat16 precision: inputs rounded to bfloat16, then (from 4 rows
+    # on, where the CPU has AVX512_BF16) multiplied as bfloat16 pairs.
+    w = _weight(kind, 64, 576, 5, True, group_size=128)
+    x = torch.randn(rows, 576)
+    want = x.bfloat16().double() @ w.dequantize().double().T
+    got = quant_linear(x, pack(w), None, round_inputs=True)
+    assert torch.allclose(got.double(), want, rtol=2e-5,
+                          atol=2e-5 * want.abs().max().item())
+
+
+@kernel
 def test_kernel_bias_batch_dims_and_bfloat16():
     w = _weight("int4", 40, 128, 2, True)
     bias = torch.randn(40)
@@ -121,7 +135,12 @@ def test_pack_layout():
     assert torch.equal(p.packed[0, :, 3] & 15, w.codes[3].to(torch.uint8))
     assert torch.equal(p.packed[0, :, 3] >> 4, w.codes[19].to(torch.uint8))
     assert p.scales.shape == (2, 1, 32) and not p.scales[1, 0, 8:].any()
-    assert p.offsets is None
+    # The kernel reads int4 codes as code - 8: a zero point of 8 needs no
+    # offset, none (codes 0..15 as they are) an offset of 8 scales.
+    assert torch.equal(p.offsets[0, 0], 8 * p.scales[0, 0])
+    w8 = QuantWeight("int4", w.codes, w.scales, torch.full_like(w.scales, 8.))
+    assert pack(w8).offsets is None
+    assert pack(_weight("int8", 40, 8, 1, False)).offsets is None
 
 
 def test_fake_quantize_fp8_static_and_dynamic():

@@ -118,7 +118,8 @@ def _fake(input: torch.Tensor, packed: torch.Tensor, out_features: int,
 def _fake_quant(input: torch.Tensor, packed: torch.Tensor,
                 scales: torch.Tensor, offsets: Optional[torch.Tensor],
                 kind: int, group_size: int, out_features: int,
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                bias: Optional[torch.Tensor] = None,
+                round_inputs: bool = False) -> torch.Tensor:
     return input.new_empty((*input.shape[:-1], out_features))
 
 

@@ -10,7 +10,8 @@
 //
 //   int8, FP8:  [N / kBlock][K][kBlock] bytes (column c of row k at c);
 //   int4:       [N / kBlock][K][kBlock / 2] bytes, the low nibble of byte
-//               c holding column c and the high nibble column c + 16.
+//               c holding column c and the high nibble column c + 16,
+//               each the code (-8..7) plus 8.
 //
 // Scales come per group of input features and per column, [N / kBlock]
 // [G][kBlock] float32 (G = ceil(K / group size), the last group possibly
@@ -115,8 +116,10 @@ inline void codes(const uint8_t* row, vfloat& lo, vfloat& hi) {
     hi = fp8_codes(row + kLanes);
   } else {
     const vint v = widen_unsigned(row);
-    lo = __builtin_convertvector(v & 15, vfloat);
-    hi = __builtin_convertvector(v >> 4, vfloat);
+    // Stored as code + 8 (0..15), read back as -8..7: symmetric formats
+    // then need no offsets.
+    lo = __builtin_convertvector((v & 15) - 8, vfloat);
+    hi = __builtin_convertvector((v >> 4) - 8, vfloat);
   }
 }
 
@@ -209,6 +212,99 @@ using TileFn = void (*)(const float*, int64_t, const float*, int64_t,
                         const float*, float*, int64_t, int64_t,
                         const float*);
 
+#if defined(__AVX512BF16__)
+// Rounded inputs (bfloat16 precision): from kDotRows rows on, a tile
+// multiplies bfloat16 pairs with vdpbf16ps, two input features per lane,
+// twice the products per instruction of float32 multiply-adds.  Codes are
+// small integers or FP8 values, exact in bfloat16, so only the inputs are
+// rounded, as the bfloat16 float kernel rounds them.
+constexpr int64_t kDotRows = 4;
+
+// Lanes of rows k (a) and k + 1 (b) as bfloat16 pairs: b's upper half
+// above a's (both exact, so truncation is rounding).
+inline __m512i bf16_pairs(vfloat a, vfloat b) {
+  const vuint ua = reinterpret_cast<vuint>(a);
+  const vuint ub = reinterpret_cast<vuint>(b);
+  return reinterpret_cast<__m512i>((ub & 0xFFFF0000u) | (ua >> 16));
+}
+
+// tile() on bfloat16 input pairs x ([R][ldx] pairs); in and group even.
+template <int K, int R>
+void tile_dot(const uint32_t* x, int64_t ldx, const float* xsums,
+              int64_t groups, const uint8_t* block, int64_t in,
+              int64_t group, const float* scales, const float* offsets,
+              float* y, int64_t ldy, int64_t cols, const float* bias) {
+  constexpr int64_t bytes = row_bytes<K>();
+  vfloat acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vfloat{};
+  for (int64_t k0 = 0, g = 0; k0 < in; k0 += group, ++g) {
+    vfloat part[R][2];
+    for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = vfloat{};
+    const int64_t end = std::min(k0 + group, in);
+    for (int64_t k = k0; k < end; k += 2) {
+      const uint8_t* row = block + k * bytes;
+      __builtin_prefetch(row + kAheadL1);
+      __builtin_prefetch(row + kAheadL2, 0, 2);
+      vfloat a0, a1, b0, b1;
+      codes<K>(row, a0, a1);
+      codes<K>(row + bytes, b0, b1);
+      const __m512bh p0 = reinterpret_cast<__m512bh>(bf16_pairs(a0, b0));
+      const __m512bh p1 = reinterpret_cast<__m512bh>(bf16_pairs(a1, b1));
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xs = reinterpret_cast<__m512bh>(
+            _mm512_set1_epi32(x[r * ldx + k / 2]));
+        part[r][0] = reinterpret_cast<vfloat>(_mm512_dpbf16_ps(
+            reinterpret_cast<__m512>(part[r][0]), xs, p0));
+        part[r][1] = reinterpret_cast<vfloat>(_mm512_dpbf16_ps(
+            reinterpret_cast<__m512>(part[r][1]), xs, p1));
+      }
+    }
+    const float* sg = scales + g * kBlock;
+    const vfloat s0 = *reinterpret_cast<const vfloat_u*>(sg);
+    const vfloat s1 = *reinterpret_cast<const vfloat_u*>(sg + kLanes);
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] += part[r][0] * s0;
+      acc[r][1] += part[r][1] * s1;
+    }
+    if (offsets) {
+      const float* og = offsets + g * kBlock;
+      const vfloat o0 = *reinterpret_cast<const vfloat_u*>(og);
+      const vfloat o1 = *reinterpret_cast<const vfloat_u*>(og + kLanes);
+      for (int r = 0; r < R; ++r) {
+        const float xs = xsums[r * groups + g];
+        acc[r][0] += xs * o0;
+        acc[r][1] += xs * o1;
+      }
+    }
+  }
+  float out[kBlock];
+  for (int r = 0; r < R; ++r) {
+    *reinterpret_cast<vfloat_u*>(out) = acc[r][0];
+    *reinterpret_cast<vfloat_u*>(out + kLanes) = acc[r][1];
+    float* yr = y + r * ldy;
+    for (int64_t c = 0; c < cols; ++c) yr[c] = bias ? out[c] + bias[c] : out[c];
+  }
+}
+
+using DotFn = void (*)(const uint32_t*, int64_t, const float*, int64_t,
+                       const uint8_t*, int64_t, int64_t, const float*,
+                       const float*, float*, int64_t, int64_t,
+                       const float*);
+
+template <int K>
+constexpr DotFn kDots[kMaxRows + 1] = {
+    nullptr,         tile_dot<K, 1>,  tile_dot<K, 2>,  tile_dot<K, 3>,
+    tile_dot<K, 4>,  tile_dot<K, 5>,  tile_dot<K, 6>,  tile_dot<K, 7>,
+    tile_dot<K, 8>,  tile_dot<K, 9>,  tile_dot<K, 10>, tile_dot<K, 11>,
+    tile_dot<K, 12>};
+#endif
+
+#if defined(__AVX512BF16__)
+using DotFnOrNull = DotFn;
+#else
+using DotFnOrNull = void (*)();
+#endif
+
 template <int K>
 constexpr TileFn kTiles[kMaxRows + 1] = {
     nullptr,     tile<K, 1>, tile<K, 2>,  tile<K, 3>,  tile<K, 4>,
@@ -219,7 +315,8 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
                         const at::Tensor& scales,
                         const std::optional<at::Tensor>& offsets,
                         int64_t kind, int64_t group, int64_t out_features,
-                        const std::optional<at::Tensor>& bias) {
+                        const std::optional<at::Tensor>& bias,
+                        bool round_inputs) {
   TORCH_CHECK(kind == kInt8 || kind == kFp8 || kind == kInt4,
               "quant_linear: unknown weight kind ", kind,
               " (0 int8, 1 fp8, 2 int4)");
@@ -260,6 +357,13 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
   at::Tensor x = input.scalar_type() == at::kFloat
                      ? (input.is_contiguous() ? input : input.contiguous())
                      : input.to(at::kFloat).contiguous();
+  // round_inputs: the inputs rounded to bfloat16 (nearest even), as the
+  // bfloat16 precision's products take them.
+  at::Tensor x16;
+  if (round_inputs) {
+    x16 = x.to(at::kBFloat16);
+    x = x16.to(at::kFloat);
+  }
   const int64_t M = K ? x.numel() / K : 0;
   auto out_sizes = input.sizes().vec();
   out_sizes.back() = out_features;
@@ -290,6 +394,15 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
   }
   const float* xsp = op ? xsums.data_ptr<float>() : nullptr;
   const float* xp = x.data_ptr<float>();
+  const DotFnOrNull* dots = nullptr;
+#if defined(__AVX512BF16__)
+  if (round_inputs && K % 2 == 0 && group % 2 == 0 && height >= kDotRows)
+    dots = kind == kInt8 ? kDots<kInt8> : kind == kFp8 ? kDots<kFp8>
+                                                         : kDots<kInt4>;
+#endif
+  const uint32_t* x2 =
+      dots ? static_cast<const uint32_t*>(x16.data_ptr()) : nullptr;
+  (void)x2;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -300,6 +413,16 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
       const int64_t at = blk * groups * kBlock;
       for (int64_t m0 = 0; m0 < M; m0 += height) {
         const int64_t rows = std::min(height, M - m0);
+#if defined(__AVX512BF16__)
+        if (dots) {
+          dots[rows](x2 + m0 * K / 2, K / 2,
+                     xsp ? xsp + m0 * groups : nullptr, groups,
+                     wp + blk * K * bytes, K, group, sp + at,
+                     op ? op + at : nullptr, yp + m0 * out_features + c0,
+                     out_features, cols, bp ? bp + c0 : nullptr);
+          continue;
+        }
+#endif
         tiles[rows](xp + m0 * K, K, xsp ? xsp + m0 * groups : nullptr,
                     groups, wp + blk * K * bytes, K, group, sp + at,
                     op ? op + at : nullptr, yp + m0 * out_features + c0,
@@ -316,7 +439,7 @@ TORCH_LIBRARY_FRAGMENT(spyre_cpu, m) {
   m.def(
       "quant_linear(Tensor input, Tensor packed, Tensor scales, "
       "Tensor? offsets, int kind, int group_size, int out_features, "
-      "Tensor? bias=None) "
+      "Tensor? bias=None, bool round_inputs=False) "
       "-> Tensor");
 }
 

@@ -110,9 +110,10 @@ def _blocked(t: torch.Tensor, blocks: int) -> torch.Tensor:
 
 def pack(weight: QuantWeight) -> PackedQuant:
     """Codes in column blocks ``[N / 32][K][32]`` bytes (int4: two codes
-    per byte, columns c and c + 16 of the block), scales and offsets
-    ``[N / 32][G][32]`` float32, where ``code * scale + offset`` is the
-    weight."""
+    per byte, columns c and c + 16 of the block, which the kernel reads as
+    code - 8), scales and offsets ``[N / 32][G][32]`` float32, where
+    ``code * scale + offset`` is the weight; no offsets where every zero
+    point is 0 (int4: 8)."""
     n, k = weight.codes.shape
     blocks = -(-n // BLOCK)
     if weight.kind == "fp8":
@@ -128,19 +129,30 @@ def pack(weight: QuantWeight) -> PackedQuant:
     if weight.kind == "int4":
         packed = packed[..., :BLOCK // 2] | (packed[..., BLOCK // 2:] << 4)
     offsets = None
-    if weight.zeros is not None:
-        offsets = _blocked(-weight.zeros * weight.scales, blocks)
+    zeros = weight.zeros
+    if weight.kind == "int4":
+        # The kernel reads int4 codes as code - 8: a zero point of 8 (every
+        # symmetric int4 format's) needs no offset.
+        zeros = (torch.zeros_like(weight.scales) if zeros is None else
+                 zeros) - 8
+    if zeros is not None and zeros.any():
+        offsets = _blocked(-zeros * weight.scales, blocks)
     return PackedQuant(packed.contiguous(), _blocked(scales, blocks),
                        offsets, KINDS[weight.kind], weight.group_size, n)
 
 
 def quant_linear(x: torch.Tensor, weight: PackedQuant,
-                 bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` on the kernel, in ``x``'s dtype."""
+                 bias: Optional[torch.Tensor],
+                 round_inputs: bool = False) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` on the kernel, in ``x``'s dtype;
+    ``round_inputs``: ``x`` rounded to bfloat16 first (the bfloat16
+    precision), which lets tiles of several rows multiply bfloat16 pairs
+    (``vdpbf16ps``) where the CPU has them."""
     return torch.ops.spyre_cpu.quant_linear(x, weight.packed, weight.scales,
                                             weight.offsets, weight.kind,
                                             weight.group_size,
-                                            weight.out_features, bias)
+                                            weight.out_features, bias,
+                                            round_inputs)
 
 
 def fake_quantize_fp8(x: torch.Tensor,

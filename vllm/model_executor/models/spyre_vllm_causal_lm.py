@@ -73,7 +73,9 @@ class SpyreVllmCausalLM(SpyreCausalLM):
         #: Names the attention in the graph cache's keys.
         self.attn_name = "vllm-" + ("kernel" if self.native else "torch")
         start = time.perf_counter()
-        quantized = finish_quantized_layers(self.vllm_model, self.native)
+        quantized = finish_quantized_layers(
+            self.vllm_model, self.native,
+            round_inputs=self.precision.linear == torch.bfloat16)
         if quantized:
             logger.info(
                 "Put %d quantized linear layers (%s) on the %s in %.1f s",

@@ -562,9 +562,12 @@ class SpyreQuantLinearMethod(LinearMethodBase):
         return QuantWeight("int4", codes.to(torch.int8), scales,
                            torch.full_like(scales, float(offset)), group)
 
-    def finish(self, layer: nn.Module, native: bool) -> None:
+    def finish(self, layer: nn.Module, native: bool,
+               round_inputs: bool = False) -> None:
         """Packs the layer for the quantized kernel (``native``), or, off
-        the kernels, keeps its weight dequantized in float32."""
+        the kernels, keeps its weight dequantized in float32.
+        ``round_inputs`` (the bfloat16 precision): the kernel rounds the
+        inputs to bfloat16, as the precision's other products do."""
         weight: QuantWeight = layer.spyre_quant
         if native:
             packed = pack(weight)
@@ -576,6 +579,7 @@ class SpyreQuantLinearMethod(LinearMethodBase):
                                   persistent=False)
             layer.spyre_qkind = packed.kind
             layer.spyre_qgroup = packed.group_size
+            layer.spyre_qround = round_inputs
             layer.spyre_out_features = packed.out_features
         else:
             layer.register_buffer("spyre_dequantized", weight.dequantize(),
@@ -601,7 +605,7 @@ class SpyreQuantLinearMethod(LinearMethodBase):
             return torch.ops.spyre_cpu.quant_linear(
                 x, layer.spyre_qcodes, layer.spyre_qscales,
                 layer.spyre_qoffsets, layer.spyre_qkind, layer.spyre_qgroup,
-                layer.spyre_out_features, bias)
+                layer.spyre_out_features, bias, layer.spyre_qround)
         return F.linear(x, layer.spyre_dequantized.to(x.dtype), bias)
 
     # A quantized output head is applied like a linear layer; its tokens
@@ -612,7 +616,8 @@ class SpyreQuantLinearMethod(LinearMethodBase):
             "supported on Spyre")
 
 
-def finish_quantized_layers(model: nn.Module, native: bool) -> int:
+def finish_quantized_layers(model: nn.Module, native: bool,
+                            round_inputs: bool = False) -> int:
     """``SpyreQuantLinearMethod.finish`` on every quantized layer of
     ``model``; returns how many."""
     done = 0
@@ -620,7 +625,7 @@ def finish_quantized_layers(model: nn.Module, native: bool) -> int:
         method = getattr(module, "quant_method", None)
         if isinstance(method, SpyreQuantLinearMethod) and \
                 hasattr(module, "spyre_quant"):
-            method.finish(module, native)
+            method.finish(module, native, round_inputs)
             done += 1
     return done
 
