@@ -330,16 +330,18 @@ QUANT_FORMATS = {"gptq-int8": "8-bit", "fp8": "8-bit", "fp8-dynamic": "8-bit",
 QUANT_GROUP_SIZES = {"w4a16": 64}
 
 
-def quantized_model(model: str, fmt: str) -> str:
-    """``model`` quantized to ``fmt`` by ``scripts/quantize.py``, the output
-    head included (as llama.cpp's GGUFs quantize theirs), written on first
-    use to the git-ignored ``.quantized/`` folder."""
-    out = REPO / ".quantized" / f"{os.path.basename(model)}-{fmt}"
+def quantized_model(model: str, fmt: str, head: bool = True) -> str:
+    """``model`` quantized to ``fmt`` by ``scripts/quantize.py``, written on
+    first use to the git-ignored ``.quantized/`` folder; ``head``: the
+    output head quantized too (as llama.cpp's GGUFs quantize theirs),
+    else left float (the tools' default)."""
+    name = f"{os.path.basename(model)}-{fmt}" + ("" if head else "-float-head")
+    out = REPO / ".quantized" / name
     if not (out / "config.json").exists():
         sys.path.insert(0, str(REPO / "scripts"))
         from quantize import quantize
         print(f"quantizing {model} to {fmt} in {out} ...", flush=True)
-        quantize(model, out, fmt, lm_head=True,
+        quantize(model, out, fmt, lm_head=head,
                  group_size=QUANT_GROUP_SIZES.get(fmt))
     return str(out)
 
