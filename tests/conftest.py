@@ -206,6 +206,17 @@ def greedy_tokens(llm, prompts: list[list[int]], max_tokens: int):
                        ignore_eos=True), use_tqdm=False)
 
 
+def greedy_requests(llm, requests) -> list[list[int]]:
+    """``llm.generate`` of ``(prompt ids, new tokens)`` requests, each with
+    its own ``max_tokens``, greedy, EOS ignored: the generated ids."""
+    from vllm import SamplingParams, TokensPrompt
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p, _ in requests],
+        [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+         for _, m in requests], use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def model_runner(llm):
     """The driver worker's model runner of an in-process ``LLM``."""
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner

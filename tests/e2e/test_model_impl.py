@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import (HFReference, build_tiny_family, compile_count,
-                      mode_llm, spyre_env, spyre_llm)
+                      greedy_requests, mode_llm, spyre_env, spyre_llm)
 from server import Server, served_ids
 
 pytestmark = pytest.mark.e2e
@@ -45,15 +45,6 @@ FACTORY = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
 }
-
-
-def generate(llm, requests=REQUESTS) -> list[list[int]]:
-    from vllm import SamplingParams, TokensPrompt
-    outs = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p, _ in requests],
-        [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
-         for _, m in requests], use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def reference(path) -> list[list[int]]:
@@ -89,7 +80,7 @@ def run(path, mode: str, backend: str = "eager", **kwargs):
     with mode_llm(path, mode, backend, max_model_len=MAX_MODEL_LEN,
                   **STATIC, **kwargs) as llm:
         before = compile_count()
-        got = generate(llm)
+        got = greedy_requests(llm, REQUESTS)
         compiled = compile_count() - before
         return got, compiled, llm.collective_rpc(probe)
 

@@ -128,6 +128,48 @@ constexpr int64_t row_bytes() {
   return K == kInt4 ? kBlock / 2 : kBlock;
 }
 
+// acc[r] += sums[r] * the scales of group g, plus the group's offsets
+// times row r's sum of inputs over the group (xsums, [R][groups]).
+template <int R>
+inline void add_group(vfloat (&acc)[R][2], const vfloat (&sums)[R][2],
+                      const float* scales, const float* offsets,
+                      const float* xsums, int64_t groups, int64_t g) {
+  const float* sg = scales + g * kBlock;
+  const vfloat s0 = *reinterpret_cast<const vfloat_u*>(sg);
+  const vfloat s1 = *reinterpret_cast<const vfloat_u*>(sg + kLanes);
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] += sums[r][0] * s0;
+    acc[r][1] += sums[r][1] * s1;
+  }
+  if (offsets) {
+    const float* og = offsets + g * kBlock;
+    const vfloat o0 = *reinterpret_cast<const vfloat_u*>(og);
+    const vfloat o1 = *reinterpret_cast<const vfloat_u*>(og + kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float xs = xsums[r * groups + g];
+      acc[r][0] += xs * o0;
+      acc[r][1] += xs * o1;
+    }
+  }
+}
+
+// y[r, 0:cols] = acc[r] (+ bias) for the R rows.
+template <int R>
+inline void store_rows(const vfloat (&acc)[R][2], float* y, int64_t ldy,
+                       int64_t cols, const float* bias) {
+  float out[kBlock];
+  for (int r = 0; r < R; ++r) {
+    *reinterpret_cast<vfloat_u*>(out) = acc[r][0];
+    *reinterpret_cast<vfloat_u*>(out + kLanes) = acc[r][1];
+    float* yr = y + r * ldy;
+    if (bias) {
+      for (int64_t c = 0; c < cols; ++c) yr[c] = out[c] + bias[c];
+    } else {
+      std::memcpy(yr, out, cols * sizeof(float));
+    }
+  }
+}
+
 // Independent sums per row and column vector: with few rows, each weight
 // vector feeds few fused multiply-adds, and one chain of sums would wait
 // on its own latency (4 cycles) at every input feature.
@@ -171,40 +213,18 @@ void tile(const float* x, int64_t ldx, const float* xsums, int64_t groups,
     for (; k + U <= end; k += U)
       for (int u = 0; u < U; ++u) step(u, k + u);
     for (; k < end; ++k) step(0, k);
-    const float* sg = scales + g * kBlock;
-    const vfloat s0 = *reinterpret_cast<const vfloat_u*>(sg);
-    const vfloat s1 = *reinterpret_cast<const vfloat_u*>(sg + kLanes);
+    vfloat sums[R][2];
     for (int r = 0; r < R; ++r) {
-      vfloat p0 = part[0][r][0], p1 = part[0][r][1];
+      sums[r][0] = part[0][r][0];
+      sums[r][1] = part[0][r][1];
       for (int u = 1; u < U; ++u) {
-        p0 += part[u][r][0];
-        p1 += part[u][r][1];
-      }
-      acc[r][0] += p0 * s0;
-      acc[r][1] += p1 * s1;
-    }
-    if (offsets) {
-      const float* og = offsets + g * kBlock;
-      const vfloat o0 = *reinterpret_cast<const vfloat_u*>(og);
-      const vfloat o1 = *reinterpret_cast<const vfloat_u*>(og + kLanes);
-      for (int r = 0; r < R; ++r) {
-        const float xs = xsums[r * groups + g];
-        acc[r][0] += xs * o0;
-        acc[r][1] += xs * o1;
+        sums[r][0] += part[u][r][0];
+        sums[r][1] += part[u][r][1];
       }
     }
+    add_group<R>(acc, sums, scales, offsets, xsums, groups, g);
   }
-  float out[kBlock];
-  for (int r = 0; r < R; ++r) {
-    *reinterpret_cast<vfloat_u*>(out) = acc[r][0];
-    *reinterpret_cast<vfloat_u*>(out + kLanes) = acc[r][1];
-    float* yr = y + r * ldy;
-    if (bias) {
-      for (int64_t c = 0; c < cols; ++c) yr[c] = out[c] + bias[c];
-    } else {
-      std::memcpy(yr, out, cols * sizeof(float));
-    }
-  }
+  store_rows<R>(acc, y, ldy, cols, bias);
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t,
@@ -259,31 +279,9 @@ void tile_dot(const uint32_t* x, int64_t ldx, const float* xsums,
             reinterpret_cast<__m512>(part[r][1]), xs, p1));
       }
     }
-    const float* sg = scales + g * kBlock;
-    const vfloat s0 = *reinterpret_cast<const vfloat_u*>(sg);
-    const vfloat s1 = *reinterpret_cast<const vfloat_u*>(sg + kLanes);
-    for (int r = 0; r < R; ++r) {
-      acc[r][0] += part[r][0] * s0;
-      acc[r][1] += part[r][1] * s1;
-    }
-    if (offsets) {
-      const float* og = offsets + g * kBlock;
-      const vfloat o0 = *reinterpret_cast<const vfloat_u*>(og);
-      const vfloat o1 = *reinterpret_cast<const vfloat_u*>(og + kLanes);
-      for (int r = 0; r < R; ++r) {
-        const float xs = xsums[r * groups + g];
-        acc[r][0] += xs * o0;
-        acc[r][1] += xs * o1;
-      }
-    }
+    add_group<R>(acc, part, scales, offsets, xsums, groups, g);
   }
-  float out[kBlock];
-  for (int r = 0; r < R; ++r) {
-    *reinterpret_cast<vfloat_u*>(out) = acc[r][0];
-    *reinterpret_cast<vfloat_u*>(out + kLanes) = acc[r][1];
-    float* yr = y + r * ldy;
-    for (int64_t c = 0; c < cols; ++c) yr[c] = bias ? out[c] + bias[c] : out[c];
-  }
+  store_rows<R>(acc, y, ldy, cols, bias);
 }
 
 using DotFn = void (*)(const uint32_t*, int64_t, const float*, int64_t,
