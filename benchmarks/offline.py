@@ -34,7 +34,7 @@ token.  Ratios are shown against the peers at each of our engines'
 precision: float32 against llamacpp-f32, bf16 against llamacpp-bf16, our
 8-bit formats against llamacpp-q8_0 and our 4-bit ones against
 llamacpp-q4_0 and llamacpp-q4_1; a quantized engine run next to ours in
-bf16 also gets "decode q/bf16", its decode tokens/s over bf16's.  After
+bf16 also gets "decode q/bf16", its decode tokens/s over bf16's.  Before
 the table, each engine's resident memory after warm-up.  llama.cpp's
 kernels round differently from torch's: its ids agree with ours for some
 leading tokens (the ids column says how many), then may part; pass
@@ -260,8 +260,8 @@ def main() -> int:
         ids_match=not mismatched))
     if args.plot:
         plot(args.plot, engines, work, summaries)
-    print_table(engines, work, summaries, found, args.repetitions)
     print_memory(engines, children)
+    print_table(engines, work, summaries, found, args.repetitions)
     if compiled:
         print(f"FAILED: {compiled} compilation(s) during timed runs")
         return 1
@@ -281,9 +281,10 @@ def print_memory(engines: list[str], children: dict) -> None:
         weights = info.get("weight_bytes")
         rows.append([engine, f"{info['rss_bytes'] / 2**20:.0f}",
                      f"{weights / 2**20:.0f}" if weights else "-"])
-    print("\nresident memory after warm-up (whole process: Python, torch, "
-          "vLLM, compiled graphs, caches)")
-    print(table(["engine", "RSS MiB", "weights MiB"], rows))
+    print("\nresident memory of each engine's process after warm-up "
+          "(Python, torch, vLLM, compiled graphs, caches) and the bytes its "
+          "model holds (our engines: parameters and buffers)")
+    print(table(["process", "RSS MiB", "weights MiB"], rows))
 
 
 def ids_cell(found: list[dict], ref: str, engine: str, batch: int,

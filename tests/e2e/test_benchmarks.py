@@ -54,6 +54,11 @@ def test_offline_benchmark_small(smollm2, tmp_path):
         # Every decode step ran the whole batch: nothing was preempted.
         assert [r["preemptions"] for r in cb["runs"]] == [0, 0]
     assert png.stat().st_size > 1000
+    # Each engine's resident memory, before the table; ours also report
+    # the bytes their model holds.
+    assert all(engines[e]["info"]["rss_bytes"] > 0 for e in engines)
+    assert engines["spyre-eager"]["info"]["weight_bytes"] > 100 * 2**20
+    assert "RSS MiB" in proc.stdout
     last = proc.stdout.strip().splitlines()
     header = next(i for i, line in enumerate(last)
                   if line.startswith("engine "))

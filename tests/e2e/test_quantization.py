@@ -203,3 +203,35 @@ def test_smollm2_eight_bit_formats_agree_with_bfloat16(smollm2):
     for fmt, (same, total) in found.items():
         assert total >= 1000
         assert same / total >= bars[fmt], (fmt, same, total)
+
+
+def test_tied_head_is_the_float_embedding(tmp_path):
+    """A checkpoint whose config ties the head to the token embedding
+    while its quantization config says the head is quantized: the head is
+    the float embedding (vLLM loads no lm_head tensors for a tied head),
+    as in transformers."""
+    from quantize import reference_model
+    base = build_tiny_quant_base(tmp_path / "base")
+    path = build_tiny_quantized(base, tmp_path / "tied", "gptq-int4",
+                                lm_head=True)
+    config = json.loads((path / "config.json").read_text())
+    assert config["quantization_config"]["lm_head"] is True
+    config["tie_word_embeddings"] = True
+    (path / "config.json").write_text(json.dumps(config))
+    model = reference_model(path)
+    expected = [_greedy(model, p, m) for p, m in REQUESTS]
+    got, _, probes = run(path, "static")
+    assert got == expected
+    assert on_kernel(probes), probes
+
+
+def test_quantized_pooling_model_refused(tmp_path):
+    from tiny_encoders import build_tiny_encoder
+    path = build_tiny_encoder("bert", tmp_path / "bert")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = dict(quant_method="gptq", bits=4,
+                                         group_size=128, desc_act=False)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match="Quantized pooling"):
+        with spyre_llm(path, {}, task="embed"):
+            pass

@@ -5,12 +5,18 @@
   with zero points or without, row counts below, at and above the 12-row
   tile, a partial last column block, a bias, bfloat16 inputs, and under
   ``torch.compile`` (the op's fake implementation);
-* every FP8 code (subnormals included) read exactly;
+* every FP8 code (subnormals included) read exactly, also by the portable
+  code of CPUs without AVX-512 (built for AVX2 in a subprocess);
 * GPTQ's and compressed-tensors' int32 packing read back;
 * the quantization configs Spyre runs, and a clear refusal, naming the
   value and what is supported, for the ones it does not.
 """
 from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -231,3 +237,17 @@ def test_int8_activations_refused():
     config["format"] = "pack-quantized"
     with pytest.raises(ValueError, match="int8 weights with quantized inputs"):
         spyre_quant.SpyreQuantConfig.from_config(config)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64",
+                    reason="builds the kernel for x86-64-v3 (AVX2)")
+def test_kernel_without_avx512():
+    """The portable code (GCC vector extensions: Power, Z, AVX2-only x86)
+    built for AVX2 in a subprocess gives the dequantized product too,
+    every FP8 code exactly."""
+    script = Path(__file__).resolve().parent.parent / \
+        "quant_kernel_portable.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), \
+        done.stdout[-2000:] + done.stderr[-4000:]

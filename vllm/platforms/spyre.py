@@ -183,6 +183,11 @@ class SpyrePlatform(Platform):
         # Imported here: vllm.model_executor imports vllm.config, which
         # resolves the platform.
         if pooling:
+            if model_config.quantization is not None:
+                raise NotImplementedError(
+                    f"Quantized pooling models ({model_config.quantization})"
+                    " are not supported on Spyre; the encoders of "
+                    "spyre_encoder_families load float checkpoints")
             from vllm.model_executor.models.spyre_model_impl import \
                 flag_value
             impl = flag_value(model_config.model_impl)

@@ -37,6 +37,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t kLanes = 16;
@@ -59,8 +63,6 @@ typedef int8_t vbyte_u __attribute__((vector_size(kLanes), aligned(1)));
 typedef uint8_t vubyte_u __attribute__((vector_size(kLanes), aligned(1)));
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
 // Sixteen bytes widened to 32-bit lanes, signed or not.
 inline vint widen_signed(const uint8_t* p) {
   return reinterpret_cast<vint>(_mm512_cvtepi8_epi32(
@@ -95,13 +97,14 @@ inline vfloat fp8_codes(const uint8_t* p) {
   return reinterpret_cast<vfloat>(_mm512_cvtph_ps(bits));
 #else
   // 2^9 times the value = (e ? 8 + m : m) << max(e - 1, 0), e the
-  // exponent field and m the mantissa: exact in 32-bit integers.
+  // exponent field and m the mantissa: exact in 32-bit integers; times
+  // 2^-17, 2^-8 times the value, as above.
   const vint v = widen_unsigned(p);
   const vint e = (v >> 3) & 15;
   const vint normal = e != 0;  // -1 or 0
   const vint magnitude = ((v & 7) | (normal & 8)) << (e + normal);
   const vint value = (v & 0x80) ? -magnitude : magnitude;
-  return __builtin_convertvector(value, vfloat) * (1.0f / 512.0f);
+  return __builtin_convertvector(value, vfloat) * (1.0f / 131072.0f);
 #endif
 }
 

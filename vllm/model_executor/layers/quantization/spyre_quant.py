@@ -235,8 +235,11 @@ class SpyreQuantConfig(QuantizationConfig):
             self.head_quantized = bool(config.get("lm_head", False))
         elif method == "compressed-tensors":
             self.targets, self.ignore = compressed_tensors_schemes(config)
-            self.head_quantized = "lm_head" not in self.ignore and any(
-                t in ("Linear", "lm_head") for t in self.targets)
+            from vllm.model_executor.layers.quantization \
+                .compressed_tensors.utils import should_ignore_layer
+            self.head_quantized = not should_ignore_layer(
+                "lm_head", ignore=self.ignore) and any(
+                    t in ("Linear", "lm_head") for t in self.targets)
         else:
             raise UnsupportedQuantization(f"quant_method {method!r}")
 
@@ -289,7 +292,9 @@ class SpyreQuantConfig(QuantizationConfig):
     def scheme_for(self, layer: nn.Module, prefix: str) -> Optional[Scheme]:
         """The scheme of the layer named ``prefix``; None: unquantized."""
         if isinstance(layer, ParallelLMHead):
-            if not self.head_quantized:
+            if not self.head_quantized or _tied_embeddings():
+                # A tied head is the (float) token embedding: vLLM loads no
+                # lm_head tensors for it.
                 return None
             if self.gptq:
                 return self.gptq
@@ -318,6 +323,15 @@ class SpyreQuantConfig(QuantizationConfig):
             return (None if isinstance(layer, ParallelLMHead) else
                     UnquantizedLinearMethod())
         return SpyreQuantLinearMethod(self, scheme)
+
+
+def _tied_embeddings() -> bool:
+    """Whether the model being built ties its output head to its token
+    embedding."""
+    from vllm.config import get_current_vllm_config
+    model_config = get_current_vllm_config().model_config
+    return model_config is not None and bool(
+        getattr(model_config.hf_text_config, "tie_word_embeddings", False))
 
 
 # ---- the layers --------------------------------------------------------------
@@ -390,6 +404,16 @@ class SpyreQuantLinearMethod(LinearMethodBase):
         loader = extra.get("weight_loader")
         per = 32 // self.scheme.bits
         rows = sum(output_partition_sizes)
+        if isinstance(layer, ParallelLMHead) and \
+                layer.org_vocab_size != layer.num_embeddings_padded:
+            # Its tensors hold the vocabulary on their second dimension,
+            # which vLLM's head loader pads on the first only.
+            raise NotImplementedError(
+                f"a GPTQ-quantized output head over {layer.org_vocab_size} "
+                f"tokens (padded to {layer.num_embeddings_padded}) is not "
+                "supported on Spyre; quantize the head with a vocabulary "
+                "that is a multiple of 64 times the tensor-parallel size, "
+                "or leave it float (lm_head: false)")
         if input_size_per_partition % per or rows % per:
             raise ValueError(
                 f"GPTQ {self.scheme.bits}-bit: {input_size_per_partition} "

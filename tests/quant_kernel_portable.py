@@ -1,0 +1,62 @@
+"""Builds the quantized kernel without AVX-512 (``-march=x86-64-v3``: the
+GCC vector-extension code Power, Z and AVX2-only x86 machines run) in
+this process and checks it against the dequantized product; prints OK.
+Run by tests/unit/test_spyre_quant.py in a subprocess, so that its op
+does not meet the one the project's extension registers."""
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load
+
+REPO = Path(__file__).resolve().parent.parent
+SOURCE = REPO / "vllm" / "attention" / "ops" / "spyre_native_quant.cpp"
+
+
+def main() -> int:
+    load(name="spyre_quant_portable", sources=[str(SOURCE)],
+         extra_cflags=["-O2", "-march=x86-64-v3", "-fopenmp"],
+         extra_ldflags=["-fopenmp"], is_python_module=False)
+    sys.path.insert(0, str(REPO))
+    # The layer module only packs and calls the op: importable from the
+    # working tree like any other file.
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "quant_linear_module",
+        REPO / "vllm" / "model_executor" / "layers" / "spyre_quant_linear.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    g = torch.Generator().manual_seed(0)
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn)
+    codes = codes.view(-1, 1).repeat(1, 32)
+    w = mod.QuantWeight("fp8", codes, torch.ones(codes.shape[0], 1))
+    got = mod.quant_linear(torch.eye(32)[:1], mod.pack(w), None)[0]
+    assert torch.equal(got, codes[:, 0].float()), "fp8 codes"
+    for kind in ("int8", "int4", "fp8"):
+        if kind == "int8":
+            q = torch.randint(-128, 128, (40, 256), generator=g,
+                              dtype=torch.int8)
+        elif kind == "int4":
+            q = torch.randint(0, 16, (40, 256), generator=g,
+                              dtype=torch.int8)
+        else:
+            q = (torch.randn(40, 256, generator=g) * 30).to(
+                torch.float8_e4m3fn)
+        w = mod.QuantWeight(kind, q, torch.rand(40, 2, generator=g) + 0.1,
+                            torch.rand(40, 2, generator=g) * 4, None)
+        for rows in (1, 5, 13):
+            x = torch.randn(rows, 256, generator=g)
+            for rnd in (False, True):
+                xr = x.bfloat16().float() if rnd else x
+                want = xr.double() @ w.dequantize().double().T
+                y = mod.quant_linear(x, mod.pack(w), None, rnd).double()
+                err = ((y - want).abs().max() / want.abs().max()).item()
+                assert err < 2e-5, (kind, rows, rnd, err)
+    print("OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
