@@ -9,16 +9,25 @@ three kernels:
 * ``mkl-packed``: ``mkl._mkl_linear`` on a weight packed for that row
   count, what inductor's ``freezing`` uses for float32;
 * ``spyre-packed``: ``spyre_cpu::packed_linear`` (our kernel), one packed
-  copy for every row count.
+  copy for every row count;
+* ``spyre-bf16``: the same kernel on bfloat16 weights (``--dtype
+  bfloat16``);
+* ``spyre-int8``, ``spyre-fp8``, ``spyre-int4``: ``spyre_cpu::quant_linear``
+  (docs/quantization.md) on the weights quantized here by round to
+  nearest: int8 and FP8 per output channel, int4 per group of 64 (which
+  divides SmolLM2's features), symmetric.
 
-Reports the best of N passes, the weight bytes read per second, and the
-ratio to ``mkl-packed``; the machine's read bandwidth (as in roofline.py)
-is printed first for reference.  Outputs of the three kernels are compared,
-and any dynamo compilation during the passes fails the run (the kernels
-run eagerly; none is expected).
+Reports the best of N passes, the bytes each kernel's weights are held in
+and read per second, and the ratio of its time to ``mkl-packed``'s; the
+machine's read bandwidth (as in roofline.py) is printed first for
+reference.  Outputs are compared with ``aten``'s on the weights each
+kernel holds (bfloat16 or dequantized: exact products, up to the order of
+the sums), and any dynamo compilation during the passes fails the run
+(the kernels run eagerly; none is expected).
 
     python benchmarks/linear.py [--model DIR] [--rows 1,8,16,64]
-        [--repeats 7] [--json PATH]
+        [--repeats 7] [--kernels aten,mkl-packed,spyre-packed,...]
+        [--json PATH]
 """
 from __future__ import annotations
 
@@ -47,46 +56,106 @@ def load_linears(model_dir: str) -> list:
     return weights
 
 
+def quantize_rtn(w, kind: str):
+    """``w`` quantized by round to nearest, symmetric: int8 and FP8 per
+    output channel, int4 per group of 64 (codes 0..15, zero point 8)."""
+    import torch
+
+    from vllm.model_executor.layers.spyre_quant_linear import QuantWeight
+    if kind == "int4":
+        g = w.view(w.shape[0], -1, 64)
+        scale = g.abs().amax(-1) / 7
+        codes = (torch.round(g / scale[..., None]) + 8).clamp(0, 15)
+        return QuantWeight("int4", codes.view_as(w).to(torch.int8), scale,
+                           torch.full_like(scale, 8.0), 64)
+    amax = w.abs().amax(-1, keepdim=True)
+    if kind == "int8":
+        scale = amax / 127
+        return QuantWeight("int8", torch.round(w / scale).clamp(
+            -127, 127).to(torch.int8), scale)
+    scale = amax / 448
+    return QuantWeight("fp8", (w / scale).to(torch.float8_e4m3fn), scale)
+
+
 def kernels(rows: int):
-    """name -> (prepare(weight), apply(x, prepared))."""
+    """name -> (prepare(weight) -> (held, weight it stands for, bytes[,
+    whether it rounds its inputs to bfloat16]), apply(x, held))."""
     import torch
     import torch.nn.functional as F
 
     from vllm.attention.ops import spyre_native as native
-    from vllm.model_executor.layers import spyre_linear
+    from vllm.model_executor.layers import spyre_linear, spyre_quant_linear
+
+    def plain(w):
+        return w, w, w.numel() * w.element_size()
+
     ops = {
-        "aten": (lambda w: w, lambda x, w: F.linear(x, w)),
+        "aten": (plain, lambda x, w: F.linear(x, w)),
         "mkl-packed": (
-            lambda w: (torch.ops.mkl._mkl_reorder_linear_weight(w, rows), w),
+            lambda w: ((torch.ops.mkl._mkl_reorder_linear_weight(w, rows),
+                        w), w, w.numel() * w.element_size()),
             lambda x, p: torch.ops.mkl._mkl_linear(x, p[0], p[1], None,
                                                    rows)),
     }
     if native.available():
         ops["spyre-packed"] = (
-            lambda w: (spyre_linear.pack_weight(w), w.shape[0]),
+            lambda w: ((spyre_linear.pack_weight(w), w.shape[0]), w,
+                       w.numel() * w.element_size()),
             lambda x, p: torch.ops.spyre_cpu.packed_linear(x, p[0], p[1]))
+
+        def bf16(w):
+            b = w.to(torch.bfloat16)
+            return ((spyre_linear.pack_weight(b), w.shape[0]),
+                    b.float(), b.numel() * 2, True)
+
+        ops["spyre-bf16"] = (
+            bf16, lambda x, p: torch.ops.spyre_cpu.packed_linear(
+                x, p[0], p[1]))
+        for kind in ("int8", "fp8", "int4"):
+            def prepare(w, kind=kind):
+                q = quantize_rtn(w, kind)
+                p = spyre_quant_linear.pack(q)
+                held = sum(t.numel() * t.element_size()
+                           for t in (p.packed, p.scales, p.offsets)
+                           if t is not None)
+                return p, q.dequantize(), held
+            ops[f"spyre-{kind}"] = (
+                prepare,
+                lambda x, p: spyre_quant_linear.quant_linear(x, p, None))
     return ops
 
 
 def time_pass(weights, prepare, apply, rows: int, repeats: int):
-    """Best time of one pass over every weight, and the outputs."""
+    """Best time of one pass over every weight, the bytes the weights are
+    held in, and whether the outputs equal ``aten``'s on the weights the
+    kernel stands for."""
     import torch
+    import torch.nn.functional as F
     prepared = [prepare(w) for w in weights]
     gen = torch.Generator().manual_seed(0)
     inputs = {k: torch.randn(rows, k, generator=gen)
               for k in {w.shape[1] for w in weights}}
 
     def one_pass():
-        return [apply(inputs[w.shape[1]], p)
+        return [apply(inputs[w.shape[1]], p[0])
                 for w, p in zip(weights, prepared)]
 
     outputs = one_pass()
+    def reference(x, p):
+        if len(p) > 3 and p[3]:
+            x = x.to(torch.bfloat16).float()
+        return F.linear(x, p[1])
+
+    same = all(
+        torch.allclose(out, reference(inputs[w.shape[1]], p), rtol=1e-3,
+                       atol=1e-4) for w, p, out in zip(weights, prepared,
+                                                       outputs))
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         one_pass()
         best = min(best, time.perf_counter() - start)
-    return best, outputs
+    return best, sum(p[2] for p in prepared), same
 
 
 def main() -> int:
@@ -94,6 +163,9 @@ def main() -> int:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--rows", type=parse_ints, default=[1, 8, 16, 64])
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--kernels", default=None,
+                    help="comma-separated subset (default: all that run "
+                    "here; mkl-packed always, for the ratio)")
     ap.add_argument("--json", default=str(RESULTS / "linear.json"))
     args = ap.parse_args()
 
@@ -104,26 +176,27 @@ def main() -> int:
     weights = load_linears(args.model)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
 
+    wanted = set(args.kernels.split(",")) | {"mkl-packed"} \
+        if args.kernels else None
     results, mismatches = [], 0
     compiles_before = compile_count()
     for n in args.rows:
-        ref_out = None
         for name, (prepare, apply) in kernels(n).items():
+            if wanted is not None and name not in wanted:
+                continue
             with torch.inference_mode():
-                best, out = time_pass(weights, prepare, apply, n,
-                                      args.repeats)
-            if ref_out is None:
-                ref_out = out
-            same = all(torch.allclose(a, b, rtol=1e-3, atol=1e-4)
-                       for a, b in zip(out, ref_out))
+                best, held, same = time_pass(weights, prepare, apply, n,
+                                             args.repeats)
             mismatches += not same
             results.append(dict(kernel=name, rows=n, seconds=best,
-                                bytes_per_s=nbytes / best, same=same))
+                                weight_bytes=held, bytes_per_s=held / best,
+                                same=same))
             print(f"{name} rows={n}: {best * 1e3:.2f} ms", flush=True)
     compiled = compile_count() - compiles_before
     mkl = {r["rows"]: r["seconds"] for r in results
            if r["kernel"] == "mkl-packed"}
     rows = [[r["kernel"], r["rows"], f"{r['seconds'] * 1e3:.2f}",
+             f"{r['weight_bytes'] / 1e6:.1f}",
              f"{r['bytes_per_s'] / 1e9:.2f}",
              f"{mkl[r['rows']] / r['seconds']:.2f}x",
              "yes" if r["same"] else "NO"] for r in results]
@@ -133,12 +206,16 @@ def main() -> int:
                                weight_bytes=nbytes, layers=len(weights),
                                results=results, compilations=compiled))
     print(f"\nmodel {Path(args.model).name}: {len(weights)} linear layers, "
-          f"{nbytes / 1e6:.1f} MB of weights, best of {args.repeats}, "
-          f"{cores()} cores, read bandwidth {bandwidth / 1e9:.2f} GB/s")
-    print(table(["kernel", "rows", "ms per pass", "GB/s",
+          f"{nbytes / 1e6:.1f} MB of float32 weights, best of "
+          f"{args.repeats}, {cores()} cores, read bandwidth "
+          f"{bandwidth / 1e9:.2f} GB/s. MB: the bytes each kernel's weights "
+          "are held in; GB/s: those bytes over the time; same output: "
+          "equal to aten on the weights the kernel holds")
+    print(table(["kernel", "rows", "ms per pass", "MB", "GB/s",
                  "vs mkl-packed", "same output"], rows))
     if mismatches:
-        print(f"FAILED: {mismatches} kernel(s) disagree with aten")
+        print(f"FAILED: {mismatches} kernel(s) disagree with aten on "
+              "their weights")
     if compiled:
         print(f"FAILED: {compiled} compilation(s) during the timed passes")
     return 1 if mismatches or compiled else 0

@@ -89,7 +89,9 @@ def test_offline_benchmark_vllm_model_code(smollm2, tmp_path):
 
 def test_linear_benchmark_small(smollm2, tmp_path):
     """benchmarks/linear.py: every kernel over every linear layer of the
-    model, outputs compared, no compilation, JSON and table."""
+    model (float32, bfloat16 and the quantized kernel's int8, FP8 and
+    int4), outputs compared with the weights each holds, no compilation,
+    JSON and table."""
     out = tmp_path / "linear.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "linear.py"),
@@ -100,15 +102,23 @@ def test_linear_benchmark_small(smollm2, tmp_path):
     result = json.loads(out.read_text())
     assert result["layers"] == 4 * 30 + 1  # SmolLM2: 30 layers, LM head
     kernels = {(r["kernel"], r["rows"]) for r in result["results"]}
-    assert kernels == {(k, n) for k in ("aten", "mkl-packed", "spyre-packed")
-                       for n in (1, 3)}
+    names = ("aten", "mkl-packed", "spyre-packed", "spyre-bf16",
+             "spyre-int8", "spyre-fp8", "spyre-int4")
+    assert kernels == {(k, n) for k in names for n in (1, 3)}
     assert all(r["same"] and r["bytes_per_s"] > 0
                for r in result["results"])
+    held = {r["kernel"]: r["weight_bytes"] for r in result["results"]}
+    # bfloat16 halves float32's bytes, 8-bit codes halve them again and
+    # int4 again (scales aside).
+    assert held["spyre-bf16"] == held["spyre-packed"] // 2
+    assert held["spyre-int8"] < 0.52 * held["spyre-bf16"]
+    assert held["spyre-fp8"] == held["spyre-int8"]
+    assert held["spyre-int4"] < 0.6 * held["spyre-int8"]
     assert result["compilations"] == 0
     lines = proc.stdout.strip().splitlines()
     header = next(i for i, line in enumerate(lines)
                   if line.startswith("kernel "))
-    assert len(lines) - header == 2 + 6
+    assert len(lines) - header == 2 + 14
 
 
 def test_attention_benchmark_small(smollm2, tmp_path):
