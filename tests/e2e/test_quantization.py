@@ -210,10 +210,10 @@ def test_tied_head_is_the_float_embedding(tmp_path):
     while its quantization config says the head is quantized: the head is
     the float embedding (vLLM loads no lm_head tensors for a tied head),
     as in transformers."""
-    from quantize import reference_model
     base = build_tiny_quant_base(tmp_path / "base")
     path = build_tiny_quantized(base, tmp_path / "tied", "gptq-int4",
                                 lm_head=True)
+    from quantize import reference_model  # on sys.path after the build
     config = json.loads((path / "config.json").read_text())
     assert config["quantization_config"]["lm_head"] is True
     config["tie_word_embeddings"] = True

@@ -71,7 +71,7 @@ def test_the_platform_records_the_choice_and_refuses_the_card():
     where its attention, run outside the graphs, would not be."""
     from vllm.platforms import spyre
     from vllm.platforms.spyre_config import SpyreConfig
-    model = SimpleNamespace(model_impl="auto",
+    model = SimpleNamespace(model_impl="auto", quantization=None,
                             hf_config=config("Qwen2ForCausalLM"))
     cpu = SpyreConfig(dynamo_backend="inductor", warmup_shapes=())
     assert spyre._choose_model_impl(model, cpu).model_impl == VLLM
@@ -81,4 +81,25 @@ def test_the_platform_records_the_choice_and_refuses_the_card():
     assert spyre._choose_model_impl(model, card).model_impl == FMS
     model.model_impl = "vllm"
     with pytest.raises(NotImplementedError, match="not yet on the card"):
+        spyre._choose_model_impl(model, card)
+
+
+def test_quantized_checkpoints_take_vllm_model_code():
+    """A quantized checkpoint (``spyre_quant``) runs on vLLM's model code,
+    whose layers load its codes and scales, under ``auto`` too; an
+    architecture vLLM's code does not run here is refused, and so is the
+    card."""
+    from vllm.platforms import spyre
+    from vllm.platforms.spyre_config import SpyreConfig
+    model = SimpleNamespace(model_impl="auto", quantization="spyre",
+                            hf_config=config("LlamaForCausalLM"))
+    cpu = SpyreConfig(dynamo_backend="inductor", warmup_shapes=())
+    assert spyre._choose_model_impl(model, cpu).model_impl == VLLM
+    assert resolve("auto", config("LlamaForCausalLM"), True) == (
+        VLLM, "LlamaForCausalLM")
+    with pytest.raises(ValueError, match="Quantized checkpoints of "
+                       "architecture GPTBigCodeForCausalLM"):
+        resolve("auto", config("GPTBigCodeForCausalLM"), True)
+    card = SpyreConfig(dynamo_backend="sendnn", warmup_shapes=())
+    with pytest.raises(NotImplementedError, match="Quantized checkpoints"):
         spyre._choose_model_impl(model, card)
