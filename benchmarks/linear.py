@@ -15,7 +15,9 @@ three kernels:
 * ``spyre-int8``, ``spyre-fp8``, ``spyre-int4``: ``spyre_cpu::quant_linear``
   (docs/quantization.md) on the weights quantized here by round to
   nearest: int8 and FP8 per output channel, int4 per group of 64 (which
-  divides SmolLM2's features), symmetric.
+  divides SmolLM2's features), symmetric; ``spyre-<kind>-bf16in``: the
+  same under ``--dtype bfloat16`` (inputs rounded to bfloat16, tiles of 4
+  rows or more on ``vdpbf16ps``).
 
 Reports the best of N passes, the bytes each kernel's weights are held in
 and read per second, and the ratio of its time to ``mkl-packed``'s; the
@@ -122,6 +124,11 @@ def kernels(rows: int):
             ops[f"spyre-{kind}"] = (
                 prepare,
                 lambda x, p: spyre_quant_linear.quant_linear(x, p, None))
+            # --dtype bfloat16: inputs rounded, bfloat16 pairs from 4 rows.
+            ops[f"spyre-{kind}-bf16in"] = (
+                lambda w, prepare=prepare: (*prepare(w), True),
+                lambda x, p: spyre_quant_linear.quant_linear(
+                    x, p, None, round_inputs=True))
     return ops
 
 

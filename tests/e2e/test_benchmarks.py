@@ -95,7 +95,7 @@ def test_linear_benchmark_small(smollm2, tmp_path):
     out = tmp_path / "linear.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "linear.py"),
-         "--model", str(smollm2), "--rows", "1,3", "--repeats", "1",
+         "--model", str(smollm2), "--rows", "1,4", "--repeats", "1",
          "--json", str(out)],
         capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -103,8 +103,9 @@ def test_linear_benchmark_small(smollm2, tmp_path):
     assert result["layers"] == 4 * 30 + 1  # SmolLM2: 30 layers, LM head
     kernels = {(r["kernel"], r["rows"]) for r in result["results"]}
     names = ("aten", "mkl-packed", "spyre-packed", "spyre-bf16",
-             "spyre-int8", "spyre-fp8", "spyre-int4")
-    assert kernels == {(k, n) for k in names for n in (1, 3)}
+             "spyre-int8", "spyre-fp8", "spyre-int4", "spyre-int8-bf16in",
+             "spyre-fp8-bf16in", "spyre-int4-bf16in")
+    assert kernels == {(k, n) for k in names for n in (1, 4)}
     assert all(r["same"] and r["bytes_per_s"] > 0
                for r in result["results"])
     held = {r["kernel"]: r["weight_bytes"] for r in result["results"]}
@@ -118,7 +119,7 @@ def test_linear_benchmark_small(smollm2, tmp_path):
     lines = proc.stdout.strip().splitlines()
     header = next(i for i, line in enumerate(lines)
                   if line.startswith("kernel "))
-    assert len(lines) - header == 2 + 14
+    assert len(lines) - header == 2 + 20
 
 
 def test_attention_benchmark_small(smollm2, tmp_path):
