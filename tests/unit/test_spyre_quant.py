@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from vllm.attention.ops import spyre_native as native
-from vllm.model_executor.layers.quantization import spyre_quant
+from vllm.model_executor.layers.quantization import (spyre_quant,
+                                                      spyre_quant_method)
 from vllm.model_executor.layers.spyre_quant_linear import (QuantWeight,
                                                            fake_quantize_fp8,
                                                            pack, quant_linear)
@@ -164,8 +165,8 @@ def test_unpack_int32_orders():
     packed = torch.zeros(2, 1, dtype=torch.int32)
     for j in range(8):
         packed[:, 0] |= codes[:, j] << (4 * j)
-    assert torch.equal(spyre_quant._unpack_int32(packed, 4, 1), codes)
-    assert torch.equal(spyre_quant._unpack_int32(packed.t(), 4, 0),
+    assert torch.equal(spyre_quant_method._unpack_int32(packed, 4, 1), codes)
+    assert torch.equal(spyre_quant_method._unpack_int32(packed.t(), 4, 0),
                        codes.t())
 
 
