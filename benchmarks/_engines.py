@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from _common import (REPO, TORCH_OPS, Child, Run, Timings, Workload,
@@ -330,13 +331,15 @@ QUANT_FORMATS = {"gptq-int8": "8-bit", "fp8": "8-bit", "fp8-dynamic": "8-bit",
 QUANT_GROUP_SIZES = {"w4a16": 64}
 
 
-def quantized_model(model: str, fmt: str, head: bool = True) -> str:
+def quantized_model(model: str, fmt: str, head: bool = True,
+                    root: str | None = None) -> str:
     """``model`` quantized to ``fmt`` by ``scripts/quantize.py``, written on
-    first use to the git-ignored ``.quantized/`` folder; ``head``: the
-    output head quantized too (as llama.cpp's GGUFs quantize theirs),
-    else left float (the tools' default)."""
+    first use under ``root`` (default: the git-ignored ``.quantized/``
+    folder, kept for the next run); ``head``: the output head quantized
+    too (as llama.cpp's GGUFs quantize theirs), else left float (the
+    tools' default)."""
     name = f"{os.path.basename(model)}-{fmt}" + ("" if head else "-float-head")
-    out = REPO / ".quantized" / name
+    out = Path(root or REPO / ".quantized") / name
     if not (out / "config.json").exists():
         sys.path.insert(0, str(REPO / "scripts"))
         from quantize import quantize

@@ -22,6 +22,7 @@ bfloat16 chose.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 from _common import (Child, add_json_option, benchmark_parser,
@@ -100,19 +101,27 @@ def agreement(reference: list[list[int]],
 
 def measure(model: str, formats: list[str], prompts: list[list[int]],
             new_tokens: int = 64, backend: str = "eager", batch: int = 4,
-            head: bool = False) -> dict[str, tuple]:
+            head: bool = False, scratch: str | None = None
+            ) -> dict[str, tuple]:
     """Format -> (agreeing positions, positions): ours in bfloat16
     generates ``new_tokens`` greedy tokens per prompt; each quantized
     checkpoint, served in float32 (exact on its dequantized weights: the
     count measures the format, not bfloat16 rounding on top of it), names
-    its top-1 token at each of those positions, teacher-forced."""
+    its top-1 token at each of those positions, teacher-forced.
+    ``scratch``: write each checkpoint there and delete it once measured
+    (one at a time on disk) instead of keeping them in ``.quantized/``."""
     plen = max(len(p) for p in prompts)
     reference = in_child(model, backend, plen, new_tokens, batch,
                          "bfloat16", "greedy", prompts, new_tokens)
-    return {fmt: agreement(reference, in_child(
-        quantized_model(model, fmt, head), backend, plen + new_tokens, 2,
-        batch, "float32", "forced", prompts, reference))
-            for fmt in formats}
+    found = {}
+    for fmt in formats:
+        path = quantized_model(model, fmt, head, root=scratch)
+        found[fmt] = agreement(reference, in_child(
+            path, backend, plen + new_tokens, 2, batch, "float32", "forced",
+            prompts, reference))
+        if scratch:
+            shutil.rmtree(path)
+    return found
 
 
 def real_prompts(model: str, count: int, prompt_len: int) -> list[list[int]]:

@@ -182,7 +182,7 @@ def test_refused_at_start_up(quantized, tmp_path, edit, kwargs, words):
 
 
 @pytest.mark.smollm2
-def test_smollm2_eight_bit_formats_agree_with_bfloat16(smollm2):
+def test_smollm2_eight_bit_formats_agree_with_bfloat16(smollm2, tmp_path):
     """SmolLM2 quantized by scripts/quantize.py: at each of 1,024 positions
     (16 real prompts x 64 tokens ours in bfloat16 generated), the top-1
     next token of each 8-bit checkpoint equals ours in bfloat16's at 97 %
@@ -199,7 +199,8 @@ def test_smollm2_eight_bit_formats_agree_with_bfloat16(smollm2):
     bars = {"gptq-int8": EIGHT_BIT_MIN, "w8a16": EIGHT_BIT_MIN,
             "fp8": 0.93, "fp8-dynamic": 0.93}
     found = measure(str(smollm2), list(bars),
-                    real_prompts(str(smollm2), 16, 64), new_tokens=64)
+                    real_prompts(str(smollm2), 16, 64), new_tokens=64,
+                    scratch=str(tmp_path))
     for fmt, (same, total) in found.items():
         assert total >= 1000
         assert same / total >= bars[fmt], (fmt, same, total)
