@@ -117,12 +117,13 @@ def _gpt_bigcode(vocab: int):
         eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype="float32"))
 
 
-def _mistral(vocab: int):
+def _mistral(vocab: int, window: int = WINDOW):
     from transformers import MistralConfig, MistralForCausalLM
-    # A sliding window the test sequences stay inside.
+    # A sliding window the family tests' sequences stay inside;
+    # test_sliding_window builds one they outgrow.
     return MistralForCausalLM(MistralConfig(
         **_common(vocab, 6), num_key_value_heads=3, head_dim=16,
-        rms_norm_eps=1e-5, sliding_window=WINDOW))
+        rms_norm_eps=1e-5, sliding_window=window))
 
 
 def _mixtral(vocab: int):
@@ -198,7 +199,8 @@ def build_tiny_family(family: str, out_dir: Path, seed: int = 0,
                       **options) -> Path:
     """A tiny random checkpoint of ``family`` (a key of ``FAMILIES`` or
     ``VLLM_ONLY``, or ``"llama"``);
-    ``options`` go to its factory (``window=True`` for Qwen3)."""
+    ``options`` go to its factory (``window=True`` for Qwen3, a window
+    length for Mistral)."""
     import torch
     tokenizer = build_tokenizer(seed)
     torch.manual_seed(seed)

@@ -3,9 +3,9 @@ checkpoint of each (``tiny_models.FAMILIES``) generates the same greedy
 tokens as Hugging Face transformers under static batching (two shapes,
 ``eager``; one shape, ``inductor``), continuous batching, tensor
 parallelism over 3 ranks, and through ``vllm serve``.
-The tiny Mistral's sliding window is longer than the sequences it serves;
-a window shorter than the longest sequence (Mistral's, or Qwen3's turned
-on), and an architecture Spyre does not run, are refused at start-up.
+The tiny Mistral's sliding window is longer than the sequences it serves
+(test_sliding_window serves one they outgrow); an architecture Spyre does
+not run is refused at start-up.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from conftest import (HFReference, build_tiny_family, compile_count,
                       spyre_env, spyre_llm)
 from server import Server, served_ids
-from tiny_models import FAMILIES, WINDOW
+from tiny_models import FAMILIES
 
 pytestmark = pytest.mark.e2e
 
@@ -109,32 +109,6 @@ def test_vllm_serve_matches_transformers(family, tmp_path):
         with ThreadPoolExecutor(len(REQUESTS)) as pool:
             got = list(pool.map(lambda r: served_ids(server, *r), REQUESTS))
     assert got == expected, name
-
-
-@pytest.fixture(scope="module", params=["qwen3", "mistral"])
-def windowed(request, tmp_path_factory):
-    """A checkpoint whose sliding window (WINDOW tokens) applies to every
-    layer: Qwen3 with it turned on, and Mistral."""
-    options = dict(window=True) if request.param == "qwen3" else {}
-    return build_tiny_family(request.param,
-                             tmp_path_factory.mktemp(request.param + "-sw"),
-                             **options)
-
-
-@pytest.mark.parametrize("env, args, fix", [
-    (spyre_env("eager", [64], [64], [1]), {},
-     "VLLM_SPYRE_WARMUP_PROMPT_LENS + VLLM_SPYRE_WARMUP_NEW_TOKENS to 80"),
-    (CB_ENV, dict(max_model_len=128), "--max-model-len 80"),
-])
-def test_sequences_past_the_sliding_window_are_refused(windowed, env, args,
-                                                       fix):
-    with pytest.raises(ValueError) as err:
-        with spyre_llm(windowed, env, **args):
-            pass
-    message = str(err.value)
-    assert f"sliding window of {WINDOW} tokens" in message
-    assert "max_model_len=128" in message
-    assert fix in message
 
 
 def test_other_architectures_are_refused(tmp_path):

@@ -68,10 +68,11 @@ class Pool:
             self.values[_slot(table, t)] = v[t]
 
 
-def _reference(q, seq_k, seq_v, ctx_lens, scale=None):
+def _reference(q, seq_k, seq_v, ctx_lens, scale=None, window=0):
     """q: [B, L, H, D]; seq_k/seq_v: per row, the contiguous [n, kvh, D]
     keys/values of its sequence; ctx_lens: [B, L].  Attention of each
-    position over the first ctx_lens[b, l] tokens, in float64."""
+    position over the first ctx_lens[b, l] tokens (with ``window``, the
+    last ``window`` of them), in float64."""
     B, L, H, D = q.shape
     scale = D**-0.5 if scale is None else scale
     out = torch.empty(B, L, H, seq_v[0].shape[-1], dtype=torch.float64)
@@ -81,18 +82,20 @@ def _reference(q, seq_k, seq_v, ctx_lens, scale=None):
         v = seq_v[b].double().repeat_interleave(H // kvh, dim=1)
         for pos in range(L):
             n = int(ctx_lens[b, pos])
+            first = max(0, n - window) if window else 0
             scores = torch.einsum("hd,nhd->hn", q[b, pos].double(),
-                                  k[:n]) * scale
+                                  k[first:n]) * scale
             probs = torch.exp(scores - scores.max(-1, keepdim=True).values)
             probs = probs / probs.sum(-1, keepdim=True)
-            out[b, pos] = torch.einsum("hn,nhd->hd", probs, v[:n])
+            out[b, pos] = torch.einsum("hn,nhd->hd", probs, v[first:n])
     return out.float()
 
 
-def _attend(op, q, pool_k, pool_v, H, kvh, step: PagedInputs, scale=None):
+def _attend(op, q, pool_k, pool_v, H, kvh, step: PagedInputs, scale=None,
+            window=0):
     return op(q, pool_k, pool_v, H, kvh, 0.0, scale,
               block_table=step.block_table, ctx_lens=step.ctx_lens,
-              cache_slots=step.cache_slots)
+              cache_slots=step.cache_slots, spyre_window=window)
 
 
 def _store(pool, keys, values, step):
@@ -334,6 +337,72 @@ def test_kernel_value_head_size_may_differ():
     ref = _reference(q, [k for k, _ in seqs], [v for _, v in seqs],
                      step.ctx_lens)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+# ---- sliding windows -------------------------------------------------------
+# Windows shorter than some sequences (LENS: 3 to 130 tokens), across block
+# boundaries, and one longer than all of them.
+WINDOWS = [1, 17, 64, 65, 200]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("op", ["torch", "kernel"])
+def test_decode_attends_over_the_window(op, window):
+    """Each sequence's last position attends to its last ``window`` tokens
+    only; the kernel reads nothing before them (NaN there)."""
+    if op == "kernel" and not native.available():
+        pytest.skip("no C++ compiler for the kernel")
+    H, kvh, D = 6, 2, 20
+    pool, _, seqs, step, q, new_k, new_v = _decode_case(H, kvh, D, D,
+                                                        seed=4)
+    _store(pool, new_k, new_v, step)
+    keys, values = pool.keys, pool.values
+    if op == "kernel":
+        keys, values = _poison_unseen(keys, values, step, window)
+    compute = (paged_cache.compute_kernel if op == "kernel"
+               else paged_cache.compute)
+    got = _attend(compute, q, keys, values, H, kvh, step, window=window)
+    ref = _reference(q, [k for k, _ in seqs], [v for _, v in seqs],
+                     step.ctx_lens, window=window)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 30, 70])
+@pytest.mark.parametrize("op", ["torch", "kernel"])
+def test_prefill_chunks_attend_over_the_window(op, window):
+    """A 130-token prompt in three chunks: every real position sees its
+    last ``window`` tokens, against the float64 reference."""
+    if op == "kernel" and not native.available():
+        pytest.skip("no C++ compiler for the kernel")
+    H, kvh, D, n = 4, 2, 16, 130
+    pool, _, seq_k, seq_v, chunks, q, keys, values = _prefill_case(
+        n, H, kvh, D, D, seed=5)
+    compute = (paged_cache.compute_kernel if op == "kernel"
+               else paged_cache.compute)
+    pad = chunks.input_ids.shape[0] * BS - n
+    for c in range(chunks.input_ids.shape[0]):
+        row = chunks.row(c)
+        _store(pool, keys[c:c + 1], values[c:c + 1], row)
+        got = _attend(compute, q[c:c + 1], pool.keys, pool.values, H, kvh,
+                      row, window=window)
+        ref = _reference(q[c:c + 1], [seq_k], [seq_v], row.ctx_lens,
+                         window=window)
+        real = slice(max(0, pad - c * BS), BS)
+        torch.testing.assert_close(got[:, real], ref[:, real], atol=1e-5,
+                                   rtol=1e-5, msg=f"chunk {c}")
+
+
+def _poison_unseen(pool_k, pool_v, step: PagedInputs, window: int):
+    """Copies of the pools with NaN in every slot before each sequence's
+    window (the last position of a decode step)."""
+    k, v = pool_k.clone(), pool_v.clone()
+    for b in range(step.ctx_lens.shape[0]):
+        n = int(step.ctx_lens[b, -1])
+        for t in range(max(0, n - window)):
+            k[_slot(step.block_table[b], t)] = float("nan")
+            v[_slot(step.block_table[b], t)] = float("nan")
+    return k, v
 
 
 def _raw_args(B=2, kvh=2, group=2, D=16, blocks=3, block_size=4, MB=2):

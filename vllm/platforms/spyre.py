@@ -207,13 +207,14 @@ class SpyrePlatform(Platform):
                 _configure_continuous_batching(vllm_config, spyre)
             else:
                 _configure_static_batching(vllm_config, spyre)
-            _check_sliding_window(
-                _sliding_window(model_config.hf_config, spyre),
-                model_config.max_model_len, spyre)
-        # No sequence outgrows the window (checked above), and the Spyre
-        # caches are laid out by this backend: vLLM's block manager must
-        # not manage blocks for a window (left set, it made a Mistral
-        # decode other tokens than transformers).
+            spyre = dataclasses.replace(spyre, sliding_window=_sliding_window(
+                model_config.hf_config, spyre) or 0)
+            _log_sliding_window(spyre.sliding_window,
+                                model_config.max_model_len)
+        # The Spyre attention ops apply a sliding window themselves, over
+        # caches laid out by this backend, which keep every token: vLLM's
+        # block manager must not manage blocks for a window (left set, it
+        # made a Mistral decode other tokens than transformers).
         vllm_config.cache_config.sliding_window = None
         model_config.enforce_eager = True
         # Tensors stay on the "cpu" torch device, but the KV blocks are the
@@ -409,23 +410,14 @@ def _configure_pooling(vllm_config: "VllmConfig",
         scheduler_config.max_num_seqs, tokens)
 
 
-def _check_sliding_window(window: Optional[int], max_model_len: int,
-                          spyre: SpyreConfig) -> None:
-    """The Spyre attention ops attend over a sequence's whole context, so a
-    model whose attention slides over the last ``window`` tokens would give
-    other tokens past that point: refuse sequences longer than the
-    window."""
-    if window is None or max_model_len <= window:
-        return
-    if spyre.use_cb:
-        fix = f"set --max-model-len {window} or less"
-    else:
-        fix = ("lower VLLM_SPYRE_WARMUP_PROMPT_LENS + "
-               f"VLLM_SPYRE_WARMUP_NEW_TOKENS to {window} or less")
-    raise ValueError(
-        f"The model attends over a sliding window of {window} tokens, which "
-        "Spyre does not implement, and sequences may reach "
-        f"max_model_len={max_model_len} tokens: {fix}.")
+def _log_sliding_window(window: int, max_model_len: int) -> None:
+    """Says when a model's sliding window drops tokens of long sequences
+    (the attention ops apply it; the caches keep every token)."""
+    if 0 < window < max_model_len:
+        logger.info(
+            "Sliding-window attention: each token attends to the last %d "
+            "tokens (max_model_len=%d); the key/value cache keeps every "
+            "token", window, max_model_len)
 
 
 def _disable_chunked_prefill(scheduler_config) -> None:

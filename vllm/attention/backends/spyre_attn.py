@@ -44,6 +44,7 @@ from vllm.attention.backends.utils import CommonAttentionState
 from vllm.attention.ops import spyre_paged_cache as paged_cache
 from vllm.attention.ops import spyre_static_cache as static_cache
 from vllm.attention.ops.spyre_paged_inputs import PagedInputs
+from vllm.attention.ops.spyre_torch_ops import causal_mask
 
 #: What a step's metadata describes.
 STATIC_PREFILL = "static-prefill"
@@ -204,14 +205,15 @@ class SpyreAttentionMetadataBuilder(
         return step
 
 
-def _window_applies(window: Optional[int]) -> bool:
-    """Whether a sliding window would drop tokens of some sequence: the
-    platform refuses such a window at start-up; a longer one attends as
-    full attention."""
-    if window is None:
-        return False
+def _model_window() -> int:
+    """The model's sliding window from the Spyre settings of the config
+    being built (0 outside an engine's model load)."""
     from vllm.config import get_current_vllm_config
-    return window < get_current_vllm_config().model_config.max_model_len
+    from vllm.platforms.spyre_config import ADDITIONAL_CONFIG_KEY, SpyreConfig
+    config = get_current_vllm_config()
+    if ADDITIONAL_CONFIG_KEY not in (config.additional_config or {}):
+        return 0
+    return SpyreConfig.from_vllm_config(config).sliding_window
 
 
 class SpyreAttentionImpl(AttentionImpl[SpyreAttentionMetadata]):
@@ -231,8 +233,6 @@ class SpyreAttentionImpl(AttentionImpl[SpyreAttentionMetadata]):
                  **extra: Any) -> None:
         unsupported = {
             "ALiBi slopes": alibi_slopes is not None,
-            f"a sliding window ({sliding_window}) shorter than the longest "
-            "sequence": _window_applies(sliding_window),
             f"a key/value cache dtype of {kv_cache_dtype!r}":
             kv_cache_dtype != "auto",
             f"a logits soft cap ({logits_soft_cap})":
@@ -254,6 +254,10 @@ class SpyreAttentionImpl(AttentionImpl[SpyreAttentionMetadata]):
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
+        #: This layer's sliding window (0: whole context), given to the
+        #: Spyre cache ops as ``spyre_window``: vLLM's per-layer window,
+        #: else the model's (the platform clears vLLM's own setting).
+        self.window = sliding_window or _model_window()
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor,
@@ -268,13 +272,16 @@ class SpyreAttentionImpl(AttentionImpl[SpyreAttentionMetadata]):
         k = key.view(B, L, self.num_kv_heads, self.head_size)
         v = value.view(B, L, self.num_kv_heads, self.head_size)
         if meta.kind == CAUSAL:
+            mask = causal_mask(L, self.window) if self.window else None
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                is_causal=True, scale=self.scale,
+                attn_mask=mask, is_causal=mask is None, scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads
             ).transpose(1, 2)
             return out.reshape(B * L, -1)
         kwargs = meta.cache_kwargs
+        if self.window:
+            kwargs = {**kwargs, "spyre_window": self.window}
         store, compute = meta.ops
         keys, values, _, _ = store(k, v, kv_cache[0], kv_cache[1], **kwargs)
         out = compute(q, keys, values, self.num_heads, self.num_kv_heads,

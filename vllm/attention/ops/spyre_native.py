@@ -132,7 +132,7 @@ def _fake_attention(query: torch.Tensor, keys: torch.Tensor,
 def _fake_paged_attention(query: torch.Tensor, key_pool: torch.Tensor,
                           value_pool: torch.Tensor, block_table: torch.Tensor,
                           ctx_lens: torch.Tensor, block_size: int,
-                          scale: float) -> torch.Tensor:
+                          scale: float, window: int = 0) -> torch.Tensor:
     return query.new_empty((*query.shape[:3], value_pool.shape[-1]))
 
 

@@ -476,13 +476,14 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys,
 // ctx_lens: [B, L] int64, the tokens query position l of sequence b sees
 // (its first ctx_lens[b, l] tokens; a length of 0 gives zeros, though the
 // model runner gives padding positions one token to see, so that the
-// torch-op path, which would give NaN there, agrees).  Returns
-// [B, KVH, R, Dv].
+// torch-op path, which would give NaN there, agrees).  window > 0: each
+// position sees only the last `window` of those tokens (sliding-window
+// attention).  Returns [B, KVH, R, Dv].
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool,
                            const at::Tensor& value_pool,
                            const at::Tensor& block_table,
                            const at::Tensor& ctx_lens, int64_t block_size,
-                           double scale) {
+                           double scale, int64_t window) {
   check_dtypes(query, key_pool, value_pool, "paged_attention");
   TORCH_CHECK(block_table.scalar_type() == at::kLong &&
                   ctx_lens.scalar_type() == at::kLong,
@@ -522,6 +523,12 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool,
   for (int64_t i = 0; i < B * MB; ++i)
     TORCH_CHECK(btp[i] >= 0 && btp[i] < blocks, "paged_attention: block ",
                 btp[i], " outside the pool of ", blocks, " blocks");
+  TORCH_CHECK(window >= 0, "paged_attention: window ", window,
+              " is negative");
+  // The first token a position of n tokens sees.
+  auto first_seen = [window](int64_t n) {
+    return window > 0 && n > window ? n - window : int64_t{0};
+  };
   at::Tensor out = at::empty({B, KVH, R, Dv}, q.options());
   const int64_t group = R / L;
   const float fscale = static_cast<float>(scale);
@@ -537,8 +544,10 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool,
   // out by their cost (the tokens each reads): under continuous batching
   // the sequences of a step hold anything from a few tokens to thousands.
   std::vector<int64_t> costs(B * KVH * L);
-  for (int64_t item = 0; item < B * KVH * L; ++item)
-    costs[item] = clp[item / (KVH * L) * L + item % L] + kItemCost;
+  for (int64_t item = 0; item < B * KVH * L; ++item) {
+    const int64_t n = clp[item / (KVH * L) * L + item % L];
+    costs[item] = n - first_seen(n) + kItemCost;
+  }
   parallel_by_cost(costs, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(group * MB * block_size);
     // Where each token of the current (sequence, head) is, filled as far
@@ -559,12 +568,13 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool,
         keys[located] = kbase + (slot * KVH + h) * D;
         values[located] = vbase + (slot * KVH + h) * Dv;
       }
-      const int64_t r0 = bh * R + pos * group;
+      const int64_t r0 = bh * R + pos * group, first = first_seen(n);
       rows.read(0, qp + r0 * D);
       // A sequence's later positions find its tokens in the cache.
-      attend<cache_t>(rows.q.data(), 1, group, D, Dv, n, keys.data(), 0,
-                      values.data(), 0, fscale, item == begin || pos == 0,
-                      scores.data(), rows.out.data());
+      attend<cache_t>(rows.q.data(), 1, group, D, Dv, n - first,
+                      keys.data() + first, 0, values.data() + first, 0,
+                      fscale, item == begin || pos == 0, scores.data(),
+                      rows.out.data());
       rows.write(0, op + r0 * Dv);
     }
   });
@@ -1029,7 +1039,8 @@ TORCH_LIBRARY_FRAGMENT(spyre_cpu, m) {
       "Tensor mask, float scale) -> Tensor");
   m.def(
       "paged_attention(Tensor query, Tensor key_pool, Tensor value_pool, "
-      "Tensor block_table, Tensor ctx_lens, int block_size, float scale) "
+      "Tensor block_table, Tensor ctx_lens, int block_size, float scale, "
+      "int window=0) "
       "-> Tensor");
   m.def(
       "encoder_attention(Tensor query, Tensor keys, Tensor values, "

@@ -13,7 +13,9 @@ model code runs unchanged:
 * the *store* op writes a step's keys and values into their slots of the
   flattened pool (``index_copy_``, in place);
 * the *compute* op lets every query position attend to the first
-  ``ctx_lens[b, l]`` tokens of its sequence, read through the block table.
+  ``ctx_lens[b, l]`` tokens of its sequence, read through the block table
+  (with a sliding window, ``spyre_window``, to the last ``window`` of
+  them: each position's own start).
 
 Both a prefill (one sequence, whole or a ``block_size`` chunk) and a decode
 step (one position of each running sequence) are the same op with other
@@ -27,7 +29,8 @@ from __future__ import annotations
 import torch
 
 from vllm.attention.ops.spyre_fms_registry import register_ops
-from vllm.attention.ops.spyre_torch_ops import attend_matmul, decode_op
+from vllm.attention.ops.spyre_torch_ops import (attend_matmul, decode_op,
+                                                window_of)
 from vllm.platforms.spyre_config import CB_BLOCK_SIZE
 
 #: Name under which the op is registered with FMS.
@@ -64,6 +67,9 @@ def _attend_gather(q: torch.Tensor, key_pool: torch.Tensor,
     values = value_pool[slots].transpose(1, 2)  # [B, kv_heads, T, Dv]
     col = torch.arange(MB * CB_BLOCK_SIZE, device=block_table.device)
     mask = col.view(1, 1, -1) < ctx_lens.unsqueeze(2)  # [B, L, T]
+    window = window_of(attn_kwargs)
+    if window > 0:
+        mask = mask & (col.view(1, 1, -1) >= ctx_lens.unsqueeze(2) - window)
     return attend_matmul(q, keys, values, mask, scale)
 
 
@@ -73,7 +79,8 @@ def _attend_kernel(q: torch.Tensor, key_pool: torch.Tensor,
     return torch.ops.spyre_cpu.paged_attention(q, key_pool, value_pool,
                                                attn_kwargs["block_table"],
                                                attn_kwargs["ctx_lens"],
-                                               CB_BLOCK_SIZE, scale)
+                                               CB_BLOCK_SIZE, scale,
+                                               window_of(attn_kwargs))
 
 
 compute = decode_op(_attend_gather)

@@ -6,6 +6,11 @@ read once; ``attend_matmul`` is the masked attention of that stacked form
 in plain torch ops, which inductor fuses into the graph.  The static cache
 (``spyre_static_cache``) and the block pool (``spyre_paged_cache``) both build their
 compute ops from these two.
+
+Sliding windows: a model whose attention slides over its last ``window``
+tokens (Mistral) has the ops read ``spyre_window`` from the attention
+keyword arguments (0 or absent: whole context); ``windowed`` narrows a
+static mask to it, ``causal_mask`` builds the mask of a whole prompt.
 """
 from __future__ import annotations
 
@@ -56,3 +61,28 @@ def attend_matmul(q: torch.Tensor, keys: torch.Tensor,
         ~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(B, kvheads, rows, T)
     return torch.matmul(probs, values)
+
+
+def window_of(attn_kwargs) -> int:
+    """The sliding window of a step's attention, 0 for none."""
+    return int(attn_kwargs.get("spyre_window") or 0)
+
+
+def windowed(mask: torch.Tensor, query_cols: torch.Tensor,
+             window: int) -> torch.Tensor:
+    """``mask`` ([B, L, T] bool, over the columns of a cache whose real
+    tokens are contiguous) narrowed to the last ``window`` tokens before
+    each query position, itself included; ``query_cols``: the column of
+    each query position ([L]).  Token ``j`` stays visible from position
+    ``i`` when ``i - j < window``, as in transformers."""
+    if window <= 0:
+        return mask
+    cols = torch.arange(mask.shape[-1], device=mask.device)
+    return mask & ((query_cols.view(-1, 1) - cols.view(1, -1)) < window)
+
+
+def causal_mask(length: int, window: int = 0) -> torch.Tensor:
+    """The [1, L, L] bool mask of one whole prompt, causal and, with
+    ``window``, sliding."""
+    mask = torch.ones(length, length, dtype=torch.bool).tril()
+    return windowed(mask.unsqueeze(0), torch.arange(length), window)

@@ -24,6 +24,7 @@ from torch import nn
 from vllm.attention.ops import spyre_native as native
 from vllm.attention.ops import spyre_static_cache as static_cache
 from vllm.attention.ops.spyre_kv_layout import CacheLayout
+from vllm.attention.ops.spyre_torch_ops import causal_mask
 from vllm.compilation import spyre_graph_cache
 from vllm.compilation.spyre_compile import compile_graphs
 from vllm.config import VllmConfig
@@ -73,6 +74,9 @@ class SpyreCausalLM(nn.Module):
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.model_path = model_config.model
         self.hf_config = model_config.hf_config
+        #: The sliding window every attention layer applies (0: none),
+        #: given to the Spyre attention ops as ``spyre_window``.
+        self.window = spyre_config.sliding_window
         #: Whether the graphs hold the weights as constants (inductor
         #: freezing) rather than reading them as inputs.
         self.frozen = False
@@ -287,6 +291,7 @@ class SpyreCausalLM(nn.Module):
             attn_name=self.attn_name,
             cache_slots=cache_slots,
             spyre_prefill=is_prompt,
+            spyre_window=self.window,
         )
         return logits[:, -1, :]  # [B, vocab]
 
@@ -295,8 +300,15 @@ class SpyreCausalLM(nn.Module):
         """The last hidden states of one whole prompt (``[1, L]``), run
         uncompiled and without a cache: ``[1, L, hidden]``."""
         hidden, _ = self.fms_model.base_model(
-            ids, torch.arange(ids.shape[1]).unsqueeze(0), None, False)
+            ids, torch.arange(ids.shape[1]).unsqueeze(0), None, False,
+            **self._prompt_mask(ids.shape[1]))
         return hidden
+
+    def _prompt_mask(self, length: int) -> dict:
+        """FMS's attention is causal over the whole prompt; a sliding
+        window needs its own mask."""
+        return ({"mask": causal_mask(length, self.window)} if self.window
+                else {})
 
     def prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of ``[1, n, hidden]`` hidden states: ``[n,

@@ -120,6 +120,7 @@ class SpyrePagedCausalLM(SpyreCausalLM):
             cache_slots=step.cache_slots,
             block_table=step.block_table,
             ctx_lens=step.ctx_lens,
+            spyre_window=self.window,
         )
         return logits[:, -1, :]  # [B, vocab]
 
