@@ -90,10 +90,14 @@ def build_tiny_llama(out_dir: Path, seed: int = 0, heads: int = 4,
     return _save(LlamaForCausalLM(config).eval(), tokenizer, out_dir)
 
 
-def _llama(vocab: int):
+def _llama(vocab: int, heads: int = 6, kv_heads: int = 3,
+           intermediate=None):
     from transformers import LlamaConfig, LlamaForCausalLM
-    return LlamaForCausalLM(LlamaConfig(**_common(vocab, 6),
-                                        num_key_value_heads=3,
+    common = _common(vocab, heads)
+    if intermediate is not None:
+        common["intermediate_size"] = intermediate
+    return LlamaForCausalLM(LlamaConfig(**common,
+                                        num_key_value_heads=kv_heads,
                                         rms_norm_eps=1e-5))
 
 
@@ -107,11 +111,12 @@ def _granite(vocab: int):
         residual_multiplier=0.7, logits_scaling=0.5))
 
 
-def _gpt_bigcode(vocab: int):
+def _gpt_bigcode(vocab: int, n_inner=192):
     from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
-    # Multi-query attention (one key/value head), learned positions.
+    # Multi-query attention (one key/value head), learned positions;
+    # ``n_inner=None``: the MLP 4 x n_embd wide, the config's field null.
     return GPTBigCodeForCausalLM(GPTBigCodeConfig(
-        vocab_size=vocab, n_embd=96, n_inner=192, n_layer=2, n_head=6,
+        vocab_size=vocab, n_embd=96, n_inner=n_inner, n_layer=2, n_head=6,
         n_positions=1024, multi_query=True, initializer_range=0.3,
         activation_function="gelu_pytorch_tanh", bos_token_id=BOS_ID,
         eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype="float32"))

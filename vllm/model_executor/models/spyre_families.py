@@ -13,7 +13,10 @@ default would load wrong or not at all:
   inputs mark padding with masks and position ids instead;
 * Mixtral ignores ``num_key_value_heads`` (FMS's default is 8), and its
   ``hf`` adapter reads Mistral's original checkpoint layout only, not the
-  layout ``transformers`` saves.
+  layout ``transformers`` saves;
+* null optional fields (GPT-BigCode's ``n_inner``, ...) fail or pass
+  through: ``spyre_hf_config`` gives them transformers' meaning first,
+  for every family.
 
 Each ``DecoderFamily`` states those corrections as config overrides and,
 for Mixtral, a checkpoint adapter (source ``spyre_hf``) and a step run on
@@ -128,11 +131,12 @@ def family_of(hf_config) -> DecoderFamily:
 
 def fms_model_args(model_path: str, hf_config) -> dict:
     """``get_model`` arguments that load ``model_path``: FMS's own mapping
-    of its ``config.json``, with the family's corrections applied."""
-    from fms.models.hf.utils import infer_model_configuration
+    of its ``config.json`` (null fields read as transformers reads them,
+    ``spyre_hf_config``), with the family's corrections applied."""
+    from vllm.model_executor.models.spyre_hf_config import fms_config_params
     family = family_of(hf_config)
     _register_adapters()
-    params = infer_model_configuration(model_path, download_weights=False)
+    params = fms_config_params(model_path)
     params.pop("model_path", None)
     params.update(family.fixes(hf_config))
     params.update(architecture=family.fms_architecture,
