@@ -167,6 +167,34 @@ def _phi3(vocab: int):
         resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0))
 
 
+def _bamba(vocab: int, groups: int = 2, proj_bias: bool = True):
+    """Hybrid: Mamba-2 layers 0 and 2 around an attention layer; the scan
+    in chunks of 16 positions, so that prompts span several; the
+    parameters transformers initialises to constants (norms, D, the time
+    step bias, the decay rates) drawn at random, so a layer that ignored
+    one would not match."""
+    import torch
+    from transformers import BambaConfig, BambaForCausalLM
+    model = BambaForCausalLM(BambaConfig(
+        **{**_common(vocab, 6), "num_hidden_layers": 3},
+        num_key_value_heads=3, rms_norm_eps=1e-5,
+        attn_layer_indices=[1], mamba_n_heads=8,
+        mamba_d_head=24, mamba_expand=2, mamba_d_state=16,
+        mamba_n_groups=groups, mamba_d_conv=4, mamba_chunk_size=16,
+        mamba_proj_bias=proj_bias, mamba_conv_bias=True))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith((".D", "dt_bias", "bias")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(torch.rand(p.shape, generator=gen) * 4
+                                  + 0.5))
+    return model
+
+
 #: Family name -> model factory taking the vocabulary size.
 FAMILIES = {
     "granite": _granite,
@@ -174,6 +202,11 @@ FAMILIES = {
     "mistral": _mistral,
     "mixtral": _mixtral,
     "qwen3": _qwen3,
+}
+
+#: Hybrid (Mamba-2 and attention) families.
+HYBRID = {
+    "bamba": _bamba,
 }
 
 
@@ -209,6 +242,6 @@ def build_tiny_family(family: str, out_dir: Path, seed: int = 0,
     import torch
     tokenizer = build_tokenizer(seed)
     torch.manual_seed(seed)
-    factories = {**FAMILIES, **VLLM_ONLY, "llama": _llama}
+    factories = {**FAMILIES, **VLLM_ONLY, **HYBRID, "llama": _llama}
     model = factories[family](len(tokenizer), **options).eval()
     return _save(model, tokenizer, out_dir)

@@ -29,7 +29,8 @@ from vllm.compilation import spyre_graph_cache
 from vllm.compilation.spyre_compile import compile_graphs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
-from vllm.model_executor.layers import spyre_fused_ops, spyre_linear
+from vllm.model_executor.layers import (spyre_fused_ops, spyre_linear,
+                                        spyre_mamba)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.sampler import SamplerOutput
 from vllm.model_executor.layers.spyre_sampler import SpyreSampler
@@ -90,6 +91,10 @@ class SpyreCausalLM(nn.Module):
         self.kv_caches: dict[tuple[int, int], list] = {}
         #: The cache of the running batch.
         self.kv_cache: Optional[list] = None
+        #: A hybrid model's Mamba-2 states, one slot per row, per batch
+        #: size; those of the running batch.
+        self.state_pools: dict[int, spyre_mamba.StatePool] = {}
+        self.state_pool: Optional[spyre_mamba.StatePool] = None
 
     def _build(self, vllm_config: VllmConfig) -> nn.Module:
         """Loads the FMS model (``fms_model``), puts it on the kernels or
@@ -109,6 +114,11 @@ class SpyreCausalLM(nn.Module):
             self._bf16_products()
         self._register_attention()
         self.cache_layout = CacheLayout.of(self.fms_model)
+        #: A hybrid model's Mamba-2 state geometry (None without such
+        #: layers) and which of its layers they are (``spyre_mamba``).
+        self.state_layout = spyre_mamba.StateLayout.of(self.fms_model)
+        self.is_ssm = (spyre_mamba.layer_kinds(self.fms_model)
+                       if self.state_layout else [])
         return self.fms_model
 
     def _use_cpu_kernels(self) -> None:
@@ -266,6 +276,28 @@ class SpyreCausalLM(nn.Module):
                 2**20)
         return cache
 
+    def _layer_caches(self, is_prompt: bool, mask: torch.Tensor) -> list:
+        """The running batch's caches as the model takes them: the
+        key/value caches, and for a hybrid model its Mamba-2 layers' steps
+        over the batch's state slots (one per row; a prefill starts from
+        zero states, its padding being the positions its last row does
+        not see)."""
+        if self.state_layout is None:
+            return self.kv_cache
+        B = mask.shape[0]
+        if is_prompt:
+            pool = self.state_pools.get(B)
+            if pool is None:
+                pool = self.state_layout.allocate(B, self.precision.kv)
+                self.state_pools[B] = pool
+            self.state_pool = pool
+            valid = mask[:, -1, :].clone()
+        else:
+            valid = torch.ones(B, 1, dtype=torch.bool)
+        fresh = torch.full((B, ), is_prompt, dtype=torch.bool)
+        steps = self.state_pool.steps(torch.arange(B), fresh, valid)
+        return spyre_mamba.layer_caches(self.is_ssm, self.kv_cache, steps)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor, cache_slots: torch.Tensor,
                 cache_len: int, is_prompt: bool) -> torch.Tensor:
@@ -284,7 +316,7 @@ class SpyreCausalLM(nn.Module):
                             input_ids.shape[1], cache_len),
             input_ids,
             position_ids=positions,
-            past_key_value_states=self.kv_cache,
+            past_key_value_states=self._layer_caches(is_prompt, mask),
             use_cache=True,
             last_n_tokens=1,
             mask=mask,

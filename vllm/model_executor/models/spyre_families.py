@@ -55,8 +55,20 @@ def _mixtral_fixes(hf_config) -> dict:
     return {"kvheads": hf_config.num_key_value_heads}
 
 
+def _bamba_fixes(hf_config) -> dict:
+    """Which layers attend (FMS's default: none), the MLP width exactly,
+    the rope base and the rotary cache's length from the config."""
+    return {"attn_layer_indices": list(hf_config.attn_layer_indices),
+            "multiple_of": 1, "rope_theta": hf_config.rope_theta}
+
+
 def _as_loaded(model) -> None:
     return None
+
+
+def _mamba_state_slots(model) -> None:
+    from vllm.model_executor.layers.spyre_mamba import use_spyre_ssm
+    use_spyre_ssm(model)
 
 
 def _dense_experts(model) -> None:
@@ -87,6 +99,9 @@ class DecoderFamily:
     prepare: Callable[[Any], None] = field(default=_as_loaded)
     #: Whether the config's ``sliding_window`` applies to this family.
     has_window: bool = False
+    #: Mamba-2 layers beside its attention layers, whose per-sequence
+    #: states live in Spyre's state slots (``spyre_mamba``).
+    hybrid: bool = False
 
     @property
     def serves_checkpoint_layout(self) -> bool:
@@ -112,6 +127,8 @@ FAMILIES: dict[str, DecoderFamily] = {
                       has_window=True),
         DecoderFamily("Qwen3ForCausalLM", "qwen3", _qwen3_fixes,
                       has_window=True),
+        DecoderFamily("BambaForCausalLM", "bamba", _bamba_fixes,
+                      prepare=_mamba_state_slots, hybrid=True),
     )
 }
 
