@@ -203,6 +203,8 @@ class SpyrePlatform(Platform):
             _configure_pooling(vllm_config, spyre)
         else:
             spyre = _choose_model_impl(model_config, spyre)
+            _check_hybrid(model_config.hf_config, parallel_config,
+                          vllm_config.cache_config)
             if spyre.use_cb:
                 _configure_continuous_batching(vllm_config, spyre)
             else:
@@ -255,6 +257,29 @@ def _choose_model_impl(model_config, spyre: SpyreConfig) -> SpyreConfig:
         "FMS" if impl == spyre_model_impl.FMS else "vLLM", arch,
         spyre_model_impl.flag_value(model_config.model_impl))
     return dataclasses.replace(spyre, model_impl=impl)
+
+
+def _check_hybrid(hf_config, parallel_config, cache_config) -> None:
+    """A hybrid (Mamba-2 and attention) model runs its Mamba-2 layers over
+    Spyre's state slots (``spyre_mamba``): on one card, and without prefix
+    caching, whose cached blocks would hold keys and values but no
+    state."""
+    from vllm.model_executor.models.spyre_families import FAMILIES
+    family = next((FAMILIES[a] for a in hf_config.architectures or []
+                   if a in FAMILIES), None)
+    if family is None or not family.hybrid:
+        return
+    arch = family.hf_architecture
+    if parallel_config.tensor_parallel_size > 1:
+        raise NotImplementedError(
+            f"{arch} on Spyre runs on one card: its Mamba-2 layers (FMS's "
+            "fms.modules.ssm.SSM) have no tensor-parallel form; got "
+            f"--tensor-parallel-size {parallel_config.tensor_parallel_size}")
+    if cache_config.enable_prefix_caching:
+        raise NotImplementedError(
+            f"Prefix caching of {arch} is not supported on Spyre: a cached "
+            "prefix would hold its attention layers' keys and values but "
+            "not its Mamba-2 layers' states; drop --enable-prefix-caching")
 
 
 def _sliding_window(hf_config, spyre: SpyreConfig) -> Optional[int]:

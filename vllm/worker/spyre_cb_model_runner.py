@@ -31,6 +31,7 @@ from vllm.attention.ops.spyre_paged_inputs import PagedInputs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.sampler import SamplerOutput
+from vllm.model_executor.layers.spyre_mamba import StateRows
 from vllm.model_executor.models.spyre_paged_causal_lm import SpyrePagedCausalLM
 from vllm.model_executor.models.spyre_vllm_causal_lm import (
     SpyreVllmPagedCausalLM)
@@ -44,11 +45,13 @@ from vllm.worker.model_runner_base import ModelRunnerInputBase
 from vllm.worker.spyre_cb_inputs import (decode_batch, prefill_chunks,
                                          prefill_span, whole_prefill_len)
 from vllm.worker.spyre_runner_base import SpyreRunnerBase, only_seq, sample
+from vllm.worker.spyre_state_slots import StateSlots
 
 logger = init_logger(__name__)
 
 _TENSORS = ("input_ids", "position_ids", "cache_slots", "block_table",
             "ctx_lens")
+_STATE_TENSORS = ("slots", "fresh", "valid")
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,10 @@ class SpyreCBModelInput(ModelRunnerInputBase):
     #: None and 0, and then not broadcast.
     logprob_ids: Optional[torch.Tensor] = None
     logprob_k: int = 0
+    #: A hybrid model's Mamba-2 state slots of the prefill's and the
+    #: decode's rows (``spyre_mamba.StateRows``); else None.
+    prefill_states: Optional[StateRows] = None
+    decode_states: Optional[StateRows] = None
 
     def as_broadcastable_tensor_dict(self) -> dict[str, Any]:
         tensors: dict[str, Any] = {}
@@ -79,6 +86,10 @@ class SpyreCBModelInput(ModelRunnerInputBase):
             if inputs is not None:
                 tensors.update({f"{part}_{k}": getattr(inputs, k)
                                 for k in _TENSORS})
+            states = getattr(self, f"{part}_states")
+            if states is not None:
+                tensors.update({f"{part}_state_{k}": getattr(states, k)
+                                for k in _STATE_TENSORS})
         if self.logprob_ids is not None:
             tensors.update(logprob_ids=self.logprob_ids,
                            logprob_k=self.logprob_k)
@@ -93,7 +104,13 @@ class SpyreCBModelInput(ModelRunnerInputBase):
             if f"{part}_input_ids" in tensor_dict else None
             for part in ("prefill", "decode")
         }
-        return cls(**parts,
+        states = {
+            f"{part}_states": StateRows(*(tensor_dict[f"{part}_state_{k}"]
+                                          for k in _STATE_TENSORS))
+            if f"{part}_state_slots" in tensor_dict else None
+            for part in ("prefill", "decode")
+        }
+        return cls(**parts, **states,
                    num_live=tensor_dict["num_live"],
                    sample_prefill=tensor_dict["sample_prefill"],
                    logprob_ids=tensor_dict.get("logprob_ids"),
@@ -117,6 +134,9 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         #: Prompt positions computed by prefills so far (a cached prefix
         #: is not computed; a recomputed sequence is computed again).
         self.prompt_tokens_computed = 0
+        #: A hybrid model's Mamba-2 state slot of each running request
+        #: (driver only); set by allocate_pool.
+        self.state_slots: Optional[StateSlots] = None
 
     # ---- start-up -------------------------------------------------------
     def block_bytes(self) -> int:
@@ -128,6 +148,8 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         assert self.model is not None
         self.model.allocate_pool(num_blocks + 1)
         self.pad_block = num_blocks
+        if self.model.state_layout is not None:
+            self.state_slots = StateSlots(self.model.state_slot_count)
 
     @current_platform.inference_mode()
     def warmup(self) -> None:
@@ -145,10 +167,15 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         prompt = torch.randint(0, vocab, (max(length, 2), ),
                                generator=gen).tolist()
         blocks = [0] * blocks_needed(len(prompt), CB_BLOCK_SIZE)
-        self._prefill(self._chunks(prompt, blocks))
+        chunks = self._chunks(prompt, blocks)
+        # A hybrid model's warm-up writes the slot the first request will
+        # get, which its prefill starts from zero states anyway.
+        self._prefill(chunks, self._prefill_states(0, chunks, len(prompt),
+                                                   True))
         for batch in sorted({1, self.scheduler_config.max_num_seqs}):
-            self._forward(self._decode([prompt[-1]] * batch, [2] * batch,
-                                       [[0]] * batch))
+            step = self._decode([prompt[-1]] * batch, [2] * batch,
+                                [[0]] * batch)
+            self._forward(step, self._decode_states([], step))
         seconds = time.perf_counter() - start
         self.startup_timings["warmup"] = seconds
         logger.info("Spyre continuous-batching warm-up took %.1f s (%s)",
@@ -170,6 +197,8 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         preemption) and decode (every running sequence), over the blocks
         vLLM's block manager gave each sequence."""
         metas = list(seq_group_metadata_list)
+        if self.state_slots is not None:
+            self.state_slots.release(finished_requests_ids or ())
         prefills = [m for m in metas if m.is_prompt]
         if len(prefills) > 1 or metas[:len(prefills)] != prefills:
             raise RuntimeError(
@@ -177,6 +206,7 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                 f"first; got {len(prefills)} of {len(metas)} groups")
         decodes = metas[len(prefills):]
         prefill = None
+        prefill_states = decode_states = None
         sample_prefill = True
         seq_lens, query_lens = [], []
         logprob_ids = None
@@ -194,6 +224,12 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                                       cached)
             prefill = self._chunks(tokens[:end], meta.block_tables[seq_id],
                                    start, cached)
+            if self.state_slots is not None:
+                slot = (self.state_slots.start(meta.request_id) if start == 0
+                        else self.state_slots.of(meta.request_id))
+                prefill_states = self._prefill_states(slot, prefill,
+                                                      end - start,
+                                                      start == 0)
             self.prompt_tokens_computed += end - start
             sample_prefill = meta.do_sample
             seq_lens.append(end)
@@ -211,6 +247,10 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
             decode = self._decode(
                 [d.get_last_token_id() for _, d in seqs], lens,
                 [m.block_tables[i] for m, (i, _) in zip(decodes, seqs)])
+            if self.state_slots is not None:
+                decode_states = self._decode_states(
+                    [self.state_slots.of(m.request_id) for m in decodes],
+                    decode)
             seq_lens += lens
             query_lens += [1] * len(seqs)
         sampling_metadata = SamplingMetadata.prepare(
@@ -226,7 +266,9 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                                  sample_prefill=sample_prefill,
                                  sampling_metadata=sampling_metadata,
                                  logprob_ids=logprob_ids,
-                                 logprob_k=logprob_k)
+                                 logprob_k=logprob_k,
+                                 prefill_states=prefill_states,
+                                 decode_states=decode_states)
 
     @current_platform.inference_mode()
     def execute_model(
@@ -245,12 +287,14 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                 "Multi-step scheduling is not supported on Spyre")
         rows = []
         if model_input.prefill is not None:
-            logits = self._prefill(model_input.prefill)
+            logits = self._prefill(model_input.prefill,
+                                   model_input.prefill_states)
             if model_input.sample_prefill:
                 rows.append(logits)
         if model_input.decode is not None:
             rows.append(self._forward(
-                model_input.decode)[:model_input.num_live])
+                model_input.decode,
+                model_input.decode_states)[:model_input.num_live])
         computed = {}
         if model_input.logprob_ids is not None:
             assert self.model is not None
@@ -287,16 +331,40 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         return decode_batch(tokens, lens, tables, CB_BLOCK_SIZE,
                             self.max_blocks, self.pad_id, self.pad_block)
 
-    def _prefill(self, chunks: PagedInputs) -> torch.Tensor:
+    def _prefill_states(self, slot: int, chunks: PagedInputs, real: int,
+                        first: bool) -> Optional[StateRows]:
+        """A hybrid model's state rows of a prefill (None otherwise)."""
+        assert self.model is not None
+        if self.model.state_layout is None:
+            return None
+        rows, length = chunks.input_ids.shape
+        return StateRows.prefill(slot, rows, length, real, first)
+
+    def _decode_states(self, slots: list[int],
+                       step: PagedInputs) -> Optional[StateRows]:
+        """A hybrid model's state rows of a decode step: the sequences'
+        slots, padding rows on the spare one (None otherwise)."""
+        assert self.model is not None
+        if self.model.state_layout is None:
+            return None
+        return StateRows.decode(slots, step.input_ids.shape[0],
+                                self.model.state_slot_count)
+
+    def _prefill(self, chunks: PagedInputs,
+                 states: Optional[StateRows] = None) -> torch.Tensor:
         """Runs the rows (one, or the chunks) in order; the last
         one's logits: [1, vocab]."""
         for i in range(chunks.input_ids.shape[0]):
-            logits = self._forward(chunks.row(i))
+            logits = self._forward(chunks.row(i),
+                                   states.row(i) if states else None)
         return logits
 
-    def _forward(self, step: PagedInputs) -> torch.Tensor:
+    def _forward(self, step: PagedInputs,
+                 states: Optional[StateRows] = None) -> torch.Tensor:
         assert self.model is not None
-        return self.model(step)
+        if states is None:
+            return self.model(step)
+        return self.model(step, states)
 
 
 def _seq(meta: SequenceGroupMetadata):

@@ -215,11 +215,13 @@ class SpyreSSM(nn.Module):
 
     def forward(self, input_states: torch.Tensor, mask=None,
                 past_key_value_state: SSMStep = None, **kwargs):
+        b, L, _ = input_states.shape
         step = past_key_value_state
+        if step is None:  # a whole prompt, no cache: zero states, kept
+            step = self._scratch(b, L, input_states.dtype)
         if not isinstance(step, SSMStep):
             raise TypeError("a Spyre Mamba-2 layer runs over the Spyre state "
                             f"slots (SSMStep), got {type(step).__name__}")
-        b, L, _ = input_states.shape
         valid = step.valid[..., None].to(input_states.dtype)  # [b, L, 1]
         gate, xBC, dt = self.in_proj(input_states * valid).split(
             [self.intermediate_size, self.conv_dim, self.nheads], dim=-1)
@@ -248,11 +250,23 @@ class SpyreSSM(nn.Module):
                                   h0)
             y = y[:, None]
         else:
-            y, h = ssd_scan(x, dt, A, B, C, h0, self.chunk_size)
+            # The scan is exact for any chunk length: no longer than the
+            # step, so a short step pays for no padding.
+            y, h = ssd_scan(x, dt, A, B, C, h0, min(self.chunk_size, L))
         step.ssm.index_copy_(0, step.slots, h)
         y = y + x * self.D.float()[:, None]
         y = self.norm(y.reshape(b, L, -1), gate)
         return self.out_proj(y.to(input_states.dtype)), step
+
+    def _scratch(self, b: int, L: int, dtype: torch.dtype) -> SSMStep:
+        """Zero states of ``b`` rows of ``L`` real positions, thrown away
+        after the pass (a prompt scored for its log-probabilities)."""
+        return SSMStep(
+            torch.zeros(b, self.conv_dim, self.conv_kernel_size - 1,
+                        dtype=dtype),
+            torch.zeros(b, self.nheads, self.head_dim, self.ssm_state_size),
+            torch.arange(b), torch.ones(b, dtype=torch.bool),
+            torch.ones(b, L, dtype=torch.bool))
 
 
 # ---- a hybrid model's per-layer caches ------------------------------------
@@ -270,3 +284,40 @@ def layer_caches(is_ssm: list[bool], kv: list, steps: list[SSMStep]) -> list:
     layer's ``SSMStep``."""
     kv_iter, step_iter = iter(kv), iter(steps)
     return [next(step_iter) if ssm else next(kv_iter) for ssm in is_ssm]
+
+
+@dataclass(frozen=True)
+class StateRows:
+    """The Mamba-2 side of a continuous-batching step (B rows of L
+    positions), built by the runner beside its ``PagedInputs``."""
+
+    slots: torch.Tensor  # [B] int64: each row's state slot
+    fresh: torch.Tensor  # [B] bool: the row starts a sequence
+    valid: torch.Tensor  # [B, L] bool: real positions
+
+    def row(self, i: int) -> "StateRows":
+        return StateRows(self.slots[i:i + 1].clone(),
+                         self.fresh[i:i + 1].clone(),
+                         self.valid[i:i + 1].clone())
+
+    @classmethod
+    def prefill(cls, slot: int, rows: int, length: int, real: int,
+                first: bool) -> "StateRows":
+        """A prefill of ``real`` positions in ``rows`` rows of ``length``,
+        left-padded, all in slot ``slot``; ``first``: it starts the
+        sequence (its first row starts from zero states)."""
+        pad = rows * length - real
+        valid = (torch.arange(rows * length) >= pad).view(rows, length)
+        fresh = torch.zeros(rows, dtype=torch.bool)
+        fresh[0] = first
+        return cls(torch.full((rows, ), slot, dtype=torch.long), fresh,
+                   valid)
+
+    @classmethod
+    def decode(cls, slots: list[int], rows: int, spare: int) -> "StateRows":
+        """One position per row: the sequences' slots, then padding rows
+        on the spare slot."""
+        padded = list(slots) + [spare] * (rows - len(slots))
+        return cls(torch.tensor(padded, dtype=torch.long),
+                   torch.zeros(rows, dtype=torch.bool),
+                   torch.ones(rows, 1, dtype=torch.bool))

@@ -28,6 +28,7 @@ from vllm.attention.ops.spyre_paged_inputs import (MIN_DECODE_BATCH,
                                                MIN_PREFILL_LEN, PagedInputs)
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
+from vllm.model_executor.layers import spyre_mamba
 from vllm.model_executor.models.spyre_causal_lm import SpyreCausalLM
 from vllm.platforms.spyre_config import CB_BLOCK_SIZE, SpyreConfig
 
@@ -47,6 +48,9 @@ class SpyrePagedCausalLM(SpyreCausalLM):
         #: Per layer (keys, values), allocated by ``allocate_pool``.
         self.kv_pool: Optional[list] = None
         self.num_blocks = 0
+        #: A hybrid model's Mamba-2 state slots (``spyre_mamba``): one per
+        #: sequence the scheduler may run, and the spare one.
+        self.state_slot_count = vllm_config.scheduler_config.max_num_seqs
         #: Range of the dynamic decode batch (dynamo wants a bounded one).
         self.decode_batch_range = (MIN_DECODE_BATCH, max(
             vllm_config.scheduler_config.max_num_seqs, MIN_DECODE_BATCH + 1))
@@ -56,9 +60,14 @@ class SpyrePagedCausalLM(SpyreCausalLM):
         #: A chunk pays for its padding and for the LM head, which a
         #: prefill of SmolLM2 reads for 4 ms per chunk to keep one row of
         #: logits; the kernel scores one query position at a time, so a
-        #: whole prompt costs it no more memory than a chunk.
+        #: whole prompt costs it no more memory than a chunk.  A hybrid
+        #: model's Mamba-2 scan cuts its positions into chunks, which a
+        #: dynamic length would specialise (one chunk or several): it
+        #: prefills in static chunks, its state carried from one to the
+        #: next.
         self.prefill_len_range = (MIN_PREFILL_LEN, max(
-            self.max_model_len, MIN_PREFILL_LEN + 1)) if self.native else None
+            self.max_model_len, MIN_PREFILL_LEN + 1)) if (
+                self.native and self.state_layout is None) else None
 
     @staticmethod
     def _register_attention() -> None:
@@ -67,6 +76,13 @@ class SpyrePagedCausalLM(SpyreCausalLM):
     def block_bytes(self) -> int:
         """Bytes one block of the pool takes on this rank."""
         return self.pool_layout.block_bytes(self.precision.kv)
+
+    def state_bytes(self) -> int:
+        """Bytes the Mamba-2 state slots take (0 without such layers)."""
+        if self.state_layout is None:
+            return 0
+        return (self.state_slot_count + 1) * self.state_layout.slot_bytes(
+            self.precision.kv)
 
     def allocate_pool(self, num_blocks: int) -> None:
         """Allocates the pools once; they are written in place ever after."""
@@ -79,6 +95,14 @@ class SpyrePagedCausalLM(SpyreCausalLM):
             "Allocated the key/value pool: %d blocks of %d tokens (%.1f MiB)",
             num_blocks, CB_BLOCK_SIZE,
             num_blocks * self.block_bytes() / 2**20)
+        if self.state_layout is not None:
+            self.state_pool = self.state_layout.allocate(
+                self.state_slot_count + 1, self.precision.kv)
+            logger.info(
+                "Allocated the Mamba-2 states of %d layers: %d slots, one "
+                "per sequence and a spare (%.1f MiB)",
+                self.state_layout.layers, self.state_pool.slots,
+                self.state_bytes() / 2**20)
 
     def paged_graph_name(self, is_prompt: bool, max_blocks: int) -> str:
         """Names the two graphs by what fixes their shapes: the block
@@ -105,15 +129,18 @@ class SpyrePagedCausalLM(SpyreCausalLM):
             f"continuous-batching decode {limits}",
         }
 
-    def forward(self, step: PagedInputs) -> torch.Tensor:  # type: ignore
-        """One prefill ([1, L]) or one decode step ([B, 1]).  Returns the
+    def forward(self, step: PagedInputs,  # type: ignore[override]
+                states: Optional[spyre_mamba.StateRows] = None
+                ) -> torch.Tensor:
+        """One prefill ([1, L]) or one decode step ([B, 1]); ``states``:
+        the rows' Mamba-2 state slots, for a hybrid model.  Returns the
         logits of each row's last position: [B, vocab]."""
-        is_decode = self._mark_dynamic(step)
+        is_decode = self._mark_dynamic(step, states)
         logits, _ = self.model(
             self.paged_graph_name(not is_decode, step.block_table.shape[1]),
             step.input_ids,
             position_ids=step.position_ids,
-            past_key_value_states=self.kv_pool,
+            past_key_value_states=self._pool_caches(states),
             use_cache=True,
             last_n_tokens=1,
             attn_name=self.attn_name,
@@ -124,23 +151,38 @@ class SpyrePagedCausalLM(SpyreCausalLM):
         )
         return logits[:, -1, :]  # [B, vocab]
 
-    def _mark_dynamic(self, step: PagedInputs) -> bool:
+    def _pool_caches(self, states: Optional[spyre_mamba.StateRows]) -> list:
+        """The pools as the model takes them; a hybrid model's Mamba-2
+        layers get their steps over the rows' state slots."""
+        if self.state_layout is None:
+            return self.kv_pool
+        if states is None:
+            raise RuntimeError("a hybrid model's step needs its rows' "
+                               "Mamba-2 state slots")
+        steps = self.state_pool.steps(states.slots, states.fresh,
+                                      states.valid)
+        return spyre_mamba.layer_caches(self.is_ssm, self.kv_pool, steps)
+
+    def _mark_dynamic(self, step: PagedInputs,
+                      states: Optional[spyre_mamba.StateRows] = None) -> bool:
         """Marks the step's dynamic dimension (the decode batch, or the
         prefill length on the kernel) within its range; whether the step
         is a decode step."""
         if self.kv_pool is None:
             raise RuntimeError("a step before the key/value pool exists")
         is_decode = step.input_ids.shape[1] == 1
+        rows = ((states.slots, states.fresh, states.valid)
+                if states is not None else ())
         if is_decode:
             # Decode: one graph for every batch size.
             low, high = self.decode_batch_range
             for t in (step.input_ids, step.position_ids, step.cache_slots,
-                      step.block_table, step.ctx_lens):
+                      step.block_table, step.ctx_lens, *rows):
                 torch._dynamo.mark_dynamic(t, 0, min=low, max=high)
         elif self.prefill_len_range is not None:
             # Prefill: one graph for every prompt length.
             low, high = self.prefill_len_range
             for t in (step.input_ids, step.position_ids, step.cache_slots,
-                      step.ctx_lens):
+                      step.ctx_lens, *rows[2:]):
                 torch._dynamo.mark_dynamic(t, 1, min=low, max=high)
         return is_decode
