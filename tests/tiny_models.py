@@ -204,6 +204,28 @@ FAMILIES = {
     "qwen3": _qwen3,
 }
 
+def _granite4(vocab: int, layer_types=None, experts: int = 0):
+    """Granite 4 (``GraniteMoeHybridForCausalLM``) in its dense form: every
+    layer attention, no experts, rotary positions, a shared MLP whose
+    width (``shared_intermediate_size``) is not ``intermediate_size``, and
+    every multiplier away from 1; ``layer_types``/``experts``: the hybrid
+    and mixture-of-experts forms, which Spyre refuses."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+    common = _common(vocab, 6)
+    return GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
+        **common, num_key_value_heads=3, rms_norm_eps=1e-5,
+        shared_intermediate_size=168, num_local_experts=experts,
+        num_experts_per_tok=2 if experts else 0,
+        position_embedding_type="rope",
+        layer_types=layer_types or ["attention"] * 2,
+        mamba_n_heads=8, mamba_d_head=24, mamba_d_state=16,
+        mamba_n_groups=1, mamba_d_conv=4, mamba_chunk_size=16,
+        embedding_multiplier=2.0, attention_multiplier=0.15,
+        residual_multiplier=0.7, logits_scaling=0.5))
+
+
+FAMILIES["granite4"] = _granite4
+
 #: Hybrid (Mamba-2 and attention) families.
 HYBRID = {
     "bamba": _bamba,

@@ -143,6 +143,11 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         assert self.model is not None
         return self.model.block_bytes()
 
+    def state_bytes(self) -> int:
+        """Bytes a hybrid model's Mamba-2 state slots take (else 0)."""
+        assert self.model is not None
+        return self.model.state_bytes()
+
     def allocate_pool(self, num_blocks: int) -> None:
         """``num_blocks`` for vLLM's block manager, plus the spare block."""
         assert self.model is not None

@@ -71,6 +71,8 @@ class SpyreCBWorker(SpyreWorkerBase):
         budget = spyre_memory.memory_limit() * util - (memory.total -
                                                       memory.available)
         budget /= self.parallel_config.world_size  # ranks share the machine
+        # A hybrid model's Mamba-2 state slots come first.
+        budget -= self.model_runner.state_bytes()
         per_seq = blocks_needed(self.scheduler_config.max_model_len,
                                 CB_BLOCK_SIZE)
         # vLLM's block manager lets a sequence decode only while a block is

@@ -96,6 +96,8 @@ class Geometry:
     vocab: int
     item: int  # bytes per element
     kv_item: int = 0  # bytes per cached element, when not ``item``
+    #: A hybrid model's Mamba-2 states of one sequence (``spyre_mamba``).
+    state_slot_bytes: int = 0
 
     def kv_bytes(self, sequences: int, length: int) -> int:
         return (sequences * length * self.layers * 2 * self.kv_heads *
@@ -169,6 +171,8 @@ def static_estimate(process: int, weights: int, geometry: Geometry,
     """Static batching: a cache per shape, the largest shape's prefill;
     ``packed``: the linear layers run on the packed kernels."""
     kv = sum(geometry.kv_bytes(s.batch_size, s.max_len) for s in shapes)
+    # A hybrid model's Mamba-2 states: one slot per row, per batch size.
+    kv += geometry.state_slot_bytes * sum({s.batch_size for s in shapes})
     largest = max(shapes, key=lambda s: geometry.activation_bytes(
         s.batch_size, s.prompt_len, s.max_len))
     act = max(geometry.activation_bytes(largest.batch_size,
@@ -208,6 +212,8 @@ def cb_estimate(process: int, weights: int, geometry: Geometry,
     ``[heads, L, L]`` scores); elsewhere it runs in chunks of a block,
     each holding its scores."""
     kv = geometry.kv_bytes(blocks, block_size)
+    # A hybrid model's Mamba-2 states: a slot per sequence and a spare.
+    kv += geometry.state_slot_bytes * (max_num_seqs + 1)
     if on_kernel:
         prefill = geometry.activation_bytes(1, max_model_len, max_model_len,
                                             scores=False)
@@ -271,6 +277,10 @@ def geometry_of(vllm_config, item: int, kv_item: int = 0) -> Geometry:
     text = model.hf_text_config
     inner = (getattr(text, "intermediate_size", None)
              or getattr(text, "n_inner", None) or 4 * model.get_hidden_size())
+    import torch
+
+    from vllm.model_executor.layers.spyre_mamba import StateLayout
+    states = StateLayout.from_config(text)
     return Geometry(layers=model.get_num_layers(parallel),
                     kv_heads=model.get_num_kv_heads(parallel),
                     heads=model.get_num_attention_heads(parallel),
@@ -279,7 +289,10 @@ def geometry_of(vllm_config, item: int, kv_item: int = 0) -> Geometry:
                     intermediate=-(-inner // parallel.tensor_parallel_size),
                     vocab=model.get_vocab_size(),
                     item=item,
-                    kv_item=kv_item)
+                    kv_item=kv_item,
+                    state_slot_bytes=states.slot_bytes(
+                        torch.float32 if (kv_item or item) == 4 else
+                        torch.bfloat16) if states else 0)
 
 
 def weights_of(vllm_config, item: int) -> int:

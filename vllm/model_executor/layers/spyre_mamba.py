@@ -74,6 +74,30 @@ class StateLayout:
                    heads=first.nheads, head_dim=first.head_dim,
                    state_size=first.ssm_state_size)
 
+    @classmethod
+    def from_config(cls, hf_config) -> "StateLayout | None":
+        """The geometry a Hugging Face hybrid config states (Bamba's
+        ``mamba_*`` fields; its attention layers by ``attn_layer_indices``,
+        or Granite 4's ``layer_types``, where none means all Mamba-2), None
+        for a model without Mamba-2 layers."""
+        if getattr(hf_config, "mamba_d_state", None) is None:
+            return None
+        n = hf_config.num_hidden_layers
+        types = getattr(hf_config, "layer_types", None)
+        if types is None and hasattr(hf_config, "attn_layer_indices"):
+            layers = n - len(set(hf_config.attn_layer_indices or ()))
+        else:
+            layers = sum(t == "mamba" for t in types or ["mamba"] * n)
+        if layers == 0:
+            return None
+        inner = int(hf_config.mamba_expand * hf_config.hidden_size)
+        state = hf_config.mamba_d_state
+        return cls(layers=layers,
+                   conv_dim=inner + 2 * hf_config.mamba_n_groups * state,
+                   conv_history=hf_config.mamba_d_conv - 1,
+                   heads=hf_config.mamba_n_heads,
+                   head_dim=hf_config.mamba_d_head, state_size=state)
+
     def slot_bytes(self, dtype: torch.dtype) -> int:
         """Bytes one slot takes over all layers: the convolution history
         in ``dtype``, the SSM state in float32."""

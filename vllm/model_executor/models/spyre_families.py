@@ -62,6 +62,38 @@ def _bamba_fixes(hf_config) -> dict:
             "multiple_of": 1, "rope_theta": hf_config.rope_theta}
 
 
+def _granite4_fixes(hf_config) -> dict:
+    """The padding id and MLP width from the config (FMS's mapping leaves
+    its 8b variant's: a padding id past a small vocabulary, and the
+    experts' width where the dense form has ``shared_intermediate_size``)."""
+    width, hidden = hf_config.shared_intermediate_size, hf_config.hidden_size
+    return {"pad_id": hf_config.pad_token_id,
+            "hidden_grow_factor": (width + 0.5) / hidden}
+
+
+def _granite4_unsupported(hf_config) -> Optional[str]:
+    """What FMS's ``granite_moe_hybrid`` (Granite 4's dense form, a
+    Granite subclass) cannot run."""
+    n = hf_config.num_hidden_layers
+    types = getattr(hf_config, "layer_types", None) or ["mamba"] * n
+    if "mamba" in types:
+        return (f"its Mamba-2 layers ({types.count('mamba')} of {n} in "
+                "layer_types) are not in FMS's granite_moe_hybrid model, "
+                "which is Granite 4's dense form")
+    if (hf_config.num_local_experts or 0) > 0:
+        return (f"its {hf_config.num_local_experts} experts per layer are "
+                "not in FMS's granite_moe_hybrid model (dense form only)")
+    if hf_config.position_embedding_type != "rope":
+        return (f"position_embedding_type "
+                f"{hf_config.position_embedding_type!r}: FMS's Granite "
+                "always applies rotary embeddings")
+    return None
+
+
+def _supported(hf_config) -> Optional[str]:
+    return None
+
+
 def _as_loaded(model) -> None:
     return None
 
@@ -102,6 +134,8 @@ class DecoderFamily:
     #: Mamba-2 layers beside its attention layers, whose per-sequence
     #: states live in Spyre's state slots (``spyre_mamba``).
     hybrid: bool = False
+    #: Why a config of the architecture cannot run (None: it can).
+    unsupported: Callable[[Any], Optional[str]] = field(default=_supported)
 
     @property
     def serves_checkpoint_layout(self) -> bool:
@@ -129,6 +163,8 @@ FAMILIES: dict[str, DecoderFamily] = {
                       has_window=True),
         DecoderFamily("BambaForCausalLM", "bamba", _bamba_fixes,
                       prepare=_mamba_state_slots, hybrid=True),
+        DecoderFamily("GraniteMoeHybridForCausalLM", "granite_moe_hybrid",
+                      _granite4_fixes, unsupported=_granite4_unsupported),
     )
 }
 
@@ -139,7 +175,13 @@ def family_of(hf_config) -> DecoderFamily:
     archs = list(getattr(hf_config, "architectures", None) or [])
     for arch in archs:
         if arch in FAMILIES:
-            return FAMILIES[arch]
+            family = FAMILIES[arch]
+            why = family.unsupported(hf_config)
+            if why is not None:
+                raise NotImplementedError(
+                    f"{arch} is not supported on Spyre with this config: "
+                    f"{why}.")
+            return family
     named = ", ".join(archs) or f"model_type {hf_config.model_type!r}"
     raise ValueError(
         f"Architecture {named} is not supported on Spyre. Supported "
