@@ -232,6 +232,21 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
     return y.reshape(b, n_chunks * chunk, h, d)[:, :L], starts[:, -1]
 
 
+def _after_padding(seq: torch.Tensor, history: int,
+                   valid: torch.Tensor) -> torch.Tensor:
+    """``seq`` ([b, channels, history + L]: a row's convolution history,
+    then its L positions, the first ``pad`` of them padding, zeroed) with
+    the history moved after the padding: ``[zeros(pad), history, real
+    positions]``."""
+    total = seq.shape[2]
+    pad = valid.shape[1] - valid.sum(dim=1, keepdim=True)  # [b, 1]
+    col = torch.arange(total, device=seq.device).unsqueeze(0)  # [1, T]
+    source = torch.where(col < pad + history, col - pad, col)
+    moved = seq.gather(2, source.clamp(min=0).unsqueeze(1).expand(
+        -1, seq.shape[1], -1))
+    return moved * (col >= pad).unsqueeze(1).to(seq.dtype)
+
+
 class SpyreSSM(nn.Module):
     """The forward of a Mamba-2 layer over ``SSMStep`` states; mixed into
     FMS's ``SSM`` class by ``use_spyre_ssm`` (its parameters: ``in_proj``,
@@ -251,8 +266,12 @@ class SpyreSSM(nn.Module):
             [self.intermediate_size, self.conv_dim, self.nheads], dim=-1)
         keep = (~step.fresh).to(input_states.dtype)[:, None, None]
         history = step.conv[step.slots].to(xBC.dtype) * keep
-        # The convolution over the previous K - 1 inputs and this step's.
-        seq = torch.cat([history, (xBC * valid).transpose(1, 2)], dim=2)
+        # The convolution over the previous K - 1 inputs and this step's,
+        # the history moved past the row's left padding so that it
+        # precedes the first real position.
+        seq = _after_padding(
+            torch.cat([history, (xBC * valid).transpose(1, 2)], dim=2),
+            history.shape[2], step.valid)
         step.conv.index_copy_(0, step.slots,
                               seq[:, :, -history.shape[2]:].to(
                                   step.conv.dtype))
