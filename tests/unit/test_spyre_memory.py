@@ -184,3 +184,20 @@ def test_large_buffers_are_reused_instead_of_faulted_in_again():
 
 def test_large_buffers_left_alone_when_the_user_tuned_malloc():
     assert sm.keep_large_buffers(False) is False
+
+
+def test_hybrid_state_slots_are_counted():
+    """A hybrid model's Mamba-2 states: a slot per row of each batch size
+    under static batching, a slot per sequence and a spare under
+    continuous batching; the geometry reads them off the config."""
+    import dataclasses
+    hybrid = dataclasses.replace(GEOMETRY, state_slot_bytes=1000)
+    shapes = [WarmupShape(64, 24, 4), WarmupShape(128, 8, 4),
+              WarmupShape(64, 8, 2)]
+    plain = sm.static_estimate(0, 0, GEOMETRY, shapes, "eager")
+    assert sm.static_estimate(0, 0, hybrid, shapes, "eager").kv_cache == \
+        plain.kv_cache + 1000 * (4 + 2)
+    plain = sm.cb_estimate(0, 0, GEOMETRY, 5, 64, 300, 16, "eager", False,
+                           True)
+    assert sm.cb_estimate(0, 0, hybrid, 5, 64, 300, 16, "eager", False,
+                          True).kv_cache == plain.kv_cache + 1000 * 17
