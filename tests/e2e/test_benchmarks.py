@@ -218,3 +218,26 @@ def test_encoder_attention_benchmark_small(tmp_path):
     lines = proc.stdout.strip().splitlines()
     assert lines[-3].startswith("texts x tokens")
     assert lines[-1].startswith("4 x 20")
+
+
+def test_hybrid_split_benchmark_small(tmp_path):
+    """benchmarks/hybrid_split.py on a tiny Bamba: the decode step split
+    between its 2 Mamba-2 layers and its attention layer, both timed."""
+    from conftest import build_tiny_family
+    model = build_tiny_family("bamba", tmp_path / "bamba")
+    out = tmp_path / "split.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "hybrid_split.py"),
+         "--model", str(model), "--batch-sizes", "1,2", "--new-tokens",
+         "4", "--json", str(out)],
+        capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["decode_steps"] == 3
+        assert (r["mamba_layers"], r["attention_layers"]) == (2, 1)
+        assert r["mamba_ms"] > 0 and r["attention_ms"] > 0
+        assert r["mamba_ms"] + r["attention_ms"] <= r["step_ms"]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-5].startswith("B ") and lines[-2].startswith("2 ")
