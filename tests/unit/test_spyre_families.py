@@ -46,6 +46,27 @@ def test_sliding_window(arch, kw, window):
     assert family.sliding_window(config(architectures=[arch], **kw)) == window
 
 
+@pytest.mark.parametrize("max_window_layers, window", [(0, 64), (4, None)])
+def test_qwen3_window_follows_its_layer_types(max_window_layers, window):
+    """transformers slides only the layers from ``max_window_layers`` on:
+    all of them, or none."""
+    from transformers import Qwen3Config
+    cfg = Qwen3Config(num_hidden_layers=4, use_sliding_window=True,
+                      sliding_window=64, max_window_layers=max_window_layers,
+                      architectures=["Qwen3ForCausalLM"])
+    assert sf.window_of(cfg) == window
+
+
+def test_a_window_on_some_layers_only_is_refused():
+    from transformers import Qwen3Config
+    cfg = Qwen3Config(num_hidden_layers=4, use_sliding_window=True,
+                      sliding_window=64, max_window_layers=1,
+                      architectures=["Qwen3ForCausalLM"])
+    with pytest.raises(NotImplementedError,
+                       match="64 tokens on 3 of 4 layers.*max_window_layers=1"):
+        sf.window_of(cfg)
+
+
 def test_mixtral_step_stacks_experts_and_interleaves_rotary():
     heads, kv_heads, head_dim, dim, inner, experts = 2, 1, 4, 8, 6, 3
     g = torch.Generator().manual_seed(0)

@@ -70,7 +70,7 @@ class Layer:
         self.spyre = copy.deepcopy(self.fms)
         holder = torch.nn.ModuleList([self.spyre])
         assert spyre_mamba.use_spyre_ssm(holder) == 1
-        self.pool = StateLayout.of(holder).allocate(4, torch.float32)
+        self.pool = StateLayout.of(holder).allocate(4)
 
     def reference(self, x):
         with torch.no_grad():
@@ -182,7 +182,7 @@ def test_layout_from_configs():
     assert bamba == StateLayout(layers=3, conv_dim=192 + 2 * 2 * 16,
                                 conv_history=3, heads=8, head_dim=24,
                                 state_size=16)
-    assert bamba.slot_bytes(torch.float32) == 3 * (256 * 3 + 8 * 24 * 16) * 4
+    assert bamba.slot_bytes() == 3 * (256 * 3 + 8 * 24 * 16) * 4
     dense = GraniteMoeHybridConfig(num_hidden_layers=2,
                                    layer_types=["attention"] * 2)
     assert StateLayout.from_config(dense) is None

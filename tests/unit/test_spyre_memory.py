@@ -186,6 +186,30 @@ def test_large_buffers_left_alone_when_the_user_tuned_malloc():
     assert sm.keep_large_buffers(False) is False
 
 
+def test_hybrid_geometry_counts_attention_layers_only():
+    """Bamba's 3 Mamba-2 layers hold states, its attention layer keys and
+    values."""
+    from types import SimpleNamespace
+
+    from transformers import BambaConfig
+    text = BambaConfig(hidden_size=96, num_hidden_layers=4,
+                       attn_layer_indices=[1], num_attention_heads=6,
+                       num_key_value_heads=3, mamba_n_heads=8,
+                       mamba_d_head=24, mamba_expand=2, mamba_d_state=16,
+                       mamba_n_groups=2, mamba_d_conv=4, intermediate_size=192)
+    model = SimpleNamespace(
+        hf_text_config=text, get_num_layers=lambda p: 4,
+        get_num_kv_heads=lambda p: 3, get_num_attention_heads=lambda p: 6,
+        get_head_size=lambda: 16, get_hidden_size=lambda: 96,
+        get_vocab_size=lambda: 384)
+    vllm_config = SimpleNamespace(
+        model_config=model,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    geometry = sm.geometry_of(vllm_config, 4)
+    assert geometry.layers == 1
+    assert geometry.state_slot_bytes == 3 * (256 * 3 + 8 * 24 * 16) * 4
+
+
 def test_hybrid_state_slots_are_counted():
     """A hybrid model's Mamba-2 states: a slot per row of each batch size
     under static batching, a slot per sequence and a spare under

@@ -277,11 +277,11 @@ def geometry_of(vllm_config, item: int, kv_item: int = 0) -> Geometry:
     text = model.hf_text_config
     inner = (getattr(text, "intermediate_size", None)
              or getattr(text, "n_inner", None) or 4 * model.get_hidden_size())
-    import torch
-
     from vllm.model_executor.layers.spyre_mamba import StateLayout
     states = StateLayout.from_config(text)
-    return Geometry(layers=model.get_num_layers(parallel),
+    # A hybrid model's Mamba-2 layers hold states, not keys and values.
+    return Geometry(layers=model.get_num_layers(parallel) -
+                    (states.layers if states else 0),
                     kv_heads=model.get_num_kv_heads(parallel),
                     heads=model.get_num_attention_heads(parallel),
                     head_size=model.get_head_size(),
@@ -290,9 +290,7 @@ def geometry_of(vllm_config, item: int, kv_item: int = 0) -> Geometry:
                     vocab=model.get_vocab_size(),
                     item=item,
                     kv_item=kv_item,
-                    state_slot_bytes=states.slot_bytes(
-                        torch.float32 if (kv_item or item) == 4 else
-                        torch.bfloat16) if states else 0)
+                    state_slot_bytes=states.slot_bytes() if states else 0)
 
 
 def weights_of(vllm_config, item: int) -> int:

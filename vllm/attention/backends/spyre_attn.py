@@ -205,17 +205,6 @@ class SpyreAttentionMetadataBuilder(
         return step
 
 
-def _model_window() -> int:
-    """The model's sliding window from the Spyre settings of the config
-    being built (0 outside an engine's model load)."""
-    from vllm.config import get_current_vllm_config
-    from vllm.platforms.spyre_config import ADDITIONAL_CONFIG_KEY, SpyreConfig
-    config = get_current_vllm_config()
-    if ADDITIONAL_CONFIG_KEY not in (config.additional_config or {}):
-        return 0
-    return SpyreConfig.from_vllm_config(config).sliding_window
-
-
 class SpyreAttentionImpl(AttentionImpl[SpyreAttentionMetadata]):
     """Decoder self-attention over the Spyre caches."""
 
@@ -256,8 +245,15 @@ class SpyreAttentionImpl(AttentionImpl[SpyreAttentionMetadata]):
         self.num_kv_heads = num_kv_heads or num_heads
         #: This layer's sliding window (0: whole context), given to the
         #: Spyre cache ops as ``spyre_window``: vLLM's per-layer window,
-        #: else the model's (the platform clears vLLM's own setting).
-        self.window = sliding_window or _model_window()
+        #: else the model's (``use_model_window``).
+        self.window = sliding_window or 0
+
+    def use_model_window(self, window: int) -> None:
+        """The model's sliding window, for a layer vLLM gave none: the
+        platform clears vLLM's own window setting, from which vLLM's
+        layers without a per-layer window (Mistral's) would take it."""
+        if not self.window:
+            self.window = window
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor,

@@ -42,7 +42,7 @@ class SSMStep:
     cache; FMS's block sets ``seqlen_offset`` and ``has_previous_state``
     on it after the layer, which nothing reads."""
 
-    conv: torch.Tensor  # [slots, conv_dim, K - 1]
+    conv: torch.Tensor  # [slots, conv_dim, K - 1] float32
     ssm: torch.Tensor  # [slots, heads, head_dim, state_size] float32
     slots: torch.Tensor  # [B] int64: each row's slot
     fresh: torch.Tensor  # [B] bool: the row starts from zero states
@@ -98,18 +98,18 @@ class StateLayout:
                    heads=hf_config.mamba_n_heads,
                    head_dim=hf_config.mamba_d_head, state_size=state)
 
-    def slot_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes one slot takes over all layers: the convolution history
-        in ``dtype``, the SSM state in float32."""
-        item = torch.empty((), dtype=dtype).element_size()
-        conv = self.conv_dim * self.conv_history * item
-        ssm = self.heads * self.head_dim * self.state_size * 4
-        return self.layers * (conv + ssm)
+    def slot_bytes(self) -> int:
+        """Bytes one slot takes over all layers, in float32 (whatever the
+        model's dtype: a prompt prefilled in chunks must carry exactly what
+        one pass would)."""
+        conv = self.conv_dim * self.conv_history
+        ssm = self.heads * self.head_dim * self.state_size
+        return self.layers * (conv + ssm) * 4
 
-    def allocate(self, slots: int, dtype: torch.dtype) -> "StatePool":
+    def allocate(self, slots: int) -> "StatePool":
         return StatePool(
             [torch.zeros(slots, self.conv_dim, self.conv_history,
-                         dtype=dtype) for _ in range(self.layers)],
+                         dtype=torch.float32) for _ in range(self.layers)],
             [torch.zeros(slots, self.heads, self.head_dim, self.state_size,
                          dtype=torch.float32) for _ in range(self.layers)])
 

@@ -86,6 +86,11 @@ class SpyreCausalLM(nn.Module):
                                          spyre_config.native_kernels)
         logger.info("Spyre native CPU kernels %s (%s)",
                     "in use" if self.native else "not in use", why)
+        #: A hybrid model's Mamba-2 state geometry (None without such
+        #: layers) and which of its layers they are (``spyre_mamba``);
+        #: ``_build`` reads them off an FMS model.
+        self.state_layout: Optional[spyre_mamba.StateLayout] = None
+        self.is_ssm: list[bool] = []
         self.model = self._compile(self._build(vllm_config))
         #: One key/value cache per (batch size, cache length).
         self.kv_caches: dict[tuple[int, int], list] = {}
@@ -114,8 +119,6 @@ class SpyreCausalLM(nn.Module):
             self._bf16_products()
         self._register_attention()
         self.cache_layout = CacheLayout.of(self.fms_model)
-        #: A hybrid model's Mamba-2 state geometry (None without such
-        #: layers) and which of its layers they are (``spyre_mamba``).
         self.state_layout = spyre_mamba.StateLayout.of(self.fms_model)
         self.is_ssm = (spyre_mamba.layer_kinds(self.fms_model)
                        if self.state_layout else [])
@@ -288,7 +291,7 @@ class SpyreCausalLM(nn.Module):
         if is_prompt:
             pool = self.state_pools.get(B)
             if pool is None:
-                pool = self.state_layout.allocate(B, self.precision.kv)
+                pool = self.state_layout.allocate(B)
                 self.state_pools[B] = pool
             self.state_pool = pool
             valid = mask[:, -1, :].clone()

@@ -56,8 +56,8 @@ def _mixtral_fixes(hf_config) -> dict:
 
 
 def _bamba_fixes(hf_config) -> dict:
-    """Which layers attend (FMS's default: none), the MLP width exactly,
-    the rope base and the rotary cache's length from the config."""
+    """Which layers attend and the MLP width exactly (FMS's mapping leaves
+    its 9.8B variant's), and the rope base from the config."""
     return {"attn_layer_indices": list(hf_config.attn_layer_indices),
             "multiple_of": 1, "rope_theta": hf_config.rope_theta}
 
@@ -65,7 +65,9 @@ def _bamba_fixes(hf_config) -> dict:
 def _granite4_fixes(hf_config) -> dict:
     """The padding id and MLP width from the config (FMS's mapping leaves
     its 8b variant's: a padding id past a small vocabulary, and the
-    experts' width where the dense form has ``shared_intermediate_size``)."""
+    experts' width where the dense form has ``shared_intermediate_size``).
+    The width is given exactly here (the ratio nudged as
+    ``spyre_hf_config`` does), replacing the mapping's."""
     width, hidden = hf_config.shared_intermediate_size, hf_config.hidden_size
     return {"pad_id": hf_config.pad_token_id,
             "hidden_grow_factor": (width + 0.5) / hidden}
@@ -109,12 +111,30 @@ def _dense_experts(model) -> None:
 
 
 def window_of(hf_config) -> Optional[int]:
-    """The sliding-window length of a config, if it sets one (Qwen3 sets
-    one only with ``use_sliding_window``)."""
+    """The sliding-window length of a config whose every layer slides over
+    it, if it sets one (Qwen3 only with ``use_sliding_window``, and only
+    on the layers its ``layer_types`` marks ``sliding_attention``: from
+    ``max_window_layers`` on); None when no layer slides.  Some layers
+    sliding and others not is refused (``NotImplementedError``): the
+    Spyre attention ops take one window per model."""
     if getattr(hf_config, "use_sliding_window", True) is False:
         return None
     window = getattr(hf_config, "sliding_window", None)
-    return window if isinstance(window, int) and window > 0 else None
+    if not (isinstance(window, int) and window > 0):
+        return None
+    types = getattr(hf_config, "layer_types", None)
+    if types:
+        sliding = sum(t == "sliding_attention" for t in types)
+        if sliding == 0:
+            return None
+        if sliding < len(types):
+            raise NotImplementedError(
+                f"A sliding window of {window} tokens on {sliding} of "
+                f"{len(types)} layers (layer_types; max_window_layers="
+                f"{getattr(hf_config, 'max_window_layers', None)}) is not "
+                "supported on Spyre: its attention takes one window for "
+                "every layer")
+    return window
 
 
 @dataclass(frozen=True)
@@ -141,7 +161,7 @@ class DecoderFamily:
     def serves_checkpoint_layout(self) -> bool:
         """Whether the served model keeps the layout its checkpoint loads
         into (no ``prepare`` step), so new weights can be loaded in place."""
-        return self.prepare is _as_loaded
+        return self.prepare in (_as_loaded, _mamba_state_slots)
 
     def sliding_window(self, hf_config) -> Optional[int]:
         return window_of(hf_config) if self.has_window else None

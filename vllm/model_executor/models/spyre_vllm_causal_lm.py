@@ -100,6 +100,9 @@ class SpyreVllmCausalLM(SpyreCausalLM):
             # vLLM's opaque attention op, as on its CPU and CUDA platforms:
             # compiled graphs leave attention, its metadata and caches out.
             layer.use_direct_call = False
+            # The model's sliding window where vLLM gave the layer none
+            # (the platform clears vLLM's own window setting).
+            layer.impl.use_model_window(self.spyre_config.sliding_window)
         impl = self.attention_layers[0].impl
         self.cache_layout = CacheLayout(layers=len(self.attention_layers),
                                         kv_heads=impl.num_kv_heads,
