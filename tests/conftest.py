@@ -236,6 +236,30 @@ def compile_count() -> int:
         counters["stats"].values())
 
 
+def prompt_logprobs_match_transformers(llm, model_dir, prompt: list[int],
+                                       atol: float = 1e-3) -> None:
+    """``prompt_logprobs=1`` of ``prompt`` from ``llm`` equal the
+    log-softmax of transformers' logits over the whole prompt, at every
+    position after the first."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams, TokensPrompt
+    (out, ) = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt)],
+        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+        use_tqdm=False)
+    model = AutoModelForCausalLM.from_pretrained(model_dir,
+                                                 dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    n = len(prompt)
+    ref = torch.log_softmax(logits, -1)[torch.arange(n - 1),
+                                        torch.tensor(prompt[1:])]
+    got = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob
+                        for i in range(1, n)])
+    assert torch.allclose(got, ref, atol=atol), (got - ref).abs().max()
+
+
 def first_logprob(output) -> Optional[list[float]]:
     """Log-probability vLLM reported for each sampled token."""
     if output.logprobs is None:

@@ -15,7 +15,7 @@ import torch
 
 from conftest import (HFReference, backend_env, build_tiny_family,
                       compile_count, greedy_requests, model_runner,
-                      spyre_env, spyre_llm)
+                      prompt_logprobs_match_transformers, spyre_env, spyre_llm)
 
 pytestmark = pytest.mark.e2e
 
@@ -116,24 +116,9 @@ def test_chunked_prefill_carries_the_state(bamba):
 
 
 def test_prompt_logprobs(bamba):
-    from transformers import AutoModelForCausalLM
-    from vllm import SamplingParams, TokensPrompt
     path, _ = bamba
-    prompt = REQUESTS[1][0]
     with spyre_llm(path, spyre_env("eager", **STATIC)) as llm:
-        (out, ) = llm.generate(
-            [TokensPrompt(prompt_token_ids=prompt)],
-            SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
-            use_tqdm=False)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt])).logits[0].float()
-    n = len(prompt)
-    ref = torch.log_softmax(logits, -1)[torch.arange(n - 1),
-                                        torch.tensor(prompt[1:])]
-    got = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob
-                        for i in range(1, n)])
-    assert torch.allclose(got, ref, atol=1e-3)
+        prompt_logprobs_match_transformers(llm, path, REQUESTS[1][0])
 
 
 @pytest.mark.parametrize("kwargs, words", [

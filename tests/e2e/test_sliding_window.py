@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from conftest import (backend_env, build_tiny_family, compile_count,
-                      greedy_requests, spyre_env, spyre_llm)
+                      greedy_requests, prompt_logprobs_match_transformers,
+                      spyre_env, spyre_llm)
 
 pytestmark = pytest.mark.e2e
 
@@ -109,21 +110,6 @@ def test_vllm_model_code(mistral, mode):
 def test_prompt_logprobs(mistral):
     """A 60-token prompt's log-probabilities, each position over its last
     WINDOW tokens, equal transformers' log-softmax."""
-    from transformers import AutoModelForCausalLM
-    from vllm import SamplingParams, TokensPrompt
     path, _ = mistral
-    prompt = REQUESTS[1][0]
     with spyre_llm(path, spyre_env("eager", **STATIC)) as llm:
-        (out, ) = llm.generate(
-            [TokensPrompt(prompt_token_ids=prompt)],
-            SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
-            use_tqdm=False)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt])).logits[0].float()
-    n = len(prompt)
-    ref = torch.log_softmax(logits, -1)[torch.arange(n - 1),
-                                        torch.tensor(prompt[1:])]
-    got = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob
-                        for i in range(1, n)])
-    assert torch.allclose(got, ref, atol=1e-3)
+        prompt_logprobs_match_transformers(llm, path, REQUESTS[1][0])
