@@ -113,3 +113,21 @@ def test_prompt_logprobs(mistral):
     path, _ = mistral
     with spyre_llm(path, spyre_env("eager", **STATIC)) as llm:
         prompt_logprobs_match_transformers(llm, path, REQUESTS[1][0])
+
+def test_chunked_prefill(mistral):
+    """Continuous batching with 64-token chunks: a 74-token prompt's
+    second chunk, and the decodes interleaved with it, see each position's
+    last WINDOW tokens across the chunk boundary.  (vLLM itself refuses
+    prefix caching with a sliding window.)"""
+    from transformers import AutoModelForCausalLM
+    path, _ = mistral
+    gen = torch.Generator().manual_seed(12)
+    requests = [(torch.randint(4, 380, (n, ), generator=gen).tolist(), m)
+                for n, m in ((74, 16), (69, 12))] + REQUESTS[:3]
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    expected = [full_context_greedy(model, p, m) for p, m in requests]
+    with spyre_llm(path, {"VLLM_SPYRE_USE_CB": "1", **backend_env("eager")},
+                   enable_chunked_prefill=True, max_num_batched_tokens=64,
+                   **CB_ARGS) as llm:
+        assert greedy_requests(llm, requests) == expected

@@ -339,8 +339,7 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
     def _prefill_states(self, slot: int, chunks: PagedInputs, real: int,
                         first: bool) -> Optional[StateRows]:
         """A hybrid model's state rows of a prefill (None otherwise)."""
-        assert self.model is not None
-        if self.model.state_layout is None:
+        if self.state_slots is None:
             return None
         rows, length = chunks.input_ids.shape
         return StateRows.prefill(slot, rows, length, real, first)
@@ -349,11 +348,10 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                        step: PagedInputs) -> Optional[StateRows]:
         """A hybrid model's state rows of a decode step: the sequences'
         slots, padding rows on the spare one (None otherwise)."""
-        assert self.model is not None
-        if self.model.state_layout is None:
+        if self.state_slots is None:
             return None
         return StateRows.decode(slots, step.input_ids.shape[0],
-                                self.model.state_slot_count)
+                                self.state_slots.spare)
 
     def _prefill(self, chunks: PagedInputs,
                  states: Optional[StateRows] = None) -> torch.Tensor:

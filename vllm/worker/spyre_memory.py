@@ -213,7 +213,8 @@ def cb_estimate(process: int, weights: int, geometry: Geometry,
     each holding its scores."""
     kv = geometry.kv_bytes(blocks, block_size)
     # A hybrid model's Mamba-2 states: a slot per sequence and a spare.
-    kv += geometry.state_slot_bytes * (max_num_seqs + 1)
+    from vllm.model_executor.layers.spyre_mamba import cb_state_slots
+    kv += geometry.state_slot_bytes * cb_state_slots(max_num_seqs)
     if on_kernel:
         prefill = geometry.activation_bytes(1, max_model_len, max_model_len,
                                             scores=False)

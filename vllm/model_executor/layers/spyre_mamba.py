@@ -114,6 +114,12 @@ class StateLayout:
                          dtype=torch.float32) for _ in range(self.layers)])
 
 
+def cb_state_slots(max_num_seqs: int) -> int:
+    """Slots of continuous batching's state pool: one per sequence the
+    scheduler may run, and the spare one padding rows write to."""
+    return max_num_seqs + 1
+
+
 @dataclass
 class StatePool:
     """Each Mamba-2 layer's states for ``slots`` sequences."""

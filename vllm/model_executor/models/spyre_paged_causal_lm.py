@@ -81,7 +81,8 @@ class SpyrePagedCausalLM(SpyreCausalLM):
         """Bytes the Mamba-2 state slots take (0 without such layers)."""
         if self.state_layout is None:
             return 0
-        return (self.state_slot_count + 1) * self.state_layout.slot_bytes()
+        return spyre_mamba.cb_state_slots(
+            self.state_slot_count) * self.state_layout.slot_bytes()
 
     def allocate_pool(self, num_blocks: int) -> None:
         """Allocates the pools once; they are written in place ever after."""
@@ -96,7 +97,7 @@ class SpyrePagedCausalLM(SpyreCausalLM):
             num_blocks * self.block_bytes() / 2**20)
         if self.state_layout is not None:
             self.state_pool = self.state_layout.allocate(
-                self.state_slot_count + 1)
+                spyre_mamba.cb_state_slots(self.state_slot_count))
             logger.info(
                 "Allocated the Mamba-2 states of %d layers: %d slots, one "
                 "per sequence and a spare (%.1f MiB)",
