@@ -274,3 +274,24 @@ def test_decode_mask_matches_unpadded_attention():
             q[row:row + 1], k[row:row + 1, :, P - n:P + step],
             v[row:row + 1, :, P - n:P + step])
         torch.testing.assert_close(attn[row:row + 1], ref)
+
+
+def test_sliding_window_narrows_the_masks_once_per_batch():
+    """A window of 3: each real position sees its last 3 real tokens in
+    the prefill, and each decode step the last 3 slots it may see."""
+    shape = WarmupShape(prompt_len=6, new_tokens=4, batch_size=2)
+    full = prefill_inputs([[1, 2, 3, 4, 5], [6, 7]], shape, pad_id=0)
+    out = prefill_inputs([[1, 2, 3, 4, 5], [6, 7]], shape, pad_id=0,
+                         window=3)
+    col = torch.arange(6)
+    band = (col.view(-1, 1) - col.view(1, -1)) < 3
+    assert torch.equal(out.mask, full.mask & band)
+    assert out.mask[0, 5].tolist() == [False] * 3 + [True] * 3
+    steps = DecodeSteps([5, 2], shape, window=3)
+    plain = DecodeSteps([5, 2], shape)
+    for step in (1, 2, 3):
+        got = steps.inputs([9, 9], step).mask
+        slot = 6 + step - 1
+        near = torch.arange(10) > slot - 3
+        assert torch.equal(got, plain.inputs([9, 9], step).mask & near)
+        assert got[0, 0, slot]

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from vllm.attention.ops.spyre_torch_ops import windowed
 from vllm.platforms.spyre_config import WarmupShape
 
 
@@ -37,12 +38,13 @@ class StepInputs:
 
 
 def prefill_inputs(prompts: Sequence[Sequence[int]], shape: WarmupShape,
-                   pad_id: int) -> StepInputs:
+                   pad_id: int, window: int = 0) -> StepInputs:
     """Left-pad ``prompts`` into a ``[batch_size, prompt_len]`` prefill.
 
     Rows past ``len(prompts)`` are filler rows holding a single pad token.
     Pad positions attend only to earlier pads (never to nothing, which
-    would give NaN rows); real tokens attend causally to real tokens only.
+    would give NaN rows); real tokens attend causally to real tokens only,
+    with a sliding ``window`` (> 0) to the last ``window`` of them.
     Real positions count from 0 after the pads; pads sit at position 0.
     """
     if len(prompts) > shape.batch_size:
@@ -63,13 +65,15 @@ def prefill_inputs(prompts: Sequence[Sequence[int]], shape: WarmupShape,
     position_ids = (col - (P - n)).clamp(min=0)  # [B, P]
     causal = torch.ones(P, P, dtype=torch.bool).tril()  # [P, P]
     same_kind = is_real.unsqueeze(2) == is_real.unsqueeze(1)  # [B, P, P]
-    mask = causal.unsqueeze(0) & same_kind  # [B, P, P]
+    mask = windowed(causal.unsqueeze(0) & same_kind, torch.arange(P),
+                    window)  # [B, P, P]
     return StepInputs(input_ids, position_ids, mask, torch.arange(P),
                       shape.prompt_len + shape.new_tokens)
 
 
 def decode_inputs(last_tokens: Sequence[int], prompt_lens: Sequence[int],
-                  shape: WarmupShape, step: int) -> StepInputs:
+                  shape: WarmupShape, step: int,
+                  window: int = 0) -> StepInputs:
     """Inputs of decode step ``step`` (1 = the first token after prefill).
 
     ``last_tokens`` and ``prompt_lens`` hold one entry per row of the
@@ -77,9 +81,12 @@ def decode_inputs(last_tokens: Sequence[int], prompt_lens: Sequence[int],
     ``prompt_len + step - 1`` and attends over the whole cache of
     ``prompt_len + new_tokens`` slots: the real prompt tokens, the tokens
     generated so far and its own; slots not written yet are masked out.
-    Every step of a shape thus has the same tensor shapes.
+    Every step of a shape thus has the same tensor shapes.  A sliding
+    ``window`` (> 0) narrows the mask to the last ``window`` slots: a row's
+    real tokens are contiguous in its cache, so slots are as far apart as
+    their tokens.
     """
-    return DecodeSteps(prompt_lens, shape).inputs(last_tokens, step)
+    return DecodeSteps(prompt_lens, shape, window).inputs(last_tokens, step)
 
 
 class DecodeSteps:
@@ -90,8 +97,8 @@ class DecodeSteps:
     built then, in one go, and each step only adds its tokens.
     """
 
-    def __init__(self, prompt_lens: Sequence[int],
-                 shape: WarmupShape) -> None:
+    def __init__(self, prompt_lens: Sequence[int], shape: WarmupShape,
+                 window: int = 0) -> None:
         B, P, G = shape.batch_size, shape.prompt_len, shape.new_tokens
         if len(prompt_lens) != B:
             raise ValueError(
@@ -103,8 +110,11 @@ class DecodeSteps:
         col = torch.arange(kv_len).view(1, 1, kv_len)  # [1, 1, kv_len]
         written = col < P + steps  # [G-1, 1, kv_len]
         mask = ((col >= P - n) | (col >= P)) & written  # [G-1, B, kv_len]
-        # One tensor per step, each its own contiguous allocation.
-        self._masks = [m.unsqueeze(1).clone() for m in mask]  # [B, 1, kv]
+        # One tensor per step, each its own contiguous allocation, narrowed
+        # to the sliding window (the step writes slot P + step - 1).
+        self._masks = [windowed(m.unsqueeze(1), torch.tensor([P + s]),
+                                window).clone()
+                       for s, m in enumerate(mask)]  # [B, 1, kv]
         self._positions = [p.clone() for p in n[0] + steps - 1]  # [B, 1]
         self._slots = [torch.tensor([P + s - 1]) for s in range(1, G)]
         self._kv_len = kv_len

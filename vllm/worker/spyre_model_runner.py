@@ -134,9 +134,10 @@ class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
     @current_platform.inference_mode()
     def _run_shape(self, shape: WarmupShape, prompts: list[list[int]]):
         assert self.model is not None
-        step = prefill_inputs(prompts, shape, self.pad_id)
+        window = self.spyre_config.sliding_window
+        step = prefill_inputs(prompts, shape, self.pad_id, window)
         logits = self._forward(True, step)
-        decode = DecodeSteps([len(p) for p in prompts], shape)
+        decode = DecodeSteps([len(p) for p in prompts], shape, window)
         for i in range(1, shape.new_tokens):
             tokens = logits.argmax(dim=-1).tolist()
             logits = self._forward(False, decode.inputs(tokens, i))
@@ -193,12 +194,13 @@ class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
             raise RuntimeError(
                 f"no compiled shape holds this batch of {len(sizes)} "
                 f"requests {sizes}; the scheduler should not have formed it")
-        inputs = prefill_inputs(prompts, shape, self.pad_id)
+        window = self.spyre_config.sliding_window
+        inputs = prefill_inputs(prompts, shape, self.pad_id, window)
         pad_rows = shape.batch_size - len(prompts)
         self.batch = _Batch(
             shape=shape,
             decode=DecodeSteps([len(p) for p in prompts] + [1] * pad_rows,
-                               shape),
+                               shape, window),
             last_tokens=[self.pad_id] * shape.batch_size,
             row_of={m.request_id: i for i, m in enumerate(metas)})
         seq_lens = [len(p) for p in prompts]

@@ -16,10 +16,8 @@ Every decode step of a shape therefore has the same tensor shapes: one
 compiled decode graph serves all of them, and nothing is concatenated or
 re-allocated per token.
 
-A sliding window (``spyre_window``) narrows the mask of each step to the
-last ``window`` slots before each query position: a row's real tokens are
-contiguous in the cache (left padding, then its generated tokens), so
-slots are as far apart as their tokens.
+A sliding window is in the step's mask already (``spyre_inputs``): it is
+built once per batch, not in every layer of every step.
 """
 from __future__ import annotations
 
@@ -27,8 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm.attention.ops.spyre_fms_registry import register_ops
-from vllm.attention.ops.spyre_torch_ops import (attend_matmul, decode_op,
-                                                window_of, windowed)
+from vllm.attention.ops.spyre_torch_ops import attend_matmul, decode_op
 
 #: Name under which the op is registered with FMS.
 ATTN_NAME = "spyre_static_kv"
@@ -61,12 +58,11 @@ def compute_prefill(query: torch.Tensor, keys: torch.Tensor,
                     **attn_kwargs) -> torch.Tensor:
     """query: [B, L, heads, head_dim]; keys/values: [B, kv_heads, S,
     head_dim]; mask: [B, L, S] bool.  Returns [B, L, heads, head_dim]."""
-    mask = _step_mask(attn_kwargs)
     out = F.scaled_dot_product_attention(
         query.transpose(1, 2),
         keys,
         values,
-        attn_mask=mask.unsqueeze(1),
+        attn_mask=attn_kwargs["mask"].unsqueeze(1),
         dropout_p=p_dropout,
         scale=scale_factor,
         enable_gqa=nheads != kvheads,
@@ -84,20 +80,11 @@ def _attend_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return torch.ops.spyre_cpu.decode_attention(q, keys, values, mask, scale)
 
 
-def _step_mask(attn_kwargs) -> torch.Tensor:
-    """The step's mask ([B, L, T]), narrowed to the sliding window if the
-    model has one: a query position's column is the slot it writes."""
-    window = window_of(attn_kwargs)
-    if window <= 0:
-        return attn_kwargs["mask"]
-    return windowed(attn_kwargs["mask"], attn_kwargs["cache_slots"], window)
-
-
 #: Decode attention in torch ops, and the same on the C++ kernel.
 _compute_decode = decode_op(
-    lambda q, k, v, scale, kw: attend_matmul(q, k, v, _step_mask(kw), scale))
+    lambda q, k, v, scale, kw: attend_matmul(q, k, v, kw["mask"], scale))
 _compute_decode_kernel = decode_op(
-    lambda q, k, v, scale, kw: _attend_kernel(q, k, v, _step_mask(kw), scale))
+    lambda q, k, v, scale, kw: _attend_kernel(q, k, v, kw["mask"], scale))
 
 
 def compute_op(prefill: bool, on_kernel: bool):

@@ -75,8 +75,9 @@ class SpyreCausalLM(nn.Module):
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.model_path = model_config.model
         self.hf_config = model_config.hf_config
-        #: The sliding window every attention layer applies (0: none),
-        #: given to the Spyre attention ops as ``spyre_window``.
+        #: The sliding window every attention layer applies (0: none): in
+        #: the static steps' masks (``spyre_inputs``), given to the paged
+        #: ops as ``spyre_window``, and in a whole prompt's mask.
         self.window = spyre_config.sliding_window
         #: Whether the graphs hold the weights as constants (inductor
         #: freezing) rather than reading them as inputs.
@@ -279,22 +280,24 @@ class SpyreCausalLM(nn.Module):
                 2**20)
         return cache
 
-    def _layer_caches(self, is_prompt: bool, mask: torch.Tensor) -> list:
+    def _layer_caches(self, is_prompt: bool,
+                      positions: torch.Tensor) -> list:
         """The running batch's caches as the model takes them: the
         key/value caches, and for a hybrid model its Mamba-2 layers' steps
         over the batch's state slots (one per row; a prefill starts from
-        zero states, its padding being the positions its last row does
-        not see)."""
+        zero states; a row of ``n`` real tokens, the last at position
+        ``n - 1``, is left-padded to the prompt length)."""
         if self.state_layout is None:
             return self.kv_cache
-        B = mask.shape[0]
+        B, L = positions.shape
         if is_prompt:
             pool = self.state_pools.get(B)
             if pool is None:
                 pool = self.state_layout.allocate(B)
                 self.state_pools[B] = pool
             self.state_pool = pool
-            valid = mask[:, -1, :].clone()
+            real = positions[:, -1:] + 1  # [B, 1]
+            valid = torch.arange(L).unsqueeze(0) >= L - real
         else:
             valid = torch.ones(B, 1, dtype=torch.bool)
         fresh = torch.full((B, ), is_prompt, dtype=torch.bool)
@@ -319,14 +322,13 @@ class SpyreCausalLM(nn.Module):
                             input_ids.shape[1], cache_len),
             input_ids,
             position_ids=positions,
-            past_key_value_states=self._layer_caches(is_prompt, mask),
+            past_key_value_states=self._layer_caches(is_prompt, positions),
             use_cache=True,
             last_n_tokens=1,
             mask=mask,
             attn_name=self.attn_name,
             cache_slots=cache_slots,
             spyre_prefill=is_prompt,
-            spyre_window=self.window,
         )
         return logits[:, -1, :]  # [B, vocab]
 
