@@ -173,7 +173,6 @@ def _bamba(vocab: int, groups: int = 2, proj_bias: bool = True):
     parameters transformers initialises to constants (norms, D, the time
     step bias, the decay rates) drawn at random, so a layer that ignored
     one would not match."""
-    import torch
     from transformers import BambaConfig, BambaForCausalLM
     model = BambaForCausalLM(BambaConfig(
         **{**_common(vocab, 6), "num_hidden_layers": 3},
@@ -182,6 +181,13 @@ def _bamba(vocab: int, groups: int = 2, proj_bias: bool = True):
         mamba_d_head=24, mamba_expand=2, mamba_d_state=16,
         mamba_n_groups=groups, mamba_d_conv=4, mamba_chunk_size=16,
         mamba_proj_bias=proj_bias, mamba_conv_bias=True))
+    return _random_mamba_constants(model)
+
+
+def _random_mamba_constants(model):
+    """Draws at random the parameters transformers initialises to
+    constants (norms, D, the time step bias, the decay rates)."""
+    import torch
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -204,24 +210,36 @@ FAMILIES = {
     "qwen3": _qwen3,
 }
 
-def _granite4(vocab: int, layer_types=None, experts: int = 0):
-    """Granite 4 (``GraniteMoeHybridForCausalLM``) in its dense form: every
-    layer attention, no experts, rotary positions, a shared MLP whose
-    width (``shared_intermediate_size``) is not ``intermediate_size``, and
-    every multiplier away from 1; ``layer_types``/``experts``: the hybrid
-    and mixture-of-experts forms, which Spyre refuses."""
+def _granite4(vocab: int, layer_types=None, experts: int = 0,
+              positions: str = "rope", layers: int = 2):
+    """Granite 4 (``GraniteMoeHybridForCausalLM``), by default in its
+    dense form: every layer attention, no experts, rotary positions, a
+    shared MLP whose width (``shared_intermediate_size``) is not
+    ``intermediate_size``, and every multiplier away from 1;
+    ``layer_types``, ``experts`` and ``positions="nope"`` give its other
+    forms."""
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
-    common = _common(vocab, 6)
+    common = {**_common(vocab, 6), "num_hidden_layers": layers}
     return GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
         **common, num_key_value_heads=3, rms_norm_eps=1e-5,
         shared_intermediate_size=168, num_local_experts=experts,
         num_experts_per_tok=2 if experts else 0,
-        position_embedding_type="rope",
-        layer_types=layer_types or ["attention"] * 2,
+        position_embedding_type=positions,
+        layer_types=layer_types or ["attention"] * layers,
         mamba_n_heads=8, mamba_d_head=24, mamba_d_state=16,
-        mamba_n_groups=1, mamba_d_conv=4, mamba_chunk_size=16,
+        mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=16,
+        mamba_proj_bias=True,
         embedding_multiplier=2.0, attention_multiplier=0.15,
         residual_multiplier=0.7, logits_scaling=0.5))
+
+
+def _granite4_h(vocab: int):
+    """Granite 4's hybrid form as the ``-h`` models have it: Mamba-2 layers
+    0 and 2 around an attention layer without position embeddings
+    ("nope"), and top-2 of 4 experts beside the shared MLP."""
+    return _random_mamba_constants(_granite4(
+        vocab, layer_types=["mamba", "attention", "mamba"], experts=4,
+        positions="nope", layers=3))
 
 
 FAMILIES["granite4"] = _granite4
@@ -229,6 +247,7 @@ FAMILIES["granite4"] = _granite4
 #: Hybrid (Mamba-2 and attention) families.
 HYBRID = {
     "bamba": _bamba,
+    "granite4_h": _granite4_h,
 }
 
 

@@ -1,14 +1,21 @@
-"""Hybrid Mamba-2 and attention models (Bamba) end to end: a tiny random
+"""Hybrid Mamba-2 and attention models end to end.  A tiny random
 ``BambaForCausalLM`` (Mamba-2 layers around an attention layer, two
-groups, a projection bias, its scan in chunks of 16 positions) generates
-transformers' greedy ids under static batching (two shapes, ``eager``;
-``inductor`` without recompiling), continuous batching with a pool small
-enough to preempt (its states rebuilt by recompute), on ``inductor``
-without recompiling, and with chunked prefill (the state carried from
-chunk to chunk); prompt log-probabilities equal transformers'; a
-request's state slot is freed once it finishes; tensor parallelism and
-prefix caching are refused, naming why."""
+groups, a projection bias, its scan in chunks of 16 positions) and a
+tiny Granite 4 in its hybrid form (``GraniteMoeHybridForCausalLM``: the
+same layer pattern, attention without position embeddings, top-2 of 4
+experts beside the shared MLP, Granite's multipliers) generate
+transformers' greedy ids under static batching (two shapes, ``eager``),
+continuous batching with a pool small enough to preempt (its states
+rebuilt by recompute) and on ``inductor`` without recompiling.  For
+Bamba also: static ``inductor`` without recompiling, chunked prefill (the
+state carried from chunk to chunk) and prompt log-probabilities equal to
+transformers'.  A request's state slot is freed once it finishes; tensor
+parallelism and prefix caching are refused, naming why; Granite 4 with
+experts and rotary embeddings (no Mamba-2 layers) matches transformers
+too."""
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -40,25 +47,39 @@ STATIC_REQUESTS = [(p, min(m, 16)) if len(p) <= 64 else (p, m)
                    for p, m in REQUESTS]
 
 
+_BUILT: dict = {}
+
+
+def _reference(name: str, tmp_path_factory):
+    """(checkpoint folder, transformers' greedy ids of REQUESTS and of
+    STATIC_REQUESTS) of the tiny hybrid ``name``, built once."""
+    if name not in _BUILT:
+        path = build_tiny_family(name, tmp_path_factory.mktemp(name))
+        hf = HFReference(path)
+        expected = {tuple(map(tuple, (p, [m]))): hf.greedy(p, m)[0]
+                    for p, m in REQUESTS + STATIC_REQUESTS}
+        del hf
+        _BUILT[name] = (path, expected)
+    return _BUILT[name]
+
+
 @pytest.fixture(scope="module")
 def bamba(tmp_path_factory):
-    """(checkpoint folder, transformers' greedy ids of REQUESTS and of
-    STATIC_REQUESTS)."""
-    path = build_tiny_family("bamba", tmp_path_factory.mktemp("bamba"))
-    hf = HFReference(path)
-    expected = {tuple(map(tuple, (p, [m]))): hf.greedy(p, m)[0]
-                for p, m in REQUESTS + STATIC_REQUESTS}
-    del hf
-    return path, expected
+    return _reference("bamba", tmp_path_factory)
 
 
-def _expected(bamba, requests):
-    _, table = bamba
+@pytest.fixture(scope="module", params=["bamba", "granite4_h"])
+def hybrid(request, tmp_path_factory):
+    return _reference(request.param, tmp_path_factory)
+
+
+def _expected(model, requests):
+    _, table = model
     return [table[(tuple(p), (m, ))] for p, m in requests]
 
 
-def _run(bamba, env, requests, **kwargs):
-    path, _ = bamba
+def _run(model, env, requests, **kwargs):
+    path, _ = model
     with spyre_llm(path, env, **kwargs) as llm:
         before = compile_count()
         got = greedy_requests(llm, requests)
@@ -75,9 +96,9 @@ def _run(bamba, env, requests, **kwargs):
     return got, info
 
 
-def test_static_eager(bamba):
-    got, _ = _run(bamba, spyre_env("eager", **STATIC), STATIC_REQUESTS)
-    assert got == _expected(bamba, STATIC_REQUESTS)
+def test_static_eager(hybrid):
+    got, _ = _run(hybrid, spyre_env("eager", **STATIC), STATIC_REQUESTS)
+    assert got == _expected(hybrid, STATIC_REQUESTS)
 
 
 def test_static_inductor_without_recompiling(bamba):
@@ -87,21 +108,21 @@ def test_static_inductor_without_recompiling(bamba):
     assert info["compiled"] == 0, info
 
 
-def test_continuous_batching_preempted_and_recomputed(bamba):
+def test_continuous_batching_preempted_and_recomputed(hybrid):
     """Four blocks of 64 tokens for three sequences of up to 130: the
     scheduler preempts, and the recomputed sequence rebuilds its state in
     the slot it holds."""
-    got, info = _run(bamba, {**CB, **backend_env("eager")}, REQUESTS,
+    got, info = _run(hybrid, {**CB, **backend_env("eager")}, REQUESTS,
                      num_gpu_blocks_override=4, **CB_ARGS)
-    assert got == _expected(bamba, REQUESTS)
+    assert got == _expected(hybrid, REQUESTS)
     assert info["preempted"] > 0, info
     assert info["slots_held"] == 1, info
 
 
-def test_continuous_batching_inductor_without_recompiling(bamba):
-    got, info = _run(bamba, {**CB, **backend_env("inductor")}, REQUESTS,
+def test_continuous_batching_inductor_without_recompiling(hybrid):
+    got, info = _run(hybrid, {**CB, **backend_env("inductor")}, REQUESTS,
                      **CB_ARGS)
-    assert got == _expected(bamba, REQUESTS)
+    assert got == _expected(hybrid, REQUESTS)
     assert info["compiled"] == 0, info
     assert info["slots_held"] == 1, info
 
@@ -121,32 +142,42 @@ def test_prompt_logprobs(bamba):
         prompt_logprobs_match_transformers(llm, path, REQUESTS[1][0])
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(tensor_parallel_size=3), ["BambaForCausalLM", "one card",
-                                    "--tensor-parallel-size 3"]),
-    (dict(enable_prefix_caching=True, **CB_ARGS),
-     ["Prefix caching of BambaForCausalLM", "states"]),
-])
-def test_refused(bamba, kwargs, words):
-    path, _ = bamba
-    env = {**CB, **backend_env("eager")} if "enable_prefix_caching" in \
-        kwargs else spyre_env("eager", **ONE_SHAPE)
+def test_prefix_caching_refused(hybrid):
+    path, _ = hybrid
     with pytest.raises(NotImplementedError) as info:
-        with spyre_llm(path, env, **kwargs):
+        with spyre_llm(path, {**CB, **backend_env("eager")},
+                       enable_prefix_caching=True, **CB_ARGS):
             pass
-    for word in words:
-        assert word in str(info.value)
+    arch = json.loads((path / "config.json").read_text())["architectures"]
+    assert f"Prefix caching of {arch[0]}" in str(info.value)
+    assert "states" in str(info.value)
 
 
-@pytest.mark.parametrize("options, words", [
-    (dict(layer_types=["mamba", "attention"]), ["Mamba-2 layers (1 of 2"]),
-    (dict(experts=4), ["4 experts per layer"]),
-])
-def test_granite4_forms_fms_lacks_are_refused(tmp_path, options, words):
-    path = build_tiny_family("granite4", tmp_path / "g4", **options)
-    with pytest.raises(NotImplementedError) as info:
-        with spyre_llm(path, spyre_env("eager", **ONE_SHAPE)):
-            pass
-    assert "GraniteMoeHybridForCausalLM" in str(info.value)
-    for word in words:
-        assert word in str(info.value)
+def test_tensor_parallel_preempted(hybrid):
+    """TP=3: attention and MLPs split over the ranks, the Mamba-2 layers
+    (and Granite 4's experts) whole on each, every rank's state slots
+    kept in step through a preemption."""
+    got, info = _run(hybrid, {**CB, **backend_env("eager")}, REQUESTS,
+                     num_gpu_blocks_override=4, tensor_parallel_size=3,
+                     **CB_ARGS)
+    assert got == _expected(hybrid, REQUESTS)
+    assert info["preempted"] > 0, info
+
+
+@pytest.fixture(scope="module")
+def granite4_experts(tmp_path_factory):
+    """Granite 4 with top-2 of 4 experts and rotary embeddings, every layer
+    attention: Spyre's Granite 4 model without Mamba-2 layers."""
+    path = build_tiny_family("granite4", tmp_path_factory.mktemp("g4e"),
+                             experts=4)
+    hf = HFReference(path)
+    expected = {tuple(map(tuple, (p, [m]))): hf.greedy(p, m)[0]
+                for p, m in STATIC_REQUESTS}
+    del hf
+    return path, expected
+
+
+def test_granite4_experts_static(granite4_experts):
+    got, _ = _run(granite4_experts, spyre_env("eager", **STATIC),
+                  STATIC_REQUESTS)
+    assert got == _expected(granite4_experts, STATIC_REQUESTS)

@@ -203,8 +203,7 @@ class SpyrePlatform(Platform):
             _configure_pooling(vllm_config, spyre)
         else:
             spyre = _choose_model_impl(model_config, spyre)
-            _check_hybrid(model_config.hf_config, parallel_config,
-                          vllm_config.cache_config)
+            _check_hybrid(model_config.hf_config, vllm_config.cache_config)
             if spyre.use_cb:
                 _configure_continuous_batching(vllm_config, spyre)
             else:
@@ -259,27 +258,20 @@ def _choose_model_impl(model_config, spyre: SpyreConfig) -> SpyreConfig:
     return dataclasses.replace(spyre, model_impl=impl)
 
 
-def _check_hybrid(hf_config, parallel_config, cache_config) -> None:
+def _check_hybrid(hf_config, cache_config) -> None:
     """A hybrid (Mamba-2 and attention) model runs its Mamba-2 layers over
-    Spyre's state slots (``spyre_mamba``): on one card, and without prefix
-    caching, whose cached blocks would hold keys and values but no
-    state."""
-    from vllm.model_executor.models.spyre_families import FAMILIES
-    family = next((FAMILIES[a] for a in hf_config.architectures or []
-                   if a in FAMILIES), None)
-    if family is None or not family.hybrid:
+    Spyre's state slots (``spyre_mamba``), without prefix caching, whose
+    cached blocks would hold keys and values but no state."""
+    from vllm.model_executor.models.spyre_families import FAMILIES, family_of
+    if not any(a in FAMILIES for a in hf_config.architectures or []):
         return
-    arch = family.hf_architecture
-    if parallel_config.tensor_parallel_size > 1:
+    family = family_of(hf_config)
+    if family.hybrid and cache_config.enable_prefix_caching:
         raise NotImplementedError(
-            f"{arch} on Spyre runs on one card: its Mamba-2 layers (FMS's "
-            "fms.modules.ssm.SSM) have no tensor-parallel form; got "
-            f"--tensor-parallel-size {parallel_config.tensor_parallel_size}")
-    if cache_config.enable_prefix_caching:
-        raise NotImplementedError(
-            f"Prefix caching of {arch} is not supported on Spyre: a cached "
-            "prefix would hold its attention layers' keys and values but "
-            "not its Mamba-2 layers' states; drop --enable-prefix-caching")
+            f"Prefix caching of {family.hf_architecture} is not supported on "
+            "Spyre: a cached prefix would hold its attention layers' keys "
+            "and values but not its Mamba-2 layers' states; drop "
+            "--enable-prefix-caching")
 
 
 def _sliding_window(hf_config, spyre: SpyreConfig) -> Optional[int]:

@@ -18,6 +18,10 @@ default would load wrong or not at all:
   through: ``spyre_hf_config`` gives them transformers' meaning first,
   for every family.
 
+Granite 4's forms FMS's ``granite_moe_hybrid`` (its dense form) lacks,
+Mamba-2 layers, experts or no rotary embeddings, run on Spyre's own FMS
+model, ``spyre_granite4``: the family's ``form`` picks it from the config.
+
 Each ``DecoderFamily`` states those corrections as config overrides and,
 for Mixtral, a checkpoint adapter (source ``spyre_hf``) and a step run on
 the loaded model (its mixture-of-experts layers made dense,
@@ -27,6 +31,7 @@ architecture is refused before anything is loaded.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
@@ -73,26 +78,30 @@ def _granite4_fixes(hf_config) -> dict:
             "hidden_grow_factor": (width + 0.5) / hidden}
 
 
-def _granite4_unsupported(hf_config) -> Optional[str]:
-    """What FMS's ``granite_moe_hybrid`` (Granite 4's dense form, a
-    Granite subclass) cannot run."""
+def _granite4_layer_types(hf_config) -> list[str]:
     n = hf_config.num_hidden_layers
-    types = getattr(hf_config, "layer_types", None) or ["mamba"] * n
-    if "mamba" in types:
-        return (f"its Mamba-2 layers ({types.count('mamba')} of {n} in "
-                "layer_types) are not in FMS's granite_moe_hybrid model, "
-                "which is Granite 4's dense form")
-    if (hf_config.num_local_experts or 0) > 0:
-        return (f"its {hf_config.num_local_experts} experts per layer are "
-                "not in FMS's granite_moe_hybrid model (dense form only)")
-    if hf_config.position_embedding_type != "rope":
-        return (f"position_embedding_type "
-                f"{hf_config.position_embedding_type!r}: FMS's Granite "
-                "always applies rotary embeddings")
+    return list(getattr(hf_config, "layer_types", None) or ["mamba"] * n)
+
+
+def _granite4_form(hf_config) -> Optional["DecoderFamily"]:
+    """Granite 4's forms FMS's ``granite_moe_hybrid`` (the dense form, a
+    Granite subclass) lacks run on ``spyre_granite4``'s model: Mamba-2
+    layers (the ``-h`` models), experts, or no rotary embeddings (any
+    ``position_embedding_type`` but ``rope``, as in transformers)."""
+    if "mamba" in _granite4_layer_types(hf_config):
+        return _GRANITE4_HYBRID
+    if ((hf_config.num_local_experts or 0) > 0
+            or hf_config.position_embedding_type != "rope"):
+        return _GRANITE4_OTHER
     return None
 
 
-def _supported(hf_config) -> Optional[str]:
+def _granite4_other_fixes(hf_config) -> dict:
+    from vllm.model_executor.models.spyre_granite4 import config_from_hf
+    return config_from_hf(hf_config)
+
+
+def _same_form(hf_config) -> Optional["DecoderFamily"]:
     return None
 
 
@@ -154,8 +163,9 @@ class DecoderFamily:
     #: Mamba-2 layers beside its attention layers, whose per-sequence
     #: states live in Spyre's state slots (``spyre_mamba``).
     hybrid: bool = False
-    #: Why a config of the architecture cannot run (None: it can).
-    unsupported: Callable[[Any], Optional[str]] = field(default=_supported)
+    #: Another family that runs this config (None: this one does).
+    form: Callable[[Any], Optional["DecoderFamily"]] = field(
+        default=_same_form)
 
     @property
     def serves_checkpoint_layout(self) -> bool:
@@ -184,9 +194,16 @@ FAMILIES: dict[str, DecoderFamily] = {
         DecoderFamily("BambaForCausalLM", "bamba", _bamba_fixes,
                       prepare=_mamba_state_slots, hybrid=True),
         DecoderFamily("GraniteMoeHybridForCausalLM", "granite_moe_hybrid",
-                      _granite4_fixes, unsupported=_granite4_unsupported),
+                      _granite4_fixes, form=_granite4_form),
     )
 }
+
+#: Granite 4 with experts or without rotary embeddings, and (hybrid) with
+#: Mamba-2 layers: ``spyre_granite4``'s model, built from FMS's layers.
+_GRANITE4_OTHER = DecoderFamily(
+    "GraniteMoeHybridForCausalLM", "spyre_granite4", _granite4_other_fixes)
+_GRANITE4_HYBRID = dataclasses.replace(
+    _GRANITE4_OTHER, prepare=_mamba_state_slots, hybrid=True)
 
 
 def family_of(hf_config) -> DecoderFamily:
@@ -196,12 +213,7 @@ def family_of(hf_config) -> DecoderFamily:
     for arch in archs:
         if arch in FAMILIES:
             family = FAMILIES[arch]
-            why = family.unsupported(hf_config)
-            if why is not None:
-                raise NotImplementedError(
-                    f"{arch} is not supported on Spyre with this config: "
-                    f"{why}.")
-            return family
+            return family.form(hf_config) or family
     named = ", ".join(archs) or f"model_type {hf_config.model_type!r}"
     raise ValueError(
         f"Architecture {named} is not supported on Spyre. Supported "
@@ -281,10 +293,13 @@ def _mixtral_transformers_to_original(input_sd: Mapping[str, Any],
 
 
 def _register_adapters() -> None:
-    """Registers the ``spyre_hf`` Mixtral adapter with FMS, once per
-    process: the step above, then FMS's own steps for Mistral's original
-    layout."""
+    """Registers with FMS, once per process, Spyre's Granite 4 model
+    (``spyre_granite4``) and the ``spyre_hf`` Mixtral adapter: the step
+    above, then FMS's own steps for Mistral's original layout."""
     from fms.utils import serialization
+
+    from vllm.model_executor.models import spyre_granite4
+    spyre_granite4.register()
     if "spyre_hf" in serialization.list_sources("mixtral"):
         return
     serialization.register_adapter_step(

@@ -18,7 +18,7 @@ anything is loaded.
 """
 from __future__ import annotations
 
-from vllm.model_executor.models.spyre_families import FAMILIES, family_of
+from vllm.model_executor.models.spyre_families import FAMILIES
 
 #: Implementations, as ``SpyreConfig.model_impl`` records them.
 FMS = "fms"
@@ -61,7 +61,6 @@ def resolve(model_impl, hf_config,
     if value == "auto" and not quantized:
         for arch in archs:
             if arch in FAMILIES:
-                family_of(hf_config)  # a config it cannot run is refused
                 return FMS, arch
     for arch in archs:
         if arch in VLLM_ARCHITECTURES:

@@ -1,0 +1,378 @@
+"""Granite 4 in the forms FMS 1.13.1 lacks, as an FMS model built from
+FMS's own layers.
+
+FMS's ``granite_moe_hybrid`` is Granite 4's dense form (a Granite
+subclass: every layer attention, rotary positions, no experts).  The
+models IBM ships as Granite 4 ``-h`` are hybrids: most layers are
+Mamba-2 layers (``layer_types``), the attention layers use no position
+embedding (``position_embedding_type: nope``), and the larger ones add a
+mixture of experts beside the shared MLP.  ``Granite4`` computes what
+transformers' ``GraniteMoeHybridForCausalLM`` computes, with FMS's
+modules: ``MultiHeadAttention`` (the attention multiplier as its scale,
+rotary embeddings only when the config asks for them), FMS's Mamba-2
+``SSM`` (run over Spyre's state slots by ``spyre_mamba``, as Bamba's),
+``GatedLinearUnit`` for the shared MLP, and for the experts
+``spyre_moe``'s dense form (every expert on every token, weighted by the
+router), whose shapes never depend on the routing.  Per layer::
+
+    h = x + residual_multiplier * mixer(norm(x))           # Mamba-2 or attention
+    y = h + residual_multiplier * (shared_mlp(norm(h)) + experts(norm(h)))
+
+after an embedding scaled by ``embedding_multiplier``; the logits are
+divided by ``logits_scaling``.  The model is registered with FMS as
+architecture ``spyre_granite4`` with one adapter, ``hf``, which reads a
+checkpoint as transformers saves it (``register``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping, Optional
+
+import torch
+from fms.utils.config import ModelConfig
+from torch import nn
+
+from vllm.model_executor.layers.spyre_moe import dense_experts, router_weights
+
+ARCHITECTURE = "spyre_granite4"
+VARIANT = "hf"
+
+
+@dataclasses.dataclass
+class Granite4Config(ModelConfig):
+    """The FMS config of a Granite 4 model.  The field names FMS's own
+    Granite 4 mapping produces keep their meaning (``head_dim`` is the
+    attention heads' size); the rest come from ``config_from_hf``."""
+
+    src_vocab_size: int = 100352
+    emb_dim: int = 1536
+    nheads: int = 12
+    kvheads: int = 4
+    head_dim: int = 128
+    attn_bias: bool = False
+    nlayers: int = 40
+    norm_eps: float = 1e-5
+    activation_fn: str = "silu"
+    max_expected_seq_len: int = 131072
+    pad_id: Optional[int] = None
+    p_dropout: float = 0.0
+    tie_heads: bool = True
+    linear_config: Optional[Mapping[str, Any]] = None
+    fused_weights: bool = False
+    # Granite's multipliers.
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    # Positions: rotary embeddings, or none (transformers applies them
+    # only for position_embedding_type "rope"; the -h models say "nope").
+    rope: bool = False
+    rope_theta: float = 10_000.0
+    # The shared MLP: ``int(hidden_grow_factor * emb_dim)`` wide.
+    hidden_grow_factor: float = 4.0
+    multiple_of: int = 1
+    # "mamba" or "attention" per layer.
+    layer_types: list = dataclasses.field(default_factory=list)
+    mamba_n_heads: int = 128
+    mamba_head_dim: int = 64
+    state_size: int = 128
+    conv_kernel: int = 4
+    mamba_expand: float = 2.0
+    n_groups: int = 1
+    chunk_size: int = 256
+    use_bias: bool = False
+    use_conv_bias: bool = True
+    # The mixture of experts (0 experts: none).
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_width: int = 0
+
+
+def config_from_hf(hf_config) -> dict:
+    """``Granite4Config`` fields a Hugging Face ``GraniteMoeHybridConfig``
+    sets beyond FMS's mapping of it (which reads the dense form)."""
+    n = hf_config.num_hidden_layers
+    width = hf_config.shared_intermediate_size
+    return dict(
+        variant=VARIANT,
+        pad_id=hf_config.pad_token_id,
+        rope=hf_config.position_embedding_type == "rope",
+        # Nudged so that int(factor * hidden) is the width exactly.
+        hidden_grow_factor=(width + 0.5) / hf_config.hidden_size,
+        multiple_of=1,
+        layer_types=list(getattr(hf_config, "layer_types", None)
+                         or ["mamba"] * n),
+        mamba_n_heads=hf_config.mamba_n_heads,
+        mamba_head_dim=hf_config.mamba_d_head,
+        state_size=hf_config.mamba_d_state,
+        conv_kernel=hf_config.mamba_d_conv,
+        mamba_expand=hf_config.mamba_expand,
+        n_groups=hf_config.mamba_n_groups,
+        chunk_size=hf_config.mamba_chunk_size,
+        use_bias=hf_config.mamba_proj_bias,
+        use_conv_bias=hf_config.mamba_conv_bias,
+        experts=hf_config.num_local_experts or 0,
+        experts_per_token=hf_config.num_experts_per_tok or 0,
+        expert_width=hf_config.intermediate_size,
+    )
+
+
+class Granite4Experts(nn.Module):
+    """Granite 4's mixture of experts, computed densely: the router's
+    top-k of a softmax, renormalised (what transformers' softmax over the
+    top-k logits gives), weights every expert's SwiGLU output, zero for
+    the experts a token did not choose.  Parameters as transformers names
+    them: ``router`` ``[E, D]``, ``input_linear`` ``[E, 2I, D]`` (gate,
+    then up), ``output_linear`` ``[E, D, I]``."""
+
+    def __init__(self, dim: int, experts: int, top_k: int, width: int):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.input_linear = nn.Parameter(torch.empty(experts, 2 * width,
+                                                     dim))
+        self.output_linear = nn.Parameter(torch.empty(experts, dim, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights = router_weights(self.router(flat).float(),
+                                 self.top_k).to(flat.dtype)
+        return dense_experts(flat, self.input_linear, self.output_linear,
+                             weights).view(x.shape)
+
+
+class Granite4Block(nn.Module):
+    """One decoder layer: a Mamba-2 layer (``ssm``) or attention
+    (``attn``), then the shared MLP and the experts, each residual branch
+    scaled by ``residual_multiplier``."""
+
+    def __init__(self, config: Granite4Config, rotary, index: int):
+        super().__init__()
+        from fms.modules.attention import MultiHeadAttention
+        from fms.modules.feedforward import GatedLinearUnit
+        from fms.modules.layernorm import LayerNormParameterized
+        from fms.modules.ssm import SSM
+        from fms.utils.activation import str_to_activation
+        c = config
+        if c.layer_types[index] == "attention":
+            self.attn = MultiHeadAttention(
+                c.emb_dim, c.head_dim, c.head_dim, c.nheads, c.kvheads,
+                p_dropout=c.p_dropout, use_bias=c.attn_bias,
+                position_encoder=rotary,
+                fused=c.fused_weights, linear_config=c.linear_config,
+                scale_factor=c.attention_multiplier)
+        else:
+            self.ssm = SSM(c.mamba_n_heads, c.emb_dim, c.state_size,
+                           c.conv_kernel, c.mamba_expand, c.use_bias,
+                           c.use_conv_bias, c.activation_fn, c.norm_eps,
+                           c.n_groups, c.mamba_head_dim, c.chunk_size)
+        self.ff_sub_layer = GatedLinearUnit(
+            c.emb_dim, hidden_grow_factor=c.hidden_grow_factor,
+            multiple_of=c.multiple_of,
+            activation_fn=str_to_activation(c.activation_fn),
+            p_dropout=c.p_dropout, use_bias=False, fused=c.fused_weights,
+            linear_config=c.linear_config)
+        if c.experts:
+            self.experts = Granite4Experts(c.emb_dim, c.experts,
+                                           c.experts_per_token,
+                                           c.expert_width)
+
+        def norm():
+            return LayerNormParameterized(
+                c.emb_dim, elementwise_scale=True, elementwise_shift=False,
+                use_mean=False, eps=c.norm_eps, use_high_precision_pow=True)
+
+        self.ln, self.ff_ln = norm(), norm()
+        self.residual_multiplier = c.residual_multiplier
+
+    def forward(self, x, *, position_ids=None, past_key_value_state=None,
+                use_cache=False, **attn_kwargs):
+        h = self.ln(x)
+        if hasattr(self, "ssm"):
+            out = self.ssm(h, past_key_value_state=past_key_value_state,
+                           use_cache=use_cache,
+                           mask=attn_kwargs.get("mask"))
+        else:
+            out = self.attn(h, position_ids=position_ids,
+                            past_key_value_state=past_key_value_state,
+                            use_cache=use_cache, **attn_kwargs)
+        cache = None
+        if isinstance(out, tuple):
+            out, cache = out
+        x = x + out * self.residual_multiplier
+        h = self.ff_ln(x)
+        mlp = self.ff_sub_layer(h)
+        if hasattr(self, "experts"):
+            mlp = mlp + self.experts(h)
+        x = x + mlp * self.residual_multiplier
+        return (x, cache) if use_cache else x
+
+
+class Granite4Headless(nn.Module):
+    """The embedding, the layers and the final norm."""
+
+    def __init__(self, config: Granite4Config, distributed_strategy):
+        super().__init__()
+        from fms.modules.layernorm import LayerNormParameterized
+        from fms.modules.positions import RotaryEmbedding
+        self.config = config
+        self.embedding = nn.Embedding(config.src_vocab_size, config.emb_dim)
+        self.rot_emb = (RotaryEmbedding(
+            dim=config.head_dim, scaling={"rope_type": "regular"},
+            max_seq_len=config.max_expected_seq_len,
+            ratio=config.rope_theta) if config.rope else None)
+        self.layers = nn.ModuleList([
+            distributed_strategy.distribute_layer(
+                Granite4Block(config, self.rot_emb, i), i)
+            for i in range(config.nlayers)])
+        self.dec_norm = distributed_strategy.distribute_module(
+            LayerNormParameterized(
+                config.emb_dim, elementwise_scale=True,
+                elementwise_shift=False, use_mean=False,
+                eps=config.norm_eps, use_high_precision_pow=True),
+            final_layers=True)
+
+    def post_init(self) -> None:
+        """Rotary tables on the device the loaded weights are on."""
+        if self.rot_emb is not None:
+            self.rot_emb.compute_freqs_cis(self.embedding.weight.device,
+                                           self.config.max_expected_seq_len)
+
+    def forward(self, x_in, position_ids=None, past_key_value_states=None,
+                use_cache=False, **attn_kwargs):
+        x = self.embedding(x_in) * self.config.embedding_multiplier
+        caches = past_key_value_states or [None] * len(self.layers)
+        present = []
+        for layer, cache in zip(self.layers, caches):
+            out = layer(x, position_ids=position_ids,
+                        past_key_value_state=cache, use_cache=use_cache,
+                        **attn_kwargs)
+            if use_cache:
+                x, cache = out
+                present.append(cache)
+            else:
+                x = out
+        return self.dec_norm(x), present
+
+
+class Granite4(nn.Module):
+    """Granite 4 (``GraniteMoeHybridForCausalLM``) as an FMS model: the
+    headless model, then the output head, the logits divided by
+    ``logits_scaling``."""
+
+    def __init__(self, config: Optional[Granite4Config] = None,
+                 distributed_strategy=None, **kwargs):
+        super().__init__()
+        from fms.distributed.strategy import NoOpStrategy
+        self.config = (config or Granite4Config()).updated(**kwargs)
+        self.distributed_strategy = distributed_strategy or NoOpStrategy
+        self.base_model = Granite4Headless(self.config,
+                                           self.distributed_strategy)
+        self.head = nn.Linear(self.config.emb_dim,
+                              self.config.src_vocab_size, bias=False)
+
+    @classmethod
+    def from_config(cls, config: Granite4Config) -> "Granite4":
+        return cls(config)
+
+    def get_config(self) -> Granite4Config:
+        return self.config
+
+    def reset_parameters(self) -> None:
+        for p in self.parameters():
+            nn.init.normal_(p, std=0.02)
+
+    def post_init(self) -> None:
+        if self.config.tie_heads:
+            if self.head.weight.is_meta:
+                self.head.weight = self.base_model.embedding.weight
+            else:
+                self.base_model.embedding.weight = self.head.weight
+        self.base_model.post_init()
+
+    def forward(self, x, position_ids=None, past_key_value_states=None,
+                use_cache=False, last_n_tokens: int = 0, **attn_kwargs):
+        from fms.modules.attention import get_attention_type
+        from fms.utils.headless import gather_outputs
+        get_attention_type(**attn_kwargs)["validate_attn_kwargs"](
+            input_ids=x, position_ids=position_ids,
+            past_key_value_states=past_key_value_states, **attn_kwargs)
+        hidden, cache = self.base_model(x, position_ids,
+                                        past_key_value_states, use_cache,
+                                        **attn_kwargs)
+        hidden = gather_outputs(hidden, last_n_tokens, **attn_kwargs)
+        logits = self.head(hidden) / self.config.logits_scaling
+        return (logits, cache) if use_cache else logits
+
+
+# ---- transformers' checkpoint layout -------------------------------------
+
+_RENAMES = (
+    (r"^lm_head\.weight$", "head.weight"),
+    (r"^model\.embed_tokens\.", "base_model.embedding."),
+    (r"^model\.norm\.", "base_model.dec_norm."),
+    (r"^model\.layers\.", "base_model.layers."),
+    (r"\.self_attn\.q_proj\.", ".attn.in_proj.query."),
+    (r"\.self_attn\.k_proj\.", ".attn.in_proj.key."),
+    (r"\.self_attn\.v_proj\.", ".attn.in_proj.value."),
+    (r"\.self_attn\.o_proj\.", ".attn.dense."),
+    (r"\.mamba\.", ".ssm."),
+    (r"\.shared_mlp\.output_linear\.", ".ff_sub_layer.w2."),
+    (r"\.block_sparse_moe\.router\.layer\.", ".experts.router."),
+    (r"\.block_sparse_moe\.(input|output)_linear\.weight$",
+     r".experts.\1_linear"),
+    (r"\.input_layernorm\.", ".ln."),
+    (r"\.post_attention_layernorm\.", ".ff_ln."),
+)
+_SHARED_INPUT = re.compile(r"^(.*)\.shared_mlp\.input_linear\.weight$")
+
+
+def _hf_to_fms_names(input_sd: Mapping[str, Any],
+                     **kwargs) -> Mapping[str, Any]:
+    """Adapter step: transformers' names become ``Granite4``'s; the shared
+    MLP's fused input projection (gate, then up) is split into FMS's
+    ``wg`` and ``w1``."""
+    out: dict[str, Any] = {}
+    for name, tensor in input_sd.items():
+        shared = _SHARED_INPUT.match(name)
+        for pattern, repl in _RENAMES:
+            name = re.sub(pattern, repl, name)
+        if shared:
+            prefix = name[:-len(".shared_mlp.input_linear.weight")]
+            gate, up = tensor.chunk(2, dim=0)
+            out[f"{prefix}.ff_sub_layer.wg.weight"] = gate
+            out[f"{prefix}.ff_sub_layer.w1.weight"] = up
+            continue
+        out[name] = tensor
+    return out
+
+
+def _hf_to_fms_rope(input_sd: Mapping[str, Any], model_config=None,
+                    **kwargs) -> Mapping[str, Any]:
+    """Adapter step: with rotary embeddings, the q/k projections in FMS's
+    rotary layout (FMS's Granite step); without them, unchanged."""
+    if model_config is None or not model_config.rope:
+        return input_sd
+    from fms.models.granite import _hf_to_fms_rope as granite_rope
+    return granite_rope(input_sd, model_config=model_config, **kwargs)
+
+
+def register() -> None:
+    """Registers ``Granite4`` with FMS (architecture ``spyre_granite4``,
+    variant ``hf``, adapter ``hf``), once per process."""
+    from fms import models
+    from fms.utils import serialization
+    if ARCHITECTURE in models.list_models():
+        return
+
+    def factory(**kwargs):
+        return Granite4(Granite4Config(), **kwargs)
+
+    models.register_model(ARCHITECTURE, VARIANT, factory)
+    serialization.register_adapter_step(ARCHITECTURE, "hf_to_fms_names",
+                                        _hf_to_fms_names)
+    serialization.register_adapter_step(ARCHITECTURE, "hf_to_fms_rope",
+                                        _hf_to_fms_rope)
+    serialization.register_adapter(ARCHITECTURE, "hf",
+                                   ["hf_to_fms_names", "hf_to_fms_rope"])
