@@ -2,7 +2,7 @@
 checkpoint of each (``tiny_models.FAMILIES``) generates the same greedy
 tokens as Hugging Face transformers under static batching (two shapes,
 ``eager``; one shape, ``inductor``), continuous batching, tensor
-parallelism over 3 ranks, and through ``vllm serve``.
+parallelism over 3 ranks, and (two of them) through ``vllm serve``.
 The tiny Mistral's sliding window is longer than the sequences it serves
 (test_sliding_window serves one they outgrow); an architecture Spyre does
 not run is refused at start-up.
@@ -101,6 +101,13 @@ def test_tp3_matches_transformers(family):
         assert generate(llm) == expected, name
 
 
+# Every family's outputs are proved offline above; the server's path is the
+# same for each, so it serves two: the one loaded through Spyre's own
+# checkpoint adapter (Mixtral) and the newest (Granite 4).
+SERVED = ["mixtral", "granite4"]
+
+
+@pytest.mark.parametrize("family", SERVED, indirect=True)
 def test_vllm_serve_matches_transformers(family, tmp_path):
     """The OpenAI server on loopback, all requests at once."""
     name, path, expected = family
