@@ -211,15 +211,17 @@ FAMILIES = {
 }
 
 def _granite4(vocab: int, layer_types=None, experts: int = 0,
-              positions: str = "rope", layers: int = 2):
+              positions: str = "rope", layers: int = 2, tied: bool = False):
     """Granite 4 (``GraniteMoeHybridForCausalLM``), by default in its
     dense form: every layer attention, no experts, rotary positions, a
     shared MLP whose width (``shared_intermediate_size``) is not
     ``intermediate_size``, and every multiplier away from 1;
     ``layer_types``, ``experts`` and ``positions="nope"`` give its other
-    forms."""
+    forms; ``tied``: the output head is the token embedding, as in IBM's
+    checkpoints."""
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
-    common = {**_common(vocab, 6), "num_hidden_layers": layers}
+    common = {**_common(vocab, 6), "num_hidden_layers": layers,
+              "tie_word_embeddings": tied}
     return GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
         **common, num_key_value_heads=3, rms_norm_eps=1e-5,
         shared_intermediate_size=168, num_local_experts=experts,
@@ -236,10 +238,11 @@ def _granite4(vocab: int, layer_types=None, experts: int = 0,
 def _granite4_h(vocab: int):
     """Granite 4's hybrid form as the ``-h`` models have it: Mamba-2 layers
     0 and 2 around an attention layer without position embeddings
-    ("nope"), and top-2 of 4 experts beside the shared MLP."""
+    ("nope"), top-2 of 4 experts beside the shared MLP, and the output
+    head tied to the token embedding."""
     return _random_mamba_constants(_granite4(
         vocab, layer_types=["mamba", "attention", "mamba"], experts=4,
-        positions="nope", layers=3))
+        positions="nope", layers=3, tied=True))
 
 
 FAMILIES["granite4"] = _granite4

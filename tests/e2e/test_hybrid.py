@@ -6,13 +6,13 @@ same layer pattern, attention without position embeddings, top-2 of 4
 experts beside the shared MLP, Granite's multipliers) generate
 transformers' greedy ids under static batching (two shapes, ``eager``),
 continuous batching with a pool small enough to preempt (its states
-rebuilt by recompute) and on ``inductor`` without recompiling.  For
-Bamba also: static ``inductor`` without recompiling, chunked prefill (the
-state carried from chunk to chunk) and prompt log-probabilities equal to
-transformers'.  A request's state slot is freed once it finishes; tensor
-parallelism and prefix caching are refused, naming why; Granite 4 with
-experts and rotary embeddings (no Mamba-2 layers) matches transformers
-too."""
+rebuilt by recompute), on ``inductor`` without recompiling and over
+three ranks (TP=3).  For Bamba also: static ``inductor`` without
+recompiling, chunked prefill (the state carried from chunk to chunk) and
+prompt log-probabilities equal to transformers'.  A request's state slot
+is freed once it finishes or is aborted; prefix caching is refused,
+naming why; Granite 4 with experts and rotary embeddings (no Mamba-2
+layers) matches transformers too."""
 from __future__ import annotations
 
 import json
@@ -22,7 +22,8 @@ import torch
 
 from conftest import (HFReference, backend_env, build_tiny_family,
                       compile_count, greedy_requests, model_runner,
-                      prompt_logprobs_match_transformers, spyre_env, spyre_llm)
+                      prompt_logprobs_match_transformers, spyre_engine,
+                      spyre_env, spyre_llm)
 
 pytestmark = pytest.mark.e2e
 
@@ -125,6 +126,45 @@ def test_continuous_batching_inductor_without_recompiling(hybrid):
     assert got == _expected(hybrid, REQUESTS)
     assert info["compiled"] == 0, info
     assert info["slots_held"] == 1, info
+
+
+def test_aborted_request_frees_its_slot(bamba):
+    """Three requests decoding; the longest aborted: the next step frees
+    its slot (vLLM names it among the step's finished requests), the
+    others keep theirs and finish with transformers' ids, and a new request
+    takes the freed slot and does too."""
+    from vllm import SamplingParams, TokensPrompt
+    path, _ = bamba
+    requests = {"0": REQUESTS[0], "1": REQUESTS[4], "2": REQUESTS[3],
+                "3": REQUESTS[2]}
+
+    def add(engine, rid):
+        prompt, n = requests[rid]
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
+                           SamplingParams(temperature=0.0, max_tokens=n,
+                                          ignore_eos=True))
+
+    done = {}
+    with spyre_engine(path, {**CB, **backend_env("eager")},
+                      **CB_ARGS) as engine:
+        slots = engine.model_executor.driver_worker.worker.model_runner \
+            .state_slots
+        for rid in "012":
+            add(engine, rid)
+        for _ in range(5):  # three prefills, two decode steps
+            engine.step()
+        assert slots.held == 3
+        engine.abort_request("1")
+        engine.step()
+        assert slots.held == 2
+        add(engine, "3")
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+    assert sorted(done) == ["0", "2", "3"]
+    assert [done[r] for r in "023"] == _expected(
+        bamba, [requests[r] for r in "023"])
 
 
 def test_chunked_prefill_carries_the_state(bamba):

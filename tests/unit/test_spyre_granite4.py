@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import build_tiny_family
-from vllm.model_executor.layers.spyre_mamba import use_spyre_ssm
+from vllm.model_executor.layers.spyre_mamba import SpyreSSM, use_spyre_ssm
 from vllm.model_executor.models import spyre_families as sf
 
 FORMS = {
@@ -34,8 +34,11 @@ def test_logits_equal_transformers(checkpoint):
     model = get_model(**sf.fms_model_args(str(checkpoint), hf_config),
                       data_type=torch.float32, device_type="cpu")
     sf.family_of(hf_config).prepare(model)
-    ssm_layers = use_spyre_ssm(model)  # already done by prepare: 0 more
-    assert ssm_layers == 0
+    mamba = hf_config.layer_types.count("mamba")
+    assert sum(isinstance(m, SpyreSSM) for m in model.modules()) == mamba
+    assert use_spyre_ssm(model) == 0  # prepare gave them all
+    if hf_config.tie_word_embeddings:
+        assert model.head.weight is model.base_model.embedding.weight
     hf = AutoModelForCausalLM.from_pretrained(checkpoint,
                                               dtype=torch.float32).eval()
     ids = torch.randint(4, 380, (1, 45),
@@ -69,6 +72,22 @@ def test_family_per_form(kw, fms, hybrid):
     family = sf.family_of(granite4_config(**kw))
     assert family.fms_architecture == fms
     assert family.hybrid is hybrid
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(layer_types=["mamba"] * 2), "all 2 layers are Mamba-2 layers"),
+    (dict(layer_types=["attention"] * 2, num_local_experts=4,
+          num_experts_per_tok=2, hidden_act="gelu"),
+     "experts with hidden_act 'gelu'"),
+    (dict(layer_types=["mamba", "attention"], position_embedding_type="rope",
+          rope_scaling={"rope_type": "linear", "factor": 2.0}),
+     "rope_scaling"),
+])
+def test_what_spyres_model_does_not_compute_is_refused(kw, words):
+    with pytest.raises(NotImplementedError) as err:
+        sf.family_of(granite4_config(**kw))
+    assert "GraniteMoeHybridForCausalLM" in str(err.value)
+    assert words in str(err.value)
 
 
 def test_positions_other_than_rope_are_none():

@@ -6,9 +6,10 @@ it with its share of the memory this machine lets the process use:
 
 * the process itself, as it stands when the check runs (Python, torch,
   vLLM and FMS imported, the engine built): measured, not guessed;
-* the weights, this rank's share under tensor parallelism (the embedding
-  stays whole on every rank), counted from the checkpoint's safetensors
-  headers at the dtype being served;
+* the weights, this rank's share under tensor parallelism (the embedding,
+  Mamba-2 layers and Granite 4's experts stay whole on every rank),
+  counted from the checkpoint's safetensors headers at the dtype being
+  served;
 * the key/value caches: static batching keeps one per warm-up shape, each
   ``batch × (prompt + new tokens) × layers × 2 × KV heads × head size``;
   continuous batching needs at least the blocks of one ``max_model_len``
@@ -37,8 +38,12 @@ from vllm.worker import spyre_prompt_logprobs as prompt_logprobs
 
 GiB = 2**30
 
-#: Names of the tensors kept whole on every rank under tensor parallelism.
-_WHOLE = ("embed", "wte", "wpe", "tok_embeddings")
+#: Names of the tensors kept whole on every rank under tensor parallelism:
+#: the embeddings, Mamba-2 layers (FMS's has no sharded form) and Granite
+#: 4's experts (``spyre_granite4``).  Mixtral's experts are split.
+_WHOLE = ("embed", "wte", "wpe", "tok_embeddings", ".mamba.",
+          "block_sparse_moe.input_linear", "block_sparse_moe.output_linear",
+          "block_sparse_moe.router")
 
 #: What running the model costs beyond its weights, caches and activations,
 #: as a fraction of the weights: graphs, inductor's packed copies of weights
@@ -276,7 +281,10 @@ def geometry_of(vllm_config, item: int, kv_item: int = 0) -> Geometry:
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     text = model.hf_text_config
-    inner = (getattr(text, "intermediate_size", None)
+    # Granite 4's MLP is its shared one (``intermediate_size`` is its
+    # experts' width).
+    inner = (getattr(text, "shared_intermediate_size", None)
+             or getattr(text, "intermediate_size", None)
              or getattr(text, "n_inner", None) or 4 * model.get_hidden_size())
     from vllm.model_executor.layers.spyre_mamba import StateLayout
     states = StateLayout.from_config(text)

@@ -25,9 +25,9 @@ model, ``spyre_granite4``: the family's ``form`` picks it from the config.
 Each ``DecoderFamily`` states those corrections as config overrides and,
 for Mixtral, a checkpoint adapter (source ``spyre_hf``) and a step run on
 the loaded model (its mixture-of-experts layers made dense,
-``spyre_moe``), so the loader itself has no per-family branches.  The
-platform calls ``family_of`` at start-up, so a folder of any other
-architecture is refused before anything is loaded.
+``spyre_moe``), so the loader itself has no per-family branches.  A
+folder of any other architecture is refused at start-up, before anything
+is loaded (``spyre_model_impl.resolve``; ``family_of`` too).
 """
 from __future__ import annotations
 
@@ -87,13 +87,28 @@ def _granite4_form(hf_config) -> Optional["DecoderFamily"]:
     """Granite 4's forms FMS's ``granite_moe_hybrid`` (the dense form, a
     Granite subclass) lacks run on ``spyre_granite4``'s model: Mamba-2
     layers (the ``-h`` models), experts, or no rotary embeddings (any
-    ``position_embedding_type`` but ``rope``, as in transformers)."""
-    if "mamba" in _granite4_layer_types(hf_config):
-        return _GRANITE4_HYBRID
-    if ((hf_config.num_local_experts or 0) > 0
-            or hf_config.position_embedding_type != "rope"):
-        return _GRANITE4_OTHER
-    return None
+    ``position_embedding_type`` but ``rope``, as in transformers).  What
+    that model does not compute is refused (``NotImplementedError``)."""
+    types = _granite4_layer_types(hf_config)
+    experts = (hf_config.num_local_experts or 0) > 0
+    rope = hf_config.position_embedding_type == "rope"
+    if "mamba" not in types and not experts and rope:
+        return None
+    why = None
+    if "attention" not in types:
+        why = (f"all {len(types)} layers are Mamba-2 layers (layer_types); "
+               "Spyre's caches need at least one attention layer")
+    elif experts and hf_config.hidden_act != "silu":
+        why = (f"experts with hidden_act {hf_config.hidden_act!r} (Spyre's "
+               "dense experts compute SwiGLU, silu)")
+    elif rope and getattr(hf_config, "rope_scaling", None):
+        why = (f"rope_scaling {hf_config.rope_scaling!r} (Spyre's Granite 4 "
+               "applies plain rotary embeddings)")
+    if why is not None:
+        raise NotImplementedError(
+            f"GraniteMoeHybridForCausalLM is not supported on Spyre with "
+            f"this config: {why}.")
+    return _GRANITE4_HYBRID if "mamba" in types else _GRANITE4_OTHER
 
 
 def _granite4_other_fixes(hf_config) -> dict:

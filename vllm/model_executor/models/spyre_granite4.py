@@ -96,6 +96,8 @@ def config_from_hf(hf_config) -> dict:
     width = hf_config.shared_intermediate_size
     return dict(
         variant=VARIANT,
+        # transformers' attention heads are hidden / heads wide.
+        head_dim=hf_config.hidden_size // hf_config.num_attention_heads,
         pad_id=hf_config.pad_token_id,
         rope=hf_config.position_embedding_type == "rope",
         # Nudged so that int(factor * hidden) is the width exactly.
