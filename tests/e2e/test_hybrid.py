@@ -194,8 +194,8 @@ def test_prefix_caching_refused(hybrid):
 
 
 def test_tensor_parallel_preempted(hybrid):
-    """TP=3: attention and MLPs split over the ranks, the Mamba-2 layers
-    (and Granite 4's experts) whole on each, every rank's state slots
+    """TP=3: attention, MLPs and Granite 4's experts split over the
+    ranks, the Mamba-2 layers whole on each, every rank's state slots
     kept in step through a preemption."""
     got, info = _run(hybrid, {**CB, **backend_env("eager")}, REQUESTS,
                      num_gpu_blocks_override=4, tensor_parallel_size=3,

@@ -13,7 +13,8 @@ rotary embeddings only when the config asks for them), FMS's Mamba-2
 ``SSM`` (run over Spyre's state slots by ``spyre_mamba``, as Bamba's),
 ``GatedLinearUnit`` for the shared MLP, and for the experts
 ``spyre_moe``'s dense form (every expert on every token, weighted by the
-router), whose shapes never depend on the routing.  Per layer::
+router; FMS's expert weights, split under tensor parallelism as
+Mixtral's), whose shapes never depend on the routing.  Per layer::
 
     h = x + residual_multiplier * mixer(norm(x))           # Mamba-2 or attention
     y = h + residual_multiplier * (shared_mlp(norm(h)) + experts(norm(h)))
@@ -124,24 +125,32 @@ class Granite4Experts(nn.Module):
     """Granite 4's mixture of experts, computed densely: the router's
     top-k of a softmax, renormalised (what transformers' softmax over the
     top-k logits gives), weights every expert's SwiGLU output, zero for
-    the experts a token did not choose.  Parameters as transformers names
-    them: ``router`` ``[E, D]``, ``input_linear`` ``[E, 2I, D]`` (gate,
-    then up), ``output_linear`` ``[E, D, I]``."""
+    the experts a token did not choose.  The experts' weights are FMS's
+    ``ConditionalFeedForward`` parameters, whose layout is transformers'
+    (``w13`` ``[E, 2I, D]``, gate then up; ``w2`` ``[E, D, I]``), so under
+    tensor parallelism FMS shards them as Mixtral's (a slice of every
+    expert's inner dimension per rank) and the partial sums are
+    all-reduced; the router (``[E, D]``) stays whole."""
 
     def __init__(self, dim: int, experts: int, top_k: int, width: int):
         super().__init__()
+        from fms.modules.feedforward import ConditionalFeedForward
         self.top_k = top_k
         self.router = nn.Linear(dim, experts, bias=False)
-        self.input_linear = nn.Parameter(torch.empty(experts, 2 * width,
-                                                     dim))
-        self.output_linear = nn.Parameter(torch.empty(experts, dim, width))
+        self.cond_ffn = ConditionalFeedForward(experts, dim, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         weights = router_weights(self.router(flat).float(),
                                  self.top_k).to(flat.dtype)
-        return dense_experts(flat, self.input_linear, self.output_linear,
-                             weights).view(x.shape)
+        experts = self.cond_ffn
+        out = dense_experts(flat, experts.w13, experts.w2, weights)
+        group = getattr(experts, "group", None)
+        if group is not None:
+            from fms.distributed.tensorparallel import (
+                reduce_from_tensor_model_parallel_region)
+            out = reduce_from_tensor_model_parallel_region(out, group)
+        return out.view(x.shape)
 
 
 class Granite4Block(nn.Module):
@@ -322,8 +331,8 @@ _RENAMES = (
     (r"\.mamba\.", ".ssm."),
     (r"\.shared_mlp\.output_linear\.", ".ff_sub_layer.w2."),
     (r"\.block_sparse_moe\.router\.layer\.", ".experts.router."),
-    (r"\.block_sparse_moe\.(input|output)_linear\.weight$",
-     r".experts.\1_linear"),
+    (r"\.block_sparse_moe\.input_linear\.weight$", ".experts.cond_ffn.w13"),
+    (r"\.block_sparse_moe\.output_linear\.weight$", ".experts.cond_ffn.w2"),
     (r"\.input_layernorm\.", ".ln."),
     (r"\.post_attention_layernorm\.", ".ff_ln."),
 )
