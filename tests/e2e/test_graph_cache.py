@@ -29,8 +29,10 @@ pytestmark = pytest.mark.e2e
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [16]]
 MAX_TOKENS = 8
-SHAPES = dict(prompt_lens=[64, 64], new_tokens=[MAX_TOKENS, MAX_TOKENS],
-              batch_sizes=[1, 2])
+# One shape (three prompts: a full batch, then one row and a padding row):
+# a prefill and a decode graph per rank.
+SHAPES = dict(prompt_lens=[64], new_tokens=[MAX_TOKENS], batch_sizes=[2])
+GRAPHS = 2
 CB_ARGS = {"max_model_len": 256, "max_num_seqs": 4}
 START_TIMEOUT = 600
 
@@ -79,9 +81,8 @@ def static_cache(tmp_path_factory, tiny_llama, hf_ids):
     env = spyre_env("inductor", **SHAPES)
     cold = start(tiny_llama, cache, env)
     assert cold["ids"] == hf_ids
-    # Two shapes, a prefill and a decode graph each.
-    assert cold["graphs"] == [{"compiled": 4}]
-    assert len(graph_files(cache)) == 4
+    assert cold["graphs"] == [{"compiled": GRAPHS}]
+    assert len(graph_files(cache)) == GRAPHS
     return cache, env
 
 
@@ -90,7 +91,7 @@ def test_warm_start_compiles_nothing_same_ids(static_cache, tiny_llama,
     cache, env = static_cache
     # Strict mode too: every graph is there, so it starts.
     warm = start(tiny_llama, cache, env, strict=True)
-    assert_warm(warm, 4)
+    assert_warm(warm, GRAPHS)
     assert warm["ids"] == hf_ids
     assert "(cached)" in warm["log"]
 
@@ -98,9 +99,9 @@ def test_warm_start_compiles_nothing_same_ids(static_cache, tiny_llama,
 def test_eager_backend_warm_start(tmp_path, tiny_llama, hf_ids):
     env = spyre_env("eager", **SHAPES)
     cold = start(tiny_llama, tmp_path, env)
-    assert cold["graphs"] == [{"compiled": 4}]
+    assert cold["graphs"] == [{"compiled": GRAPHS}]
     warm = start(tiny_llama, tmp_path, env)
-    assert_warm(warm, 4)
+    assert_warm(warm, GRAPHS)
     assert cold["ids"] == warm["ids"] == hf_ids
 
 
@@ -122,9 +123,9 @@ def test_vllm_model_code_warm_start(static_cache, tmp_path, tiny_llama,
     args = {"model_impl": "vllm"}
     shutil.copytree(fms_cache, tmp_path / "mixed")
     cold = start(tiny_llama, tmp_path / "mixed", env, args)
-    assert cold["graphs"] == [{"compiled": 4}]
+    assert cold["graphs"] == [{"compiled": GRAPHS}]
     warm = start(tiny_llama, tmp_path / "mixed", env, args, strict=True)
-    assert_warm(warm, 4)
+    assert_warm(warm, GRAPHS)
     assert cold["ids"] == warm["ids"] == hf_ids
 
 
@@ -133,14 +134,14 @@ def tp_cache(tmp_path_factory, tiny_llama_3kv):
     cache = tmp_path_factory.mktemp("graph-cache-tp")
     env = spyre_env("inductor", **SHAPES)
     cold = start(tiny_llama_3kv, cache, env, {"tensor_parallel_size": 3})
-    assert cold["graphs"] == [{"compiled": 4}] * 3
+    assert cold["graphs"] == [{"compiled": GRAPHS}] * 3
     return cache, env, cold
 
 
 def test_tensor_parallel_warm_start(tp_cache, tiny_llama_3kv):
     cache, env, cold = tp_cache
     warm = start(tiny_llama_3kv, cache, env, {"tensor_parallel_size": 3})
-    assert_warm(warm, 4, ranks=3)
+    assert_warm(warm, GRAPHS, ranks=3)
     hf = HFReference(tiny_llama_3kv)
     assert warm["ids"] == cold["ids"] == [
         hf.greedy(p, MAX_TOKENS)[0] for p in PROMPTS
@@ -161,11 +162,12 @@ def test_truncated_graph_file_is_recompiled(static_cache, tmp_path,
     run = start(tiny_llama, cache, static_cache[1])
     assert "is truncated or corrupt" in run["log"]
     assert victim.name in run["log"]
-    assert run["graphs"] == [{"loaded": 3, "rejected": 1, "compiled": 1}]
+    assert run["graphs"] == [{"loaded": GRAPHS - 1, "rejected": 1,
+                              "compiled": 1}]
     assert run["ids"] == hf_ids
     # The recompiled graph was written back whole.
     assert victim.read_bytes() != data[:len(data) // 2]
-    assert_warm(start(tiny_llama, cache, static_cache[1]), 4)
+    assert_warm(start(tiny_llama, cache, static_cache[1]), GRAPHS)
 
 
 def test_graph_file_of_another_model_is_recompiled(static_cache, tp_cache,
@@ -179,7 +181,8 @@ def test_graph_file_of_another_model_is_recompiled(static_cache, tp_cache,
     shutil.copyfile(foreign, victim)
     run = start(tiny_llama, cache, static_cache[1])
     assert "belongs to another configuration" in run["log"]
-    assert run["graphs"] == [{"loaded": 3, "rejected": 1, "compiled": 1}]
+    assert run["graphs"] == [{"loaded": GRAPHS - 1, "rejected": 1,
+                              "compiled": 1}]
     assert run["ids"] == hf_ids
 
 
@@ -208,12 +211,12 @@ def test_read_only_directory_warns_and_serves(static_cache, tmp_path,
         # Empty and read-only: compiles, warns that nothing is kept.
         cold = start(tiny_llama, empty, static_cache[1], prefix=prefix)
         assert "cannot write to" in cold["log"]
-        assert cold["graphs"] == [{"compiled": 4}]
+        assert cold["graphs"] == [{"compiled": GRAPHS}]
         assert cold["ids"] == hf_ids
         assert not list(empty.iterdir())
         # Filled and read-only: loads everything.
         warm = start(tiny_llama, full, static_cache[1], prefix=prefix)
-        assert_warm(warm, 4)
+        assert_warm(warm, GRAPHS)
         assert warm["ids"] == hf_ids
     finally:
         for d in (empty, full, *full.iterdir()):
@@ -223,10 +226,9 @@ def test_read_only_directory_warns_and_serves(static_cache, tmp_path,
 def test_strict_mode_refuses_with_the_missing_shapes(static_cache, tmp_path,
                                                      tiny_llama):
     cache = copy_cache(static_cache[0], tmp_path / "cache")
-    # A third shape the cache has never seen.
-    env = spyre_env("inductor", prompt_lens=[64, 64, 128],
-                    new_tokens=[MAX_TOKENS, MAX_TOKENS, 4],
-                    batch_sizes=[1, 2, 2])
+    # A second shape the cache has never seen.
+    env = spyre_env("inductor", prompt_lens=[64, 128],
+                    new_tokens=[MAX_TOKENS, 4], batch_sizes=[2, 2])
     run = start(tiny_llama, cache, env, strict=True, expect_ok=False)
     log = run["log"]
     assert "VLLM_SPYRE_REQUIRE_PRECOMPILED=1: 2 graph(s) are missing" in log
@@ -234,4 +236,4 @@ def test_strict_mode_refuses_with_the_missing_shapes(static_cache, tmp_path,
     assert f"prefill of shape {shape}; decode of shape {shape}" in log
     assert "new_tokens=8" not in log.split("are missing")[1].split("\n")[0]
     # Refused before compiling anything: no graph was added.
-    assert len(graph_files(cache)) == 4
+    assert len(graph_files(cache)) == GRAPHS
