@@ -66,6 +66,20 @@ def dense_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out
 
 
+def expert_sum(x: torch.Tensor, experts: nn.Module,
+               weights: torch.Tensor) -> torch.Tensor:
+    """``dense_experts`` over the weights of FMS's ``ConditionalFeedForward``
+    ``experts``; a sharded one's (tensor parallelism) partial sum
+    all-reduced over its group."""
+    out = dense_experts(x, experts.w13, experts.w2, weights)
+    group = getattr(experts, "group", None)
+    if group is not None:
+        from fms.distributed.tensorparallel import (
+            reduce_from_tensor_model_parallel_region)
+        out = reduce_from_tensor_model_parallel_region(out, group)
+    return out
+
+
 class DenseMOEFeedForward(nn.Module):
     """Methods that replace ``MOEFeedForward.forward`` on a loaded layer
     (``use_dense_experts`` swaps the instance's class), keeping its
@@ -75,14 +89,7 @@ class DenseMOEFeedForward(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, self.dim)
         weights = router_weights(self.gate(flat), self.num_activated_experts)
-        experts = self.cond_ffn
-        out = dense_experts(flat, experts.w13, experts.w2, weights)
-        group = getattr(experts, "group", None)
-        if group is not None:
-            from fms.distributed.tensorparallel import (
-                reduce_from_tensor_model_parallel_region)
-            out = reduce_from_tensor_model_parallel_region(out, group)
-        return out.view(shape)
+        return expert_sum(flat, self.cond_ffn, weights).view(shape)
 
 
 def use_dense_experts(model: nn.Module) -> int:

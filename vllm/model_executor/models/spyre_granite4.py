@@ -34,7 +34,7 @@ import torch
 from fms.utils.config import ModelConfig
 from torch import nn
 
-from vllm.model_executor.layers.spyre_moe import dense_experts, router_weights
+from vllm.model_executor.layers.spyre_moe import expert_sum, router_weights
 
 ARCHITECTURE = "spyre_granite4"
 VARIANT = "hf"
@@ -143,14 +143,7 @@ class Granite4Experts(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         weights = router_weights(self.router(flat).float(),
                                  self.top_k).to(flat.dtype)
-        experts = self.cond_ffn
-        out = dense_experts(flat, experts.w13, experts.w2, weights)
-        group = getattr(experts, "group", None)
-        if group is not None:
-            from fms.distributed.tensorparallel import (
-                reduce_from_tensor_model_parallel_region)
-            out = reduce_from_tensor_model_parallel_region(out, group)
-        return out.view(x.shape)
+        return expert_sum(flat, self.cond_ffn, weights).view(x.shape)
 
 
 class Granite4Block(nn.Module):
