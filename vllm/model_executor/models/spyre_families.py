@@ -112,8 +112,10 @@ def _granite4_form(hf_config) -> Optional["DecoderFamily"]:
 
 
 def _granite4_other_fixes(hf_config) -> dict:
+    """The dense form's corrections, and the fields of the forms it
+    lacks."""
     from vllm.model_executor.models.spyre_granite4 import config_from_hf
-    return config_from_hf(hf_config)
+    return {**_granite4_fixes(hf_config), **config_from_hf(hf_config)}
 
 
 def _same_form(hf_config) -> Optional["DecoderFamily"]:

@@ -92,18 +92,15 @@ class Granite4Config(ModelConfig):
 
 def config_from_hf(hf_config) -> dict:
     """``Granite4Config`` fields a Hugging Face ``GraniteMoeHybridConfig``
-    sets beyond FMS's mapping of it (which reads the dense form)."""
+    sets beyond FMS's mapping of it (which reads the dense form) and the
+    dense form's corrections (its padding id and shared MLP width,
+    ``spyre_families``)."""
     n = hf_config.num_hidden_layers
-    width = hf_config.shared_intermediate_size
     return dict(
         variant=VARIANT,
         # transformers' attention heads are hidden / heads wide.
         head_dim=hf_config.hidden_size // hf_config.num_attention_heads,
-        pad_id=hf_config.pad_token_id,
         rope=hf_config.position_embedding_type == "rope",
-        # Nudged so that int(factor * hidden) is the width exactly.
-        hidden_grow_factor=(width + 0.5) / hf_config.hidden_size,
-        multiple_of=1,
         layer_types=list(getattr(hf_config, "layer_types", None)
                          or ["mamba"] * n),
         mamba_n_heads=hf_config.mamba_n_heads,
