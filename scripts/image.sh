@@ -4,7 +4,7 @@
 # over loopback with /health answering inside.  `make image`; `.ci/run`
 # runs it after the suite.
 #
-#   scripts/image.sh [base|build|check|all]      (default: all)
+#   scripts/image.sh [base|build|check|prune|all]      (default: all)
 #
 # No image registry is needed: `base` makes a Debian 12 root file system
 # with Python 3.11 (debootstrap, from this machine's Debian mirror) and
@@ -98,16 +98,37 @@ pip_config() {
   PIP_MOUNTS+=(-v "$WORK/pip.conf:/etc/pip.conf:ro")
 }
 
+# What earlier builds on this machine left in buildah's storage: the
+# working containers of a build that failed, and the images a rebuild
+# replaced or cached as intermediate steps (untagged). Each is several GB,
+# and on a machine that builds again and again they fill the disk; the
+# base and the current image stay.
+prune() {
+  local id name
+  buildah containers --format '{{.ContainerID}} {{.ContainerName}}' \
+    | while read -r id name; do
+        case "$name" in
+          *-working-container) buildah rm "$id" >/dev/null || true ;;
+        esac
+      done
+  buildah rmi --prune >/dev/null 2>&1 || true
+  say "storage: $(du -sh "$(buildah info --format '{{.store.GraphRoot}}')" \
+    2>/dev/null | cut -f1) in buildah's images; $(df -h --output=avail . \
+    | tail -1 | tr -d ' ') free here"
+}
+
 build_image() {
   local start=$SECONDS
+  prune
   pip_config
   say "building $IMAGE on $BASE_IMAGE"
   buildah bud --isolation chroot --format docker --layers \
     --build-arg "BASE_IMAGE=$BASE_IMAGE" "${PIP_MOUNTS[@]}" \
     -f Dockerfile.spyre -t "$IMAGE" . >"$WORK/build.log" 2>&1 \
-    || { tail -40 "$WORK/build.log"; exit 1; }
+    || { tail -40 "$WORK/build.log"; prune; exit 1; }
   say "built $IMAGE in $((SECONDS - start)) s;" \
     "size $(buildah images --format '{{.Size}}' "$IMAGE")"
+  prune
 }
 
 SERVER_PID=""
@@ -170,8 +191,9 @@ PY
 mkdir -p "$WORK"
 case "${1:-all}" in
   base) need_tools; make_base ;;
+  prune) need_tools; prune ;;
   build) need_tools; make_base; build_image ;;
   check) need_tools; check_image ;;
   all) need_tools; make_base; build_image; check_image ;;
-  *) echo "usage: $0 [base|build|check|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [base|build|check|prune|all]" >&2; exit 2 ;;
 esac

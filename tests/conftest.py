@@ -171,8 +171,16 @@ class HFReference:
     def __init__(self, model_dir: Path):
         import torch
         from transformers import AutoModelForCausalLM
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch.float32,
+                attn_implementation="sdpa").eval()
+        except ValueError:
+            # transformers refuses SDPA for attention it cannot express
+            # (GPT-OSS's sinks): its eager attention is the reference.
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch.float32,
+                attn_implementation="eager").eval()
 
     def greedy(self, prompt_ids: list[int],
                max_new_tokens: int) -> tuple[list[int], list[float]]:

@@ -247,6 +247,41 @@ def _granite4_h(vocab: int):
 
 FAMILIES["granite4"] = _granite4
 
+#: GPT-OSS's window on its sliding layers, far shorter than the sequences
+#: the tests serve.
+GPT_OSS_WINDOW = 12
+
+
+def _gpt_oss(vocab: int):
+    """GPT-OSS (``GptOssForCausalLM``): a sliding layer (window
+    ``GPT_OSS_WINDOW``) then a full one, attention sinks, top-2 of 4
+    experts with biases and the clamped SwiGLU, YaRN as the released
+    models have it (factor 32, here over 32 original positions).  transformers starts every bias at zero; here the
+    biases and sinks are random and as large as the other weights (the
+    sinks larger), so a model that dropped any of them would answer
+    otherwise."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+    common = {**_common(vocab, 6), "intermediate_size": 64}
+    model = GptOssForCausalLM(GptOssConfig(
+        **common, num_key_value_heads=3, head_dim=16, rms_norm_eps=1e-5,
+        num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=GPT_OSS_WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                      "beta_slow": 1.0, "truncate": False,
+                      "original_max_position_embeddings": 32}))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):
+                param.copy_(torch.rand(param.shape) * 6 - 1)
+            elif name.endswith("bias"):
+                param.normal_(std=0.3)
+    return model
+
+
+FAMILIES["gpt_oss"] = _gpt_oss
+
 #: Hybrid (Mamba-2 and attention) families.
 HYBRID = {
     "bamba": _bamba,

@@ -125,14 +125,17 @@ def _fake_quant(input: torch.Tensor, packed: torch.Tensor,
 
 def _fake_attention(query: torch.Tensor, keys: torch.Tensor,
                     values: torch.Tensor, mask: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float,
+                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     return query.new_empty((*query.shape[:3], values.shape[-1]))
 
 
 def _fake_paged_attention(query: torch.Tensor, key_pool: torch.Tensor,
                           value_pool: torch.Tensor, block_table: torch.Tensor,
                           ctx_lens: torch.Tensor, block_size: int,
-                          scale: float, window: int = 0) -> torch.Tensor:
+                          scale: float, window: int = 0,
+                          sinks: Optional[torch.Tensor] = None
+                          ) -> torch.Tensor:
     return query.new_empty((*query.shape[:3], value_pool.shape[-1]))
 
 

@@ -265,9 +265,14 @@ inline float row_max(const float* s, int64_t n) {
   return mx;
 }
 
-// s[0:n] = exp(s - max(s)); returns their sum.
-inline float exp_shifted(float* s, int64_t n) {
-  const float mx = row_max(s, n);
+// s[0:n] = exp(s - m), m = max(max(s), sink); returns their sum plus
+// exp(sink - m).  The sink is an attention sink's logit (GPT-OSS): a
+// column of the softmax with no value, which takes its share of the
+// probability and is dropped; -inf (no sink) adds nothing.
+inline float exp_shifted(
+    float* s, int64_t n,
+    float sink = -std::numeric_limits<float>::infinity()) {
+  const float mx = std::max(row_max(s, n), sink);
   vfloat_u sums{};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
@@ -280,6 +285,8 @@ inline float exp_shifted(float* s, int64_t n) {
     s[i] = std::exp(s[i] - mx);
     sum += s[i];
   }
+  if (sink > -std::numeric_limits<float>::infinity())
+    sum += std::exp(sink - mx);
   return sum;
 }
 
@@ -290,17 +297,20 @@ inline float exp_shifted(float* s, int64_t n) {
 // floats; out: as many rows of Dv floats; scores: scratch of at least
 // heads * group * n floats.  With n == 0 the rows get zeros.  ahead: the
 // tokens are not in the cache yet (the first position of a sequence), so
-// they are asked for before they are read.
+// they are asked for before they are read.  sinks: null, or the
+// attention sink's logit of each of the heads * group rows.
 template <typename T>
 void attend(const float* q, int64_t heads, int64_t group, int64_t D,
             int64_t Dv, int64_t n, const T* const* keys, int64_t key_stride,
             const T* const* values, int64_t value_stride, float scale,
-            bool ahead, float* scores, float* out) {
+            bool ahead, float* scores, float* out,
+            const float* sinks = nullptr) {
   const int64_t rows = heads * group;
   row_scores<T>(q, rows, group, D, n, keys, key_stride, scale, ahead, scores);
   for (int64_t r = 0; r < rows && n > 0; ++r) {
     float* s = scores + r * n;
-    const float inverse = 1.f / exp_shifted(s, n);
+    const float inverse =
+        1.f / (sinks ? exp_shifted(s, n, sinks[r]) : exp_shifted(s, n));
     for (int64_t i = 0; i < n; ++i) s[i] *= inverse;
   }
   for (int64_t h = 0; h < heads; ++h)
@@ -369,6 +379,17 @@ void with_element_type(at::ScalarType dtype, F&& f) {
     f(float{});
 }
 
+// An op's optional attention sinks ([KVH * group], one logit per query
+// head, heads sharing a key/value head adjacent) as float32; undefined for
+// none.
+at::Tensor sinks_of(const c10::optional<at::Tensor>& sinks, int64_t heads,
+                    const char* op) {
+  if (!sinks.has_value() || !sinks->defined()) return at::Tensor();
+  TORCH_CHECK(sinks->numel() == heads, op, ": ", sinks->numel(),
+              " attention sinks for ", heads, " query heads");
+  return sinks->to(at::kFloat).contiguous();
+}
+
 // One work item's query rows in float32, `rows` per key/value head, and
 // its output rows written back from float32 (rounded once for bfloat16).
 struct Rows {
@@ -394,11 +415,13 @@ struct Rows {
 
 // query: [B, KVH, R, D], R = L * group rows per key/value head (row r is
 // query position r / group); keys: [B, KVH, T, D]; values: [B, KVH, T, Dv];
-// mask: [B, L, T] bool, true = may attend.  Returns [B, KVH, R, Dv].  A row
-// that may attend to nothing gets zeros.
+// mask: [B, L, T] bool, true = may attend; sinks: none, or [KVH * group]
+// attention sinks (float).  Returns [B, KVH, R, Dv].  A row that may
+// attend to nothing gets zeros.
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys,
                             const at::Tensor& values, const at::Tensor& mask,
-                            double scale) {
+                            double scale,
+                            const c10::optional<at::Tensor>& sinks) {
   check_dtypes(query, keys, values, "decode_attention");
   TORCH_CHECK(mask.scalar_type() == at::kBool,
               "decode_attention: the mask must be bool, got ",
@@ -425,6 +448,8 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys,
   at::Tensor out = at::empty({B, KVH, R, Dv}, q.options());
   const int64_t group = R / L;
   const float fscale = static_cast<float>(scale);
+  const at::Tensor sk = sinks_of(sinks, KVH * group, "decode_attention");
+  const float* sp = sk.defined() ? sk.data_ptr<float>() : nullptr;
   with_element_type(q.scalar_type(), [&](auto q_zero) {
   with_element_type(k.scalar_type(), [&](auto kv_zero) {
   using scalar_t = decltype(q_zero);
@@ -454,7 +479,8 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys,
         rows.read(0, qp + r0 * D);
         attend<cache_t>(rows.q.data(), 1, group, D, Dv, n, keys.data(), 0,
                         values.data(), 0, fscale, pos == 0, scores.data(),
-                        rows.out.data());
+                        rows.out.data(),
+                        sp ? sp + (bh % KVH) * group : nullptr);
         rows.write(0, op + r0 * Dv);
       }
     }
@@ -478,12 +504,14 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys,
 // model runner gives padding positions one token to see, so that the
 // torch-op path, which would give NaN there, agrees).  window > 0: each
 // position sees only the last `window` of those tokens (sliding-window
-// attention).  Returns [B, KVH, R, Dv].
+// attention).  sinks: none, or [KVH * group] attention sinks (float).
+// Returns [B, KVH, R, Dv].
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool,
                            const at::Tensor& value_pool,
                            const at::Tensor& block_table,
                            const at::Tensor& ctx_lens, int64_t block_size,
-                           double scale, int64_t window) {
+                           double scale, int64_t window,
+                           const c10::optional<at::Tensor>& sinks) {
   check_dtypes(query, key_pool, value_pool, "paged_attention");
   TORCH_CHECK(block_table.scalar_type() == at::kLong &&
                   ctx_lens.scalar_type() == at::kLong,
@@ -532,6 +560,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool,
   at::Tensor out = at::empty({B, KVH, R, Dv}, q.options());
   const int64_t group = R / L;
   const float fscale = static_cast<float>(scale);
+  const at::Tensor sk = sinks_of(sinks, KVH * group, "paged_attention");
+  const float* sp = sk.defined() ? sk.data_ptr<float>() : nullptr;
   with_element_type(q.scalar_type(), [&](auto q_zero) {
   with_element_type(kp.scalar_type(), [&](auto kv_zero) {
   using scalar_t = decltype(q_zero);
@@ -574,7 +604,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool,
       attend<cache_t>(rows.q.data(), 1, group, D, Dv, n - first,
                       keys.data() + first, 0, values.data() + first, 0,
                       fscale, item == begin || pos == 0, scores.data(),
-                      rows.out.data());
+                      rows.out.data(), sp ? sp + h * group : nullptr);
       rows.write(0, op + r0 * Dv);
     }
   });
@@ -1036,11 +1066,11 @@ at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& keys,
 TORCH_LIBRARY_FRAGMENT(spyre_cpu, m) {
   m.def(
       "decode_attention(Tensor query, Tensor keys, Tensor values, "
-      "Tensor mask, float scale) -> Tensor");
+      "Tensor mask, float scale, Tensor? sinks=None) -> Tensor");
   m.def(
       "paged_attention(Tensor query, Tensor key_pool, Tensor value_pool, "
       "Tensor block_table, Tensor ctx_lens, int block_size, float scale, "
-      "int window=0) "
+      "int window=0, Tensor? sinks=None) "
       "-> Tensor");
   m.def(
       "encoder_attention(Tensor query, Tensor keys, Tensor values, "

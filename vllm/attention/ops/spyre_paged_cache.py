@@ -14,8 +14,9 @@ model code runs unchanged:
   flattened pool (``index_copy_``, in place);
 * the *compute* op lets every query position attend to the first
   ``ctx_lens[b, l]`` tokens of its sequence, read through the block table
-  (with a sliding window, ``spyre_window``, to the last ``window`` of
-  them: each position's own start).
+  (with a sliding window, ``spyre_window`` or a layer's own, to the last
+  ``window`` of them: each position's own start), with a layer's attention
+  sinks where it has them.
 
 Both a prefill (one sequence, whole or a ``block_size`` chunk) and a decode
 step (one position of each running sequence) are the same op with other
@@ -30,7 +31,7 @@ import torch
 
 from vllm.attention.ops.spyre_fms_registry import register_ops
 from vllm.attention.ops.spyre_torch_ops import (attend_matmul, decode_op,
-                                                window_of)
+                                                sinks_of, window_of)
 from vllm.platforms.spyre_config import CB_BLOCK_SIZE
 
 #: Name under which the op is registered with FMS.
@@ -70,7 +71,7 @@ def _attend_gather(q: torch.Tensor, key_pool: torch.Tensor,
     window = window_of(attn_kwargs)
     if window > 0:
         mask = mask & (col.view(1, 1, -1) >= ctx_lens.unsqueeze(2) - window)
-    return attend_matmul(q, keys, values, mask, scale)
+    return attend_matmul(q, keys, values, mask, scale, sinks_of(attn_kwargs))
 
 
 def _attend_kernel(q: torch.Tensor, key_pool: torch.Tensor,
@@ -80,7 +81,8 @@ def _attend_kernel(q: torch.Tensor, key_pool: torch.Tensor,
                                                attn_kwargs["block_table"],
                                                attn_kwargs["ctx_lens"],
                                                CB_BLOCK_SIZE, scale,
-                                               window_of(attn_kwargs))
+                                               window_of(attn_kwargs),
+                                               sinks_of(attn_kwargs))
 
 
 compute = decode_op(_attend_gather)

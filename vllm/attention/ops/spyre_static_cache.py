@@ -16,8 +16,12 @@ Every decode step of a shape therefore has the same tensor shapes: one
 compiled decode graph serves all of them, and nothing is concatenated or
 re-allocated per token.
 
-A sliding window is in the step's mask already (``spyre_inputs``): it is
-built once per batch, not in every layer of every step.
+A model-wide sliding window is in the step's mask already
+(``spyre_inputs``): it is built once per batch, not in every layer of
+every step.  A layer's own window (FMS's ``sliding_window``, GPT-OSS's
+alternating layers) narrows the mask in that layer's op, and a layer's
+attention sinks (``sinks``) send a prefill through the written-out
+attention too (SDPA has no sinks).
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from vllm.attention.ops.spyre_fms_registry import register_ops
-from vllm.attention.ops.spyre_torch_ops import attend_matmul, decode_op
+from vllm.attention.ops.spyre_torch_ops import (attend_matmul, decode_op,
+                                                sinks_of, windowed)
 
 #: Name under which the op is registered with FMS.
 ATTN_NAME = "spyre_static_kv"
@@ -52,12 +57,32 @@ def store(keys: torch.Tensor, values: torch.Tensor,
     return key_cache, value_cache, key_cache, value_cache
 
 
+def layer_mask(attn_kwargs) -> torch.Tensor:
+    """The step's mask ([B, L, T] bool), narrowed to the layer's own
+    sliding window (FMS's ``sliding_window``; none: as it is).  The query
+    positions are in the columns this step writes (``cache_slots``; a
+    whole prompt without a cache: its last L of T columns)."""
+    mask = attn_kwargs["mask"]
+    window = int(attn_kwargs.get("sliding_window") or 0)
+    if window <= 0:
+        return mask
+    L, T = mask.shape[1], mask.shape[2]
+    cols = attn_kwargs.get("cache_slots")
+    if cols is None:
+        cols = torch.arange(T - L, T, device=mask.device)
+    return windowed(mask, cols, window)
+
+
 def compute_prefill(query: torch.Tensor, keys: torch.Tensor,
                     values: torch.Tensor, nheads: int, kvheads: int,
                     p_dropout: float, scale_factor,
                     **attn_kwargs) -> torch.Tensor:
     """query: [B, L, heads, head_dim]; keys/values: [B, kv_heads, S,
     head_dim]; mask: [B, L, S] bool.  Returns [B, L, heads, head_dim]."""
+    if sinks_of(attn_kwargs) is not None or attn_kwargs.get(
+            "sliding_window"):
+        return _compute_decode(query, keys, values, nheads, kvheads,
+                               p_dropout, scale_factor, **attn_kwargs)
     out = F.scaled_dot_product_attention(
         query.transpose(1, 2),
         keys,
@@ -71,20 +96,24 @@ def compute_prefill(query: torch.Tensor, keys: torch.Tensor,
 
 
 def _attend_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                   mask: torch.Tensor, scale: float) -> torch.Tensor:
+                   mask: torch.Tensor, scale: float,
+                   sinks=None) -> torch.Tensor:
     """One C++ call per layer.  Through MKL and inductor the two small
     matrix products and the softmax between them cost about 70 us per layer
     at batch 1 (profiled in the graph); the kernel, with leaner linear-layer
     calls added at the same time, made a SmolLM2 batch-1 step 1.7 ms
     shorter."""
-    return torch.ops.spyre_cpu.decode_attention(q, keys, values, mask, scale)
+    return torch.ops.spyre_cpu.decode_attention(q, keys, values, mask, scale,
+                                                sinks)
 
 
 #: Decode attention in torch ops, and the same on the C++ kernel.
 _compute_decode = decode_op(
-    lambda q, k, v, scale, kw: attend_matmul(q, k, v, kw["mask"], scale))
+    lambda q, k, v, scale, kw: attend_matmul(q, k, v, layer_mask(kw), scale,
+                                             sinks_of(kw)))
 _compute_decode_kernel = decode_op(
-    lambda q, k, v, scale, kw: _attend_kernel(q, k, v, kw["mask"], scale))
+    lambda q, k, v, scale, kw: _attend_kernel(q, k, v, layer_mask(kw), scale,
+                                              sinks_of(kw)))
 
 
 def compute_op(prefill: bool, on_kernel: bool):

@@ -9,10 +9,20 @@ compute ops from these two.
 
 Sliding windows: a model whose attention slides over its last ``window``
 tokens (Mistral) has the ops read ``spyre_window`` from the attention
-keyword arguments (0 or absent: whole context); ``windowed`` narrows a
-static mask to it, ``causal_mask`` builds the mask of a whole prompt.
+keyword arguments (0 or absent: whole context); a model whose layers
+slide differently (GPT-OSS) gives each layer's through FMS's
+``sliding_window`` argument instead (``window_of``).  ``windowed``
+narrows a static mask to it, ``causal_mask`` builds the mask of a whole
+prompt.
+
+Attention sinks (GPT-OSS): FMS's attention gives a layer's learned
+per-head logits as ``sinks``; each is one more column of the softmax,
+with no value, which takes its share of the probability and is dropped
+(``attend_matmul``'s ``sinks``).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -48,24 +58,40 @@ def decode_op(attend):
 
 def attend_matmul(q: torch.Tensor, keys: torch.Tensor,
                   values: torch.Tensor, mask: torch.Tensor,
-                  scale: float) -> torch.Tensor:
+                  scale: float,
+                  sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Written out so that inductor fuses it into the graph (the CPU
     flash-attention kernel costs ~0.6 ms per layer at batch 8 for one
-    query row)."""
+    query row).  ``sinks``: none, or one attention-sink logit per query
+    head ([kv_heads * group])."""
     B, kvheads, rows, _ = q.shape
     L, T = mask.shape[1], keys.shape[2]
+    group = rows // L
     keys, values = keys.to(q.dtype), values.to(q.dtype)
     scores = torch.matmul(q, keys.transpose(2, 3)) * scale
     visible = mask[:, None, :, None, :]  # [B, 1, L, 1, T]
-    scores = scores.view(B, kvheads, L, rows // L, T).masked_fill(
+    scores = scores.view(B, kvheads, L, group, T).masked_fill(
         ~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(B, kvheads, rows, T)
-    return torch.matmul(probs, values)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.to(scores.dtype).view(1, kvheads, 1, group, 1)
+        probs = torch.softmax(
+            torch.cat([scores, sink.expand(B, -1, L, -1, -1)], dim=-1),
+            dim=-1)[..., :T]
+    return torch.matmul(probs.reshape(B, kvheads, rows, T), values)
 
 
 def window_of(attn_kwargs) -> int:
-    """The sliding window of a step's attention, 0 for none."""
-    return int(attn_kwargs.get("spyre_window") or 0)
+    """The sliding window of a step's attention, 0 for none: the model's
+    (``spyre_window``), else this layer's (FMS's ``sliding_window``)."""
+    return int(attn_kwargs.get("spyre_window")
+               or attn_kwargs.get("sliding_window") or 0)
+
+
+def sinks_of(attn_kwargs) -> Optional[torch.Tensor]:
+    """A layer's attention sinks, None for none."""
+    return attn_kwargs.get("sinks")
 
 
 def windowed(mask: torch.Tensor, query_cols: torch.Tensor,

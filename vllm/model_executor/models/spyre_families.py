@@ -21,6 +21,9 @@ default would load wrong or not at all:
 Granite 4's forms FMS's ``granite_moe_hybrid`` (its dense form) lacks,
 Mamba-2 layers, experts or no rotary embeddings, run on Spyre's own FMS
 model, ``spyre_granite4``: the family's ``form`` picks it from the config.
+GPT-OSS, whose FMS model reads only MXFP4 checkpoints, runs on
+``spyre_gpt_oss`` (attention sinks, a window on alternate layers, biased
+clamped experts).
 
 Each ``DecoderFamily`` states those corrections as config overrides and,
 for Mixtral, a checkpoint adapter (source ``spyre_hf``) and a step run on
@@ -118,6 +121,13 @@ def _granite4_other_fixes(hf_config) -> dict:
     return {**_granite4_fixes(hf_config), **config_from_hf(hf_config)}
 
 
+def _gpt_oss_fixes(hf_config) -> dict:
+    """Every field of ``spyre_gpt_oss``'s config, from the Hugging Face
+    config (FMS's own mapping is for its ``gpt_oss`` model)."""
+    from vllm.model_executor.models.spyre_gpt_oss import config_from_hf
+    return config_from_hf(hf_config)
+
+
 def _same_form(hf_config) -> Optional["DecoderFamily"]:
     return None
 
@@ -175,7 +185,9 @@ class DecoderFamily:
     source: str = "hf"
     #: A step run on the loaded (and sharded) FMS model, before compiling.
     prepare: Callable[[Any], None] = field(default=_as_loaded)
-    #: Whether the config's ``sliding_window`` applies to this family.
+    #: Whether the config's ``sliding_window`` applies to every layer of
+    #: this family alike (the model-wide window).  A family whose layers
+    #: slide differently applies its windows in its own model code.
     has_window: bool = False
     #: Mamba-2 layers beside its attention layers, whose per-sequence
     #: states live in Spyre's state slots (``spyre_mamba``).
@@ -212,6 +224,7 @@ FAMILIES: dict[str, DecoderFamily] = {
                       prepare=_mamba_state_slots, hybrid=True),
         DecoderFamily("GraniteMoeHybridForCausalLM", "granite_moe_hybrid",
                       _granite4_fixes, form=_granite4_form),
+        DecoderFamily("GptOssForCausalLM", "spyre_gpt_oss", _gpt_oss_fixes),
     )
 }
 
@@ -310,13 +323,15 @@ def _mixtral_transformers_to_original(input_sd: Mapping[str, Any],
 
 
 def _register_adapters() -> None:
-    """Registers with FMS, once per process, Spyre's Granite 4 model
-    (``spyre_granite4``) and the ``spyre_hf`` Mixtral adapter: the step
-    above, then FMS's own steps for Mistral's original layout."""
+    """Registers with FMS, once per process, Spyre's Granite 4 and GPT-OSS
+    models (``spyre_granite4``, ``spyre_gpt_oss``) and the ``spyre_hf``
+    Mixtral adapter: the step above, then FMS's own steps for Mistral's
+    original layout."""
     from fms.utils import serialization
 
-    from vllm.model_executor.models import spyre_granite4
+    from vllm.model_executor.models import spyre_gpt_oss, spyre_granite4
     spyre_granite4.register()
+    spyre_gpt_oss.register()
     if "spyre_hf" in serialization.list_sources("mixtral"):
         return
     serialization.register_adapter_step(

@@ -1,0 +1,370 @@
+"""GPT-OSS (``GptOssForCausalLM``) as an FMS model built from FMS's layers,
+loading checkpoints as transformers saves them.
+
+FMS 1.13.1 has a ``gpt_oss`` model, but it loads only MXFP4 expert
+weights, sizes its experts by the hidden size, gives every sliding layer a
+window of 128 whatever the config says, applies its own fixed YaRN
+parameters and runs its experts through ``moe_mm``, whose shapes depend on
+the routing.  ``GptOss`` here computes what transformers' model computes:
+
+* attention with biases, one learned sink logit per head (FMS's
+  ``MultiHeadAttention`` with ``has_sinks``), the layers that
+  ``layer_types`` marks ``sliding_attention`` over the config's
+  ``sliding_window`` and the others over the whole context (each layer
+  gives FMS's ``sliding_window`` argument to the Spyre attention ops);
+* rotary embeddings in transformers' layout (halves, not pairs) from the
+  config's own ``rope_scaling`` (YaRN in the released models), whose
+  frequencies and attention factor transformers' rope functions compute
+  (``Rotary``), so the q/k weights load unchanged;
+* the mixture of experts computed densely (``Experts``): the router's
+  top-k logits (with the router's bias) through a softmax weight every
+  expert's clamped SwiGLU (``alpha`` 1.702, ``swiglu_limit``), with the
+  experts' biases; the shapes never depend on the routing, so static
+  batching, continuous batching's dynamic batch and the graph cache all
+  compile it once.
+
+The model is registered with FMS as architecture ``spyre_gpt_oss`` with
+one adapter, ``hf`` (``register``).  Under tensor parallelism FMS splits
+the attention (the sinks with their heads); the experts stay whole on
+every rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from fms.utils.config import ModelConfig
+from torch import nn
+
+ARCHITECTURE = "spyre_gpt_oss"
+VARIANT = "hf"
+#: The gate's slope in GPT-OSS's SwiGLU (transformers' ``GptOssExperts``).
+SWIGLU_ALPHA = 1.702
+#: Rotary scalings whose frequencies change with the sequence's length.
+_DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+@dataclasses.dataclass
+class GptOssConfig(ModelConfig):
+    """The FMS config of a GPT-OSS model (``config_from_hf``)."""
+
+    src_vocab_size: int = 201088
+    emb_dim: int = 2880
+    nheads: int = 64
+    kvheads: int = 8
+    head_dim: int = 64
+    nlayers: int = 24
+    norm_eps: float = 1e-5
+    attn_bias: bool = True
+    max_expected_seq_len: int = 131072
+    pad_id: Optional[int] = None
+    p_dropout: float = 0.0
+    tie_heads: bool = False
+    linear_config: Optional[Mapping[str, Any]] = None
+    fused_weights: bool = False
+    # "sliding_attention" or "full_attention" per layer, and the window.
+    layer_types: list = dataclasses.field(default_factory=list)
+    window: int = 128
+    # Rotary embeddings: transformers' inverse frequencies, and the factor
+    # on their cosines and sines.
+    inv_freq: list = dataclasses.field(default_factory=list)
+    rope_scale: float = 1.0
+    # The mixture of experts.
+    experts: int = 32
+    experts_per_token: int = 4
+    expert_width: int = 2880
+    swiglu_limit: float = 7.0
+
+
+def config_from_hf(hf_config) -> dict:
+    """``GptOssConfig`` fields of a Hugging Face ``GptOssConfig``.  A rotary
+    scaling whose frequencies depend on the sequence length is refused
+    (``NotImplementedError``)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in _DYNAMIC_ROPE or kind not in ROPE_INIT_FUNCTIONS:
+        raise NotImplementedError(
+            f"GptOssForCausalLM is not supported on Spyre with rope_scaling "
+            f"{scaling!r}: rope_type {kind!r} is not one of "
+            f"{sorted(set(ROPE_INIT_FUNCTIONS) - set(_DYNAMIC_ROPE))}")
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[kind](hf_config, "cpu")
+    n = hf_config.num_hidden_layers
+    heads = hf_config.num_attention_heads
+    return dict(
+        variant=VARIANT,
+        src_vocab_size=hf_config.vocab_size,
+        emb_dim=hf_config.hidden_size,
+        nheads=heads,
+        kvheads=hf_config.num_key_value_heads or heads,
+        head_dim=(getattr(hf_config, "head_dim", None)
+                  or hf_config.hidden_size // heads),
+        nlayers=n,
+        norm_eps=hf_config.rms_norm_eps,
+        attn_bias=bool(getattr(hf_config, "attention_bias", True)),
+        max_expected_seq_len=hf_config.max_position_embeddings,
+        pad_id=None,
+        tie_heads=bool(hf_config.tie_word_embeddings),
+        layer_types=list(getattr(hf_config, "layer_types", None)
+                         or ["full_attention"] * n),
+        window=int(getattr(hf_config, "sliding_window", None) or 0),
+        inv_freq=inv_freq.float().tolist(),
+        rope_scale=float(factor),
+        experts=hf_config.num_local_experts,
+        experts_per_token=hf_config.num_experts_per_tok,
+        expert_width=hf_config.intermediate_size,
+        swiglu_limit=float(getattr(hf_config, "swiglu_limit", None) or 7.0),
+    )
+
+
+class Rotary:
+    """Rotary embeddings in transformers' layout (each head's first half
+    rotated against its second), for FMS's attention as its
+    ``position_encoder``: angles ``position * inv_freq`` in float32, their
+    cosines and sines scaled by ``scale`` (YaRN's attention factor).  The
+    frequencies are a constant of the compiled graphs, made on the
+    query's device (FMS may build the model on the meta device)."""
+
+    def __init__(self, inv_freq: list, scale: float):
+        self.inv_freq = [float(f) for f in inv_freq]
+        self.scale = scale
+
+    def adjusted_qk(self, q: torch.Tensor, k: torch.Tensor,
+                    position_ids: Optional[torch.Tensor],
+                    past_key_value_state=None, use_cache: bool = False):
+        """q, k: [B, L, heads, head_dim]; position_ids: [B, L]."""
+        if position_ids is None:
+            position_ids = torch.arange(q.shape[1],
+                                        device=q.device).unsqueeze(0)
+        inv_freq = torch.tensor(self.inv_freq, dtype=torch.float32,
+                                device=q.device)
+        angles = position_ids.unsqueeze(-1).float() * inv_freq
+        cos = (angles.cos() * self.scale).to(q.dtype).unsqueeze(2)
+        sin = (angles.sin() * self.scale).to(q.dtype).unsqueeze(2)
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            first, second = x.chunk(2, dim=-1)
+            return torch.cat((first * cos - second * sin,
+                              second * cos + first * sin), dim=-1)
+
+        return rotate(q), rotate(k)
+
+
+class Experts(nn.Module):
+    """GPT-OSS's mixture of experts, computed densely.  The weights keep
+    transformers' layout and names: ``gate_up_proj`` ``[E, D, 2I]`` (gate
+    and up interleaved, gate first), ``down_proj`` ``[E, I, D]``, each with
+    a bias, and a biased ``router``.  Each token's top-k router logits go
+    through a softmax; every expert runs on every token (one at a time, in
+    expert order, as transformers sums them), weighted by its share, zero
+    for the experts the token did not choose."""
+
+    def __init__(self, dim: int, experts: int, top_k: int, width: int,
+                 limit: float):
+        super().__init__()
+        self.top_k, self.limit = top_k, limit
+        self.router = nn.Linear(dim, experts, bias=True)
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, dim, 2 * width))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * width))
+        self.down_proj = nn.Parameter(torch.empty(experts, width, dim))
+        self.down_proj_bias = nn.Parameter(torch.empty(experts, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        logits = self.router(flat)
+        top, chosen = torch.topk(logits, self.top_k, dim=-1)
+        weights = torch.zeros_like(logits).scatter(
+            1, chosen, F.softmax(top, dim=1, dtype=top.dtype))
+        out = torch.zeros_like(flat)
+        for e in range(self.gate_up_proj.shape[0]):
+            gate_up = flat @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+            gate = gate_up[..., ::2].clamp(max=self.limit)
+            up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+            glu = gate * torch.sigmoid(gate * SWIGLU_ALPHA)
+            y = ((up + 1) * glu) @ self.down_proj[e] + self.down_proj_bias[e]
+            out = out + y * weights[:, e:e + 1]
+        return out.view(x.shape)
+
+
+class GptOssBlock(nn.Module):
+    """One decoder layer: attention with sinks over its window, then the
+    experts, each after an RMS norm and with a residual connection."""
+
+    def __init__(self, config: GptOssConfig, rotary: Rotary, index: int):
+        super().__init__()
+        from fms.modules.attention import MultiHeadAttention
+        from fms.modules.layernorm import LayerNormParameterized
+        c = config
+        self.attn = MultiHeadAttention(
+            c.emb_dim, c.head_dim, c.head_dim, c.nheads, c.kvheads,
+            p_dropout=c.p_dropout, use_bias=c.attn_bias,
+            position_encoder=rotary, fused=c.fused_weights,
+            linear_config=c.linear_config, scale_factor=c.head_dim**-0.5,
+            has_sinks=True)
+        #: This layer's window (0: the whole context).
+        self.window = (c.window if c.layer_types[index] == "sliding_attention"
+                       else 0)
+        self.experts = Experts(c.emb_dim, c.experts, c.experts_per_token,
+                               c.expert_width, c.swiglu_limit)
+
+        def norm():
+            return LayerNormParameterized(
+                c.emb_dim, elementwise_scale=True, elementwise_shift=False,
+                use_mean=False, eps=c.norm_eps, use_high_precision_pow=True)
+
+        self.ln, self.ff_ln = norm(), norm()
+
+    def forward(self, x, *, position_ids=None, past_key_value_state=None,
+                use_cache=False, **attn_kwargs):
+        out = self.attn(self.ln(x), position_ids=position_ids,
+                        past_key_value_state=past_key_value_state,
+                        use_cache=use_cache, sliding_window=self.window,
+                        **attn_kwargs)
+        cache = None
+        if use_cache:
+            out, cache = out
+        x = x + out
+        x = x + self.experts(self.ff_ln(x))
+        return (x, cache) if use_cache else x
+
+
+class GptOssHeadless(nn.Module):
+    """The embedding, the layers and the final norm."""
+
+    def __init__(self, config: GptOssConfig, distributed_strategy):
+        super().__init__()
+        from fms.modules.layernorm import LayerNormParameterized
+        self.config = config
+        self.embedding = nn.Embedding(config.src_vocab_size, config.emb_dim)
+        self.rot_emb = Rotary(config.inv_freq, config.rope_scale)
+        self.layers = nn.ModuleList([
+            distributed_strategy.distribute_layer(
+                GptOssBlock(config, self.rot_emb, i), i)
+            for i in range(config.nlayers)])
+        self.dec_norm = distributed_strategy.distribute_module(
+            LayerNormParameterized(
+                config.emb_dim, elementwise_scale=True,
+                elementwise_shift=False, use_mean=False,
+                eps=config.norm_eps, use_high_precision_pow=True),
+            final_layers=True)
+
+    def forward(self, x_in, position_ids=None, past_key_value_states=None,
+                use_cache=False, **attn_kwargs):
+        # Without an op named (a whole prompt, no cache): FMS's attention
+        # with sinks, causal, each layer over its window.
+        attn_kwargs.setdefault("attn_name", "sdpa_with_sinks")
+        x = self.embedding(x_in)
+        caches = past_key_value_states or [None] * len(self.layers)
+        present = []
+        for layer, cache in zip(self.layers, caches):
+            out = layer(x, position_ids=position_ids,
+                        past_key_value_state=cache, use_cache=use_cache,
+                        **attn_kwargs)
+            if use_cache:
+                x, cache = out
+                present.append(cache)
+            else:
+                x = out
+        return self.dec_norm(x), present
+
+
+class GptOss(nn.Module):
+    """GPT-OSS as an FMS model: the headless model, then the output
+    head."""
+
+    def __init__(self, config: Optional[GptOssConfig] = None,
+                 distributed_strategy=None, **kwargs):
+        super().__init__()
+        from fms.distributed.strategy import NoOpStrategy
+        self.config = (config or GptOssConfig()).updated(**kwargs)
+        self.distributed_strategy = distributed_strategy or NoOpStrategy
+        self.base_model = GptOssHeadless(self.config,
+                                         self.distributed_strategy)
+        self.head = nn.Linear(self.config.emb_dim,
+                              self.config.src_vocab_size, bias=False)
+
+    @classmethod
+    def from_config(cls, config: GptOssConfig) -> "GptOss":
+        return cls(config)
+
+    def get_config(self) -> GptOssConfig:
+        return self.config
+
+    def reset_parameters(self) -> None:
+        for p in self.parameters():
+            nn.init.normal_(p, std=0.02)
+
+    def post_init(self) -> None:
+        if self.config.tie_heads:
+            if self.head.weight.is_meta:
+                self.head.weight = self.base_model.embedding.weight
+            else:
+                self.base_model.embedding.weight = self.head.weight
+
+    def forward(self, x, position_ids=None, past_key_value_states=None,
+                use_cache=False, last_n_tokens: int = 0, **attn_kwargs):
+        from fms.utils.headless import gather_outputs
+        hidden, cache = self.base_model(x, position_ids,
+                                        past_key_value_states, use_cache,
+                                        **attn_kwargs)
+        hidden = gather_outputs(hidden, last_n_tokens, **attn_kwargs)
+        logits = self.head(hidden)
+        return (logits, cache) if use_cache else logits
+
+
+# ---- transformers' checkpoint layout -------------------------------------
+
+_RENAMES = (
+    (r"^lm_head\.weight$", "head.weight"),
+    (r"^model\.embed_tokens\.", "base_model.embedding."),
+    (r"^model\.norm\.", "base_model.dec_norm."),
+    (r"^model\.layers\.", "base_model.layers."),
+    (r"\.self_attn\.q_proj\.", ".attn.in_proj.query."),
+    (r"\.self_attn\.k_proj\.", ".attn.in_proj.key."),
+    (r"\.self_attn\.v_proj\.", ".attn.in_proj.value."),
+    (r"\.self_attn\.o_proj\.", ".attn.dense."),
+    (r"\.self_attn\.sinks$", ".attn.sinks"),
+    (r"\.mlp\.router\.", ".experts.router."),
+    (r"\.mlp\.experts\.", ".experts."),
+    (r"\.input_layernorm\.", ".ln."),
+    (r"\.post_attention_layernorm\.", ".ff_ln."),
+)
+
+
+def _hf_to_fms_names(input_sd: Mapping[str, Any],
+                     **kwargs) -> Mapping[str, Any]:
+    """Adapter step: transformers' names become ``GptOss``'s.  MXFP4
+    expert weights (``*_blocks``, ``*_scales``, as OpenAI released them)
+    are refused: dequantize them to bfloat16 first."""
+    out: dict[str, Any] = {}
+    for name, tensor in input_sd.items():
+        if name.endswith(("_blocks", "_scales")):
+            raise NotImplementedError(
+                f"GPT-OSS checkpoint tensor {name}: MXFP4 expert weights "
+                "are not supported on Spyre; use a checkpoint with "
+                "bfloat16 experts (transformers' Mxfp4Config(dequantize="
+                "True) writes one)")
+        for pattern, repl in _RENAMES:
+            name = re.sub(pattern, repl, name)
+        out[name] = tensor
+    return out
+
+
+def register() -> None:
+    """Registers ``GptOss`` with FMS (architecture ``spyre_gpt_oss``,
+    variant ``hf``, adapter ``hf``), once per process."""
+    from fms import models
+    from fms.utils import serialization
+    if ARCHITECTURE in models.list_models():
+        return
+
+    def factory(**kwargs):
+        return GptOss(GptOssConfig(), **kwargs)
+
+    models.register_model(ARCHITECTURE, VARIANT, factory)
+    serialization.register_adapter_step(ARCHITECTURE, "hf_to_fms_names",
+                                        _hf_to_fms_names)
+    serialization.register_adapter(ARCHITECTURE, "hf", ["hf_to_fms_names"])
