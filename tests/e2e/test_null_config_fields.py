@@ -25,10 +25,17 @@ NULLABLE = {"tie_word_embeddings": False, "attention_bias": False,
             "multi_query": False}
 #: Fields whose null transformers reads as "unbounded" (rotary caches).
 UNBOUNDED = ("max_position_embeddings", )
+#: Family -> fields its own config class fills when null (GPT-OSS: the
+#: head size hidden / heads, and alternating sliding and full layers,
+#: which the tiny checkpoint has), set null too; and the fields of
+#: UNBOUNDED it cannot load without (GPT-OSS's YaRN checks the ratio of
+#: max_position_embeddings to its original length).
+OWN_NULLS = {"gpt_oss": ("head_dim", "layer_types")}
+KEPT = {"gpt_oss": ("max_position_embeddings", )}
 
 #: Family -> the options of its tiny checkpoint.
 FAMILIES = {"llama": {}, "granite": {}, "gpt_bigcode": {"n_inner": None},
-            "mistral": {}, "mixtral": {}, "qwen3": {}}
+            "mistral": {}, "mixtral": {}, "qwen3": {}, "gpt_oss": {}}
 
 
 def _requests():
@@ -37,14 +44,17 @@ def _requests():
             for n in (5, 30)]
 
 
-def _nulled(path):
-    """Sets null every field of NULLABLE that holds its null meaning, and
-    every field of UNBOUNDED; returns the names."""
+def _nulled(path, family):
+    """Sets null every field of NULLABLE that holds its null meaning, every
+    field of UNBOUNDED but the family's KEPT, and the family's OWN_NULLS;
+    returns the names."""
     config_path = path / "config.json"
     config = json.loads(config_path.read_text())
     names = [n for n, v in NULLABLE.items()
              if n in config and config[n] == v]
-    names += [n for n in UNBOUNDED if n in config]
+    names += [n for n in UNBOUNDED
+              if n in config and n not in KEPT.get(family, ())]
+    names += OWN_NULLS.get(family, [])
     config.update({n: None for n in names})
     config_path.write_text(json.dumps(config))
     return names
@@ -53,7 +63,7 @@ def _nulled(path):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_null_fields_serve_as_transformers(tmp_path, family):
     path = build_tiny_family(family, tmp_path / family, **FAMILIES[family])
-    names = _nulled(path)
+    names = _nulled(path, family)
     config = json.loads((path / "config.json").read_text())
     if family == "gpt_bigcode":  # tied, multi-query: only n_inner is null
         names.append("n_inner")

@@ -123,9 +123,12 @@ def _granite4_other_fixes(hf_config) -> dict:
 
 def _gpt_oss_fixes(hf_config) -> dict:
     """Every field of ``spyre_gpt_oss``'s config, from the Hugging Face
-    config (FMS's own mapping is for its ``gpt_oss`` model)."""
+    config with its null fields read as transformers reads them (FMS's
+    own mapping is for its ``gpt_oss`` model)."""
     from vllm.model_executor.models.spyre_gpt_oss import config_from_hf
-    return config_from_hf(hf_config)
+    from vllm.model_executor.models.spyre_hf_config import (
+        with_null_meanings)
+    return config_from_hf(with_null_meanings(hf_config)[0])
 
 
 def _same_form(hf_config) -> Optional["DecoderFamily"]:
