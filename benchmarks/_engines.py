@@ -131,15 +131,21 @@ class _FirstTokenTimer:
 
 
 class HFDriver:
-    """Hugging Face transformers ``generate``, greedy, sdpa attention."""
+    """Hugging Face transformers ``generate``, greedy, sdpa attention (eager
+    for a model transformers runs without it: GPT-OSS's sinks)."""
 
     def __init__(self, work: Workload, dtype: str = "float32") -> None:
         import torch
         from transformers import AutoModelForCausalLM, GenerationConfig
         self.work = work
-        self.model = AutoModelForCausalLM.from_pretrained(
-            work.model, dtype=getattr(torch, dtype),
-            attn_implementation="sdpa").eval()
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                work.model, dtype=getattr(torch, dtype),
+                attn_implementation="sdpa").eval()
+        except ValueError:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                work.model, dtype=getattr(torch, dtype),
+                attn_implementation="eager").eval()
         pad = self.model.generation_config.pad_token_id
         # No EOS at all: it neither stops generation nor is suppressed.
         self.config = GenerationConfig(

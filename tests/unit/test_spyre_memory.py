@@ -32,13 +32,15 @@ def test_read_checkpoint_counts_headers(tmp_path):
     assert sm.read_checkpoint(str(tmp_path / "none")) is None
 
 
-def test_mamba_layers_stay_whole(tmp_path):
+def test_tensors_kept_whole_under_tensor_parallelism(tmp_path):
     """Under tensor parallelism a hybrid's Mamba-2 layers (and Granite 4's
-    router) run whole on every rank; experts are split, Granite 4's as
-    Mixtral's."""
+    router, and GPT-OSS's experts and router) run whole on every rank;
+    other experts are split, Granite 4's as Mixtral's."""
     from safetensors.torch import save_file
     whole = ["model.layers.0.mamba.in_proj.weight",
-             "model.layers.0.block_sparse_moe.router.layer.weight"]
+             "model.layers.0.block_sparse_moe.router.layer.weight",
+             "model.layers.0.mlp.experts.gate_up_proj",
+             "model.layers.0.mlp.router.bias"]
     split = ["model.layers.1.self_attn.q_proj.weight",
              "model.layers.0.shared_mlp.input_linear.weight",
              "model.layers.0.block_sparse_moe.input_linear.weight",
@@ -47,7 +49,7 @@ def test_mamba_layers_stay_whole(tmp_path):
     save_file({n: torch.zeros(4, 8) for n in whole + split},
               str(tmp_path / "model.safetensors"))
     counts = sm.read_checkpoint(str(tmp_path))
-    assert counts == sm.Checkpoint(numel=7 * 32, whole_numel=2 * 32)
+    assert counts == sm.Checkpoint(numel=9 * 32, whole_numel=4 * 32)
 
 
 def test_kv_bytes_equal_the_allocated_caches():

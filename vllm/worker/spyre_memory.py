@@ -6,8 +6,8 @@ it with its share of the memory this machine lets the process use:
 
 * the process itself, as it stands when the check runs (Python, torch,
   vLLM and FMS imported, the engine built): measured, not guessed;
-* the weights, this rank's share under tensor parallelism (the embedding
-  and Mamba-2 layers stay whole on every rank),
+* the weights, this rank's share under tensor parallelism (the embedding,
+  Mamba-2 layers and GPT-OSS's experts stay whole on every rank),
   counted from the checkpoint's safetensors headers at the dtype being
   served;
 * the key/value caches: static batching keeps one per warm-up shape, each
@@ -39,10 +39,11 @@ from vllm.worker import spyre_prompt_logprobs as prompt_logprobs
 GiB = 2**30
 
 #: Names of the tensors kept whole on every rank under tensor parallelism:
-#: the embeddings, Mamba-2 layers (FMS's has no sharded form) and Granite
-#: 4's router (``spyre_granite4``; its experts are split, as Mixtral's).
+#: the embeddings, Mamba-2 layers (FMS's has no sharded form), Granite 4's
+#: router (``spyre_granite4``; its experts are split, as Mixtral's) and
+#: GPT-OSS's experts and router (``spyre_gpt_oss``).
 _WHOLE = ("embed", "wte", "wpe", "tok_embeddings", ".mamba.",
-          "block_sparse_moe.router")
+          "block_sparse_moe.router", "mlp.experts.", "mlp.router.")
 
 #: What running the model costs beyond its weights, caches and activations,
 #: as a fraction of the weights: graphs, inductor's packed copies of weights
