@@ -31,13 +31,17 @@ every rank.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
-from fms.utils.config import ModelConfig
 from torch import nn
+
+from vllm.model_executor.models import spyre_fms_decoder
+from vllm.model_executor.models.spyre_fms_decoder import (CausalLM,
+                                                          DecoderConfig,
+                                                          DecoderStack,
+                                                          renamed, rms_norm)
 
 ARCHITECTURE = "spyre_gpt_oss"
 VARIANT = "hf"
@@ -48,25 +52,11 @@ _DYNAMIC_ROPE = ("dynamic", "longrope")
 
 
 @dataclasses.dataclass
-class GptOssConfig(ModelConfig):
+class GptOssConfig(DecoderConfig):
     """The FMS config of a GPT-OSS model (``config_from_hf``)."""
 
-    src_vocab_size: int = 201088
-    emb_dim: int = 2880
-    nheads: int = 64
-    kvheads: int = 8
-    head_dim: int = 64
-    nlayers: int = 24
-    norm_eps: float = 1e-5
-    attn_bias: bool = True
-    max_expected_seq_len: int = 131072
-    pad_id: Optional[int] = None
-    p_dropout: float = 0.0
-    tie_heads: bool = False
-    linear_config: Optional[Mapping[str, Any]] = None
-    fused_weights: bool = False
-    # "sliding_attention" or "full_attention" per layer, and the window.
-    layer_types: list = dataclasses.field(default_factory=list)
+    # The window of the layers ``layer_types`` marks "sliding_attention"
+    # (the others: "full_attention").
     window: int = 128
     # Rotary embeddings: transformers' inverse frequencies, and the factor
     # on their cosines and sines.
@@ -196,7 +186,6 @@ class GptOssBlock(nn.Module):
     def __init__(self, config: GptOssConfig, rotary: Rotary, index: int):
         super().__init__()
         from fms.modules.attention import MultiHeadAttention
-        from fms.modules.layernorm import LayerNormParameterized
         c = config
         self.attn = MultiHeadAttention(
             c.emb_dim, c.head_dim, c.head_dim, c.nheads, c.kvheads,
@@ -210,12 +199,8 @@ class GptOssBlock(nn.Module):
         self.experts = Experts(c.emb_dim, c.experts, c.experts_per_token,
                                c.expert_width, c.swiglu_limit)
 
-        def norm():
-            return LayerNormParameterized(
-                c.emb_dim, elementwise_scale=True, elementwise_shift=False,
-                use_mean=False, eps=c.norm_eps, use_high_precision_pow=True)
-
-        self.ln, self.ff_ln = norm(), norm()
+        self.ln = rms_norm(c.emb_dim, c.norm_eps)
+        self.ff_ln = rms_norm(c.emb_dim, c.norm_eps)
 
     def forward(self, x, *, position_ids=None, past_key_value_state=None,
                 use_cache=False, **attn_kwargs):
@@ -231,88 +216,26 @@ class GptOssBlock(nn.Module):
         return (x, cache) if use_cache else x
 
 
-class GptOssHeadless(nn.Module):
-    """The embedding, the layers and the final norm."""
+class GptOssHeadless(DecoderStack):
+    """The embedding, the layers and the final norm.  Without an op
+    named (a whole prompt, no cache), FMS's attention with sinks: causal,
+    each layer over its window."""
+
+    default_attention = "sdpa_with_sinks"
 
     def __init__(self, config: GptOssConfig, distributed_strategy):
-        super().__init__()
-        from fms.modules.layernorm import LayerNormParameterized
-        self.config = config
-        self.embedding = nn.Embedding(config.src_vocab_size, config.emb_dim)
-        self.rot_emb = Rotary(config.inv_freq, config.rope_scale)
-        self.layers = nn.ModuleList([
-            distributed_strategy.distribute_layer(
-                GptOssBlock(config, self.rot_emb, i), i)
-            for i in range(config.nlayers)])
-        self.dec_norm = distributed_strategy.distribute_module(
-            LayerNormParameterized(
-                config.emb_dim, elementwise_scale=True,
-                elementwise_shift=False, use_mean=False,
-                eps=config.norm_eps, use_high_precision_pow=True),
-            final_layers=True)
-
-    def forward(self, x_in, position_ids=None, past_key_value_states=None,
-                use_cache=False, **attn_kwargs):
-        # Without an op named (a whole prompt, no cache): FMS's attention
-        # with sinks, causal, each layer over its window.
-        attn_kwargs.setdefault("attn_name", "sdpa_with_sinks")
-        x = self.embedding(x_in)
-        caches = past_key_value_states or [None] * len(self.layers)
-        present = []
-        for layer, cache in zip(self.layers, caches):
-            out = layer(x, position_ids=position_ids,
-                        past_key_value_state=cache, use_cache=use_cache,
-                        **attn_kwargs)
-            if use_cache:
-                x, cache = out
-                present.append(cache)
-            else:
-                x = out
-        return self.dec_norm(x), present
+        rot_emb = Rotary(config.inv_freq, config.rope_scale)
+        super().__init__(config, distributed_strategy,
+                         lambda c, i: GptOssBlock(c, rot_emb, i))
+        self.rot_emb = rot_emb
 
 
-class GptOss(nn.Module):
+class GptOss(CausalLM):
     """GPT-OSS as an FMS model: the headless model, then the output
     head."""
 
-    def __init__(self, config: Optional[GptOssConfig] = None,
-                 distributed_strategy=None, **kwargs):
-        super().__init__()
-        from fms.distributed.strategy import NoOpStrategy
-        self.config = (config or GptOssConfig()).updated(**kwargs)
-        self.distributed_strategy = distributed_strategy or NoOpStrategy
-        self.base_model = GptOssHeadless(self.config,
-                                         self.distributed_strategy)
-        self.head = nn.Linear(self.config.emb_dim,
-                              self.config.src_vocab_size, bias=False)
-
-    @classmethod
-    def from_config(cls, config: GptOssConfig) -> "GptOss":
-        return cls(config)
-
-    def get_config(self) -> GptOssConfig:
-        return self.config
-
-    def reset_parameters(self) -> None:
-        for p in self.parameters():
-            nn.init.normal_(p, std=0.02)
-
-    def post_init(self) -> None:
-        if self.config.tie_heads:
-            if self.head.weight.is_meta:
-                self.head.weight = self.base_model.embedding.weight
-            else:
-                self.base_model.embedding.weight = self.head.weight
-
-    def forward(self, x, position_ids=None, past_key_value_states=None,
-                use_cache=False, last_n_tokens: int = 0, **attn_kwargs):
-        from fms.utils.headless import gather_outputs
-        hidden, cache = self.base_model(x, position_ids,
-                                        past_key_value_states, use_cache,
-                                        **attn_kwargs)
-        hidden = gather_outputs(hidden, last_n_tokens, **attn_kwargs)
-        logits = self.head(hidden)
-        return (logits, cache) if use_cache else logits
+    headless = GptOssHeadless
+    default_config = GptOssConfig
 
 
 # ---- transformers' checkpoint layout -------------------------------------
@@ -347,24 +270,12 @@ def _hf_to_fms_names(input_sd: Mapping[str, Any],
                 "are not supported on Spyre; use a checkpoint with "
                 "bfloat16 experts (transformers' Mxfp4Config(dequantize="
                 "True) writes one)")
-        for pattern, repl in _RENAMES:
-            name = re.sub(pattern, repl, name)
-        out[name] = tensor
+        out[renamed(name, _RENAMES)] = tensor
     return out
 
 
 def register() -> None:
     """Registers ``GptOss`` with FMS (architecture ``spyre_gpt_oss``,
     variant ``hf``, adapter ``hf``), once per process."""
-    from fms import models
-    from fms.utils import serialization
-    if ARCHITECTURE in models.list_models():
-        return
-
-    def factory(**kwargs):
-        return GptOss(GptOssConfig(), **kwargs)
-
-    models.register_model(ARCHITECTURE, VARIANT, factory)
-    serialization.register_adapter_step(ARCHITECTURE, "hf_to_fms_names",
-                                        _hf_to_fms_names)
-    serialization.register_adapter(ARCHITECTURE, "hf", ["hf_to_fms_names"])
+    spyre_fms_decoder.register(ARCHITECTURE, VARIANT, GptOss,
+                               {"hf_to_fms_names": _hf_to_fms_names})

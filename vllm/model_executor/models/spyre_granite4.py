@@ -28,39 +28,29 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import torch
-from fms.utils.config import ModelConfig
 from torch import nn
 
 from vllm.model_executor.layers.spyre_moe import expert_sum, router_weights
+from vllm.model_executor.models import spyre_fms_decoder
+from vllm.model_executor.models.spyre_fms_decoder import (CausalLM,
+                                                          DecoderConfig,
+                                                          DecoderStack,
+                                                          renamed, rms_norm)
 
 ARCHITECTURE = "spyre_granite4"
 VARIANT = "hf"
 
 
 @dataclasses.dataclass
-class Granite4Config(ModelConfig):
-    """The FMS config of a Granite 4 model.  The field names FMS's own
-    Granite 4 mapping produces keep their meaning (``head_dim`` is the
-    attention heads' size); the rest come from ``config_from_hf``."""
+class Granite4Config(DecoderConfig):
+    """The FMS config of a Granite 4 model.  The fields FMS's own Granite
+    4 mapping produces keep their meaning; the rest come from
+    ``config_from_hf``."""
 
-    src_vocab_size: int = 100352
-    emb_dim: int = 1536
-    nheads: int = 12
-    kvheads: int = 4
-    head_dim: int = 128
-    attn_bias: bool = False
-    nlayers: int = 40
-    norm_eps: float = 1e-5
     activation_fn: str = "silu"
-    max_expected_seq_len: int = 131072
-    pad_id: Optional[int] = None
-    p_dropout: float = 0.0
-    tie_heads: bool = True
-    linear_config: Optional[Mapping[str, Any]] = None
-    fused_weights: bool = False
     # Granite's multipliers.
     embedding_multiplier: float = 1.0
     attention_multiplier: float = 1.0
@@ -73,8 +63,7 @@ class Granite4Config(ModelConfig):
     # The shared MLP: ``int(hidden_grow_factor * emb_dim)`` wide.
     hidden_grow_factor: float = 4.0
     multiple_of: int = 1
-    # "mamba" or "attention" per layer.
-    layer_types: list = dataclasses.field(default_factory=list)
+    # layer_types: "mamba" or "attention" per layer.
     mamba_n_heads: int = 128
     mamba_head_dim: int = 64
     state_size: int = 128
@@ -152,7 +141,6 @@ class Granite4Block(nn.Module):
         super().__init__()
         from fms.modules.attention import MultiHeadAttention
         from fms.modules.feedforward import GatedLinearUnit
-        from fms.modules.layernorm import LayerNormParameterized
         from fms.modules.ssm import SSM
         from fms.utils.activation import str_to_activation
         c = config
@@ -179,12 +167,8 @@ class Granite4Block(nn.Module):
                                            c.experts_per_token,
                                            c.expert_width)
 
-        def norm():
-            return LayerNormParameterized(
-                c.emb_dim, elementwise_scale=True, elementwise_shift=False,
-                use_mean=False, eps=c.norm_eps, use_high_precision_pow=True)
-
-        self.ln, self.ff_ln = norm(), norm()
+        self.ln = rms_norm(c.emb_dim, c.norm_eps)
+        self.ff_ln = rms_norm(c.emb_dim, c.norm_eps)
         self.residual_multiplier = c.residual_multiplier
 
     def forward(self, x, *, position_ids=None, past_key_value_state=None,
@@ -210,29 +194,21 @@ class Granite4Block(nn.Module):
         return (x, cache) if use_cache else x
 
 
-class Granite4Headless(nn.Module):
-    """The embedding, the layers and the final norm."""
+class Granite4Headless(DecoderStack):
+    """The embedding (times ``embedding_multiplier``), the layers and the
+    final norm; rotary tables only with rotary positions."""
 
     def __init__(self, config: Granite4Config, distributed_strategy):
-        super().__init__()
-        from fms.modules.layernorm import LayerNormParameterized
         from fms.modules.positions import RotaryEmbedding
-        self.config = config
-        self.embedding = nn.Embedding(config.src_vocab_size, config.emb_dim)
-        self.rot_emb = (RotaryEmbedding(
+        rot_emb = (RotaryEmbedding(
             dim=config.head_dim, scaling={"rope_type": "regular"},
             max_seq_len=config.max_expected_seq_len,
             ratio=config.rope_theta) if config.rope else None)
-        self.layers = nn.ModuleList([
-            distributed_strategy.distribute_layer(
-                Granite4Block(config, self.rot_emb, i), i)
-            for i in range(config.nlayers)])
-        self.dec_norm = distributed_strategy.distribute_module(
-            LayerNormParameterized(
-                config.emb_dim, elementwise_scale=True,
-                elementwise_shift=False, use_mean=False,
-                eps=config.norm_eps, use_high_precision_pow=True),
-            final_layers=True)
+        super().__init__(
+            config, distributed_strategy,
+            lambda c, i: Granite4Block(c, rot_emb, i),
+            embedding_scale=config.embedding_multiplier)
+        self.rot_emb = rot_emb
 
     def post_init(self) -> None:
         """Rotary tables on the device the loaded weights are on."""
@@ -240,71 +216,18 @@ class Granite4Headless(nn.Module):
             self.rot_emb.compute_freqs_cis(self.embedding.weight.device,
                                            self.config.max_expected_seq_len)
 
-    def forward(self, x_in, position_ids=None, past_key_value_states=None,
-                use_cache=False, **attn_kwargs):
-        x = self.embedding(x_in) * self.config.embedding_multiplier
-        caches = past_key_value_states or [None] * len(self.layers)
-        present = []
-        for layer, cache in zip(self.layers, caches):
-            out = layer(x, position_ids=position_ids,
-                        past_key_value_state=cache, use_cache=use_cache,
-                        **attn_kwargs)
-            if use_cache:
-                x, cache = out
-                present.append(cache)
-            else:
-                x = out
-        return self.dec_norm(x), present
 
-
-class Granite4(nn.Module):
+class Granite4(CausalLM):
     """Granite 4 (``GraniteMoeHybridForCausalLM``) as an FMS model: the
     headless model, then the output head, the logits divided by
     ``logits_scaling``."""
 
-    def __init__(self, config: Optional[Granite4Config] = None,
-                 distributed_strategy=None, **kwargs):
-        super().__init__()
-        from fms.distributed.strategy import NoOpStrategy
-        self.config = (config or Granite4Config()).updated(**kwargs)
-        self.distributed_strategy = distributed_strategy or NoOpStrategy
-        self.base_model = Granite4Headless(self.config,
-                                           self.distributed_strategy)
-        self.head = nn.Linear(self.config.emb_dim,
-                              self.config.src_vocab_size, bias=False)
+    headless = Granite4Headless
+    default_config = Granite4Config
 
-    @classmethod
-    def from_config(cls, config: Granite4Config) -> "Granite4":
-        return cls(config)
-
-    def get_config(self) -> Granite4Config:
-        return self.config
-
-    def reset_parameters(self) -> None:
-        for p in self.parameters():
-            nn.init.normal_(p, std=0.02)
-
-    def post_init(self) -> None:
-        if self.config.tie_heads:
-            if self.head.weight.is_meta:
-                self.head.weight = self.base_model.embedding.weight
-            else:
-                self.base_model.embedding.weight = self.head.weight
-        self.base_model.post_init()
-
-    def forward(self, x, position_ids=None, past_key_value_states=None,
-                use_cache=False, last_n_tokens: int = 0, **attn_kwargs):
-        from fms.modules.attention import get_attention_type
-        from fms.utils.headless import gather_outputs
-        get_attention_type(**attn_kwargs)["validate_attn_kwargs"](
-            input_ids=x, position_ids=position_ids,
-            past_key_value_states=past_key_value_states, **attn_kwargs)
-        hidden, cache = self.base_model(x, position_ids,
-                                        past_key_value_states, use_cache,
-                                        **attn_kwargs)
-        hidden = gather_outputs(hidden, last_n_tokens, **attn_kwargs)
-        logits = self.head(hidden) / self.config.logits_scaling
-        return (logits, cache) if use_cache else logits
+    @property
+    def logits_scale(self) -> float:
+        return self.config.logits_scaling
 
 
 # ---- transformers' checkpoint layout -------------------------------------
@@ -337,8 +260,7 @@ def _hf_to_fms_names(input_sd: Mapping[str, Any],
     out: dict[str, Any] = {}
     for name, tensor in input_sd.items():
         shared = _SHARED_INPUT.match(name)
-        for pattern, repl in _RENAMES:
-            name = re.sub(pattern, repl, name)
+        name = renamed(name, _RENAMES)
         if shared:
             prefix = name[:-len(".shared_mlp.input_linear.weight")]
             gate, up = tensor.chunk(2, dim=0)
@@ -362,18 +284,6 @@ def _hf_to_fms_rope(input_sd: Mapping[str, Any], model_config=None,
 def register() -> None:
     """Registers ``Granite4`` with FMS (architecture ``spyre_granite4``,
     variant ``hf``, adapter ``hf``), once per process."""
-    from fms import models
-    from fms.utils import serialization
-    if ARCHITECTURE in models.list_models():
-        return
-
-    def factory(**kwargs):
-        return Granite4(Granite4Config(), **kwargs)
-
-    models.register_model(ARCHITECTURE, VARIANT, factory)
-    serialization.register_adapter_step(ARCHITECTURE, "hf_to_fms_names",
-                                        _hf_to_fms_names)
-    serialization.register_adapter_step(ARCHITECTURE, "hf_to_fms_rope",
-                                        _hf_to_fms_rope)
-    serialization.register_adapter(ARCHITECTURE, "hf",
-                                   ["hf_to_fms_names", "hf_to_fms_rope"])
+    spyre_fms_decoder.register(ARCHITECTURE, VARIANT, Granite4, {
+        "hf_to_fms_names": _hf_to_fms_names,
+        "hf_to_fms_rope": _hf_to_fms_rope})
