@@ -142,7 +142,9 @@ class HFDriver:
             self.model = AutoModelForCausalLM.from_pretrained(
                 work.model, dtype=getattr(torch, dtype),
                 attn_implementation="sdpa").eval()
-        except ValueError:
+        except ValueError as e:
+            if "scaled_dot_product_attention" not in str(e):
+                raise
             self.model = AutoModelForCausalLM.from_pretrained(
                 work.model, dtype=getattr(torch, dtype),
                 attn_implementation="eager").eval()

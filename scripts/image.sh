@@ -98,23 +98,28 @@ pip_config() {
   PIP_MOUNTS+=(-v "$WORK/pip.conf:/etc/pip.conf:ro")
 }
 
-# What earlier builds on this machine left in buildah's storage: the
-# working containers of a build that failed, and the images a rebuild
-# replaced or cached as intermediate steps (untagged). Each is several GB,
-# and on a machine that builds again and again they fill the disk; the
-# base and the current image stay.
+# What earlier builds of this image left in buildah's storage: the
+# working containers of a build that failed (on the base, on the
+# untagged image of a build step, or the scratch container of a failed
+# base), and the images a rebuild replaced or cached as intermediate
+# steps (untagged). Each is several GB, and on a machine that builds
+# again and again they fill the disk; the base and the current image
+# stay, and so do containers of any other image.
 prune() {
-  local id name
-  buildah containers --format '{{.ContainerID}} {{.ContainerName}}' \
-    | while read -r id name; do
-        case "$name" in
-          *-working-container) buildah rm "$id" >/dev/null || true ;;
+  local id image name store
+  buildah containers --format '{{.ContainerID}}|{{.ImageName}}|{{.ContainerName}}' \
+    | while IFS='|' read -r id image name; do
+        case "$name" in *working-container) ;; *) continue ;; esac
+        case "$image" in
+          "" | "<none>" | scratch | "$BASE_IMAGE" | "$IMAGE")
+            buildah rm "$id" >/dev/null || true ;;
         esac
       done
   buildah rmi --prune >/dev/null 2>&1 || true
-  say "storage: $(du -sh "$(buildah info --format '{{.store.GraphRoot}}')" \
-    2>/dev/null | cut -f1) in buildah's images; $(df -h --output=avail . \
-    | tail -1 | tr -d ' ') free here"
+  store=$(buildah info --format '{{.store.GraphRoot}}')
+  say "storage: $(du -sh "$store" 2>/dev/null | cut -f1) in buildah's" \
+    "images; $(df -h --output=avail "$store" | tail -1 | tr -d ' ') free" \
+    "on its disk"
 }
 
 build_image() {
@@ -125,7 +130,7 @@ build_image() {
   buildah bud --isolation chroot --format docker --layers \
     --build-arg "BASE_IMAGE=$BASE_IMAGE" "${PIP_MOUNTS[@]}" \
     -f Dockerfile.spyre -t "$IMAGE" . >"$WORK/build.log" 2>&1 \
-    || { tail -40 "$WORK/build.log"; prune; exit 1; }
+    || { tail -40 "$WORK/build.log"; exit 1; }
   say "built $IMAGE in $((SECONDS - start)) s;" \
     "size $(buildah images --format '{{.Size}}' "$IMAGE")"
   prune

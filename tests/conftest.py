@@ -175,9 +175,11 @@ class HFReference:
             self.model = AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype=torch.float32,
                 attn_implementation="sdpa").eval()
-        except ValueError:
+        except ValueError as e:
             # transformers refuses SDPA for attention it cannot express
             # (GPT-OSS's sinks): its eager attention is the reference.
+            if "scaled_dot_product_attention" not in str(e):
+                raise
             self.model = AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype=torch.float32,
                 attn_implementation="eager").eval()

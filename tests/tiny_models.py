@@ -256,10 +256,10 @@ def _gpt_oss(vocab: int):
     """GPT-OSS (``GptOssForCausalLM``): a sliding layer (window
     ``GPT_OSS_WINDOW``) then a full one, attention sinks, top-2 of 4
     experts with biases and the clamped SwiGLU, YaRN as the released
-    models have it (factor 32, here over 32 original positions).  transformers starts every bias at zero; here the
-    biases and sinks are random and as large as the other weights (the
-    sinks larger), so a model that dropped any of them would answer
-    otherwise."""
+    models have it (factor 32, here over 32 original positions).
+    transformers starts every bias at zero; here the biases and sinks are
+    random and as large as the other weights (the sinks larger), so a
+    model that dropped any of them would answer otherwise."""
     import torch
     from transformers import GptOssConfig, GptOssForCausalLM
     common = {**_common(vocab, 6), "intermediate_size": 64}

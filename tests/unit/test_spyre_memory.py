@@ -122,6 +122,19 @@ def test_cb_estimate_sizes_the_pool_asked_for():
             GEOMETRY.prompt_logprobs_bytes(300))
 
 
+def test_attention_sinks_count_their_scores():
+    """With attention sinks the attention holds three copies of its
+    scores, also in a whole prompt's pass (PyTorch's own causal attention
+    holds none without them)."""
+    sinks = sm.Geometry(**{**GEOMETRY.__dict__, "score_copies": 3})
+    scores = GEOMETRY.heads * 64 * 300 * GEOMETRY.item
+    assert (sinks.activation_bytes(1, 64, 300)
+            - GEOMETRY.activation_bytes(1, 64, 300)) == 2 * scores
+    whole = GEOMETRY.heads * 300 * 300 * GEOMETRY.item
+    assert (sinks.prompt_logprobs_bytes(300)
+            - GEOMETRY.prompt_logprobs_bytes(300)) == 3 * whole
+
+
 def test_prompt_logprobs_pass_grows_with_the_prompt_not_its_logits():
     """The pass's logits are held one slice at a time: a prompt ten times
     longer adds only its activations."""

@@ -41,9 +41,10 @@ GiB = 2**30
 #: Names of the tensors kept whole on every rank under tensor parallelism:
 #: the embeddings, Mamba-2 layers (FMS's has no sharded form), Granite 4's
 #: router (``spyre_granite4``; its experts are split, as Mixtral's) and
-#: GPT-OSS's experts and router (``spyre_gpt_oss``).
+#: GPT-OSS's stacked experts and router (``spyre_gpt_oss``).
 _WHOLE = ("embed", "wte", "wpe", "tok_embeddings", ".mamba.",
-          "block_sparse_moe.router", "mlp.experts.", "mlp.router.")
+          "block_sparse_moe.router", "mlp.experts.gate_up_proj",
+          "mlp.experts.down_proj", "mlp.router.")
 
 #: What running the model costs beyond its weights, caches and activations,
 #: as a fraction of the weights: graphs, inductor's packed copies of weights
@@ -103,6 +104,11 @@ class Geometry:
     kv_item: int = 0  # bytes per cached element, when not ``item``
     #: A hybrid model's Mamba-2 states of one sequence (``spyre_mamba``).
     state_slot_bytes: int = 0
+    #: How many ``[heads, tokens, context]`` score tensors the attention
+    #: holds at once: one, or with attention sinks (the scores, those
+    #: with the sinks' column, their softmax) three, also in a whole
+    #: prompt's causal pass, where PyTorch's own attention holds none.
+    score_copies: int = 1
 
     def kv_bytes(self, sequences: int, length: int) -> int:
         return (sequences * length * self.layers * 2 * self.kv_heads *
@@ -118,7 +124,8 @@ class Geometry:
         t = rows * tokens
         per_token = (3 * self.hidden + (self.heads + 2 * self.kv_heads) *
                      self.head_size + 3 * self.intermediate)
-        scores = rows * self.heads * tokens * context if scores else 0
+        scores = (self.score_copies * rows * self.heads * tokens * context
+                  if scores else 0)
         return (t * per_token + scores) * self.item + rows * self.vocab * 4
 
     def prompt_logprobs_bytes(self, length: int) -> int:
@@ -127,8 +134,10 @@ class Geometry:
         activations (PyTorch's CPU attention holds no ``[heads, L, L]``
         scores for a causal pass), then one slice of float32 logits,
         their log-softmax and the comparison that ranks them: the logits
-        part does not grow with the prompt."""
-        return (self.activation_bytes(1, length, length, scores=False) +
+        part does not grow with the prompt.  With attention sinks the
+        pass holds its scores (``score_copies``)."""
+        scores = self.score_copies > 1
+        return (self.activation_bytes(1, length, length, scores=scores) +
                 prompt_logprobs.SLICE * self.vocab * (4 + 4 + 1))
 
 
@@ -299,7 +308,16 @@ def geometry_of(vllm_config, item: int, kv_item: int = 0) -> Geometry:
                     vocab=model.get_vocab_size(),
                     item=item,
                     kv_item=kv_item,
-                    state_slot_bytes=states.slot_bytes() if states else 0)
+                    state_slot_bytes=states.slot_bytes() if states else 0,
+                    score_copies=3 if _has_sinks(model.hf_config) else 1)
+
+
+def _has_sinks(hf_config) -> bool:
+    """Whether the decoder family of ``hf_config`` has attention sinks."""
+    from vllm.model_executor.models.spyre_families import FAMILIES
+    return any(FAMILIES[a].attention_sinks
+               for a in getattr(hf_config, "architectures", None) or []
+               if a in FAMILIES)
 
 
 def weights_of(vllm_config, item: int) -> int:

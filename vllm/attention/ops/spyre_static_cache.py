@@ -60,17 +60,12 @@ def store(keys: torch.Tensor, values: torch.Tensor,
 def layer_mask(attn_kwargs) -> torch.Tensor:
     """The step's mask ([B, L, T] bool), narrowed to the layer's own
     sliding window (FMS's ``sliding_window``; none: as it is).  The query
-    positions are in the columns this step writes (``cache_slots``; a
-    whole prompt without a cache: its last L of T columns)."""
+    positions are in the columns this step writes (``cache_slots``)."""
     mask = attn_kwargs["mask"]
     window = int(attn_kwargs.get("sliding_window") or 0)
     if window <= 0:
         return mask
-    L, T = mask.shape[1], mask.shape[2]
-    cols = attn_kwargs.get("cache_slots")
-    if cols is None:
-        cols = torch.arange(T - L, T, device=mask.device)
-    return windowed(mask, cols, window)
+    return windowed(mask, attn_kwargs["cache_slots"], window)
 
 
 def compute_prefill(query: torch.Tensor, keys: torch.Tensor,
@@ -118,7 +113,8 @@ _compute_decode_kernel = decode_op(
 
 def compute_op(prefill: bool, on_kernel: bool):
     """The compute op of a prefill or a decode step, on the C++ kernel
-    (decode only: a prefill attends through SDPA) or in torch ops."""
+    (decode only: a prefill attends through SDPA, or the written-out
+    attention with sinks or a layer's window) or in torch ops."""
     if prefill:
         return compute_prefill
     return _compute_decode_kernel if on_kernel else _compute_decode

@@ -154,8 +154,9 @@ def window_of(hf_config) -> Optional[int]:
     it, if it sets one (Qwen3 only with ``use_sliding_window``, and only
     on the layers its ``layer_types`` marks ``sliding_attention``: from
     ``max_window_layers`` on); None when no layer slides.  Some layers
-    sliding and others not is refused (``NotImplementedError``): the
-    Spyre attention ops take one window per model."""
+    sliding and others not is refused (``NotImplementedError``) for the
+    families whose window is the model-wide one (``has_window``): their
+    FMS models give the attention no window of a layer's own."""
     if getattr(hf_config, "use_sliding_window", True) is False:
         return None
     window = getattr(hf_config, "sliding_window", None)
@@ -171,8 +172,8 @@ def window_of(hf_config) -> Optional[int]:
                 f"A sliding window of {window} tokens on {sliding} of "
                 f"{len(types)} layers (layer_types; max_window_layers="
                 f"{getattr(hf_config, 'max_window_layers', None)}) is not "
-                "supported on Spyre: its attention takes one window for "
-                "every layer")
+                "supported on Spyre for this architecture: it applies one "
+                "window to every layer")
     return window
 
 
@@ -195,6 +196,9 @@ class DecoderFamily:
     #: Mamba-2 layers beside its attention layers, whose per-sequence
     #: states live in Spyre's state slots (``spyre_mamba``).
     hybrid: bool = False
+    #: Attention sinks (GPT-OSS): the attention holds its scores in a few
+    #: copies at once (the memory check counts them).
+    attention_sinks: bool = False
     #: Another family that runs this config (None: this one does).
     form: Callable[[Any], Optional["DecoderFamily"]] = field(
         default=_same_form)
@@ -227,7 +231,8 @@ FAMILIES: dict[str, DecoderFamily] = {
                       prepare=_mamba_state_slots, hybrid=True),
         DecoderFamily("GraniteMoeHybridForCausalLM", "granite_moe_hybrid",
                       _granite4_fixes, form=_granite4_form),
-        DecoderFamily("GptOssForCausalLM", "spyre_gpt_oss", _gpt_oss_fixes),
+        DecoderFamily("GptOssForCausalLM", "spyre_gpt_oss", _gpt_oss_fixes,
+                      attention_sinks=True),
     )
 }
 

@@ -106,8 +106,15 @@ def config_from_hf(hf_config) -> dict:
         experts=hf_config.num_local_experts,
         experts_per_token=hf_config.num_experts_per_tok,
         expert_width=hf_config.intermediate_size,
-        swiglu_limit=float(getattr(hf_config, "swiglu_limit", None) or 7.0),
+        swiglu_limit=_swiglu_limit(hf_config),
     )
+
+
+def _swiglu_limit(hf_config) -> float:
+    """The experts' clamp: the config's ``swiglu_limit`` (7 in the
+    released models; transformers' model always clamps at 7)."""
+    limit = getattr(hf_config, "swiglu_limit", None)
+    return 7.0 if limit is None else float(limit)
 
 
 class Rotary:
