@@ -309,7 +309,7 @@ def geometry_of(vllm_config, item: int, kv_item: int = 0) -> Geometry:
                     item=item,
                     kv_item=kv_item,
                     state_slot_bytes=states.slot_bytes() if states else 0,
-                    score_copies=3 if _has_sinks(model.hf_config) else 1)
+                    score_copies=3 if _has_sinks(text) else 1)
 
 
 def _has_sinks(hf_config) -> bool:
