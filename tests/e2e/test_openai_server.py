@@ -317,12 +317,18 @@ def stream_times(server, prompt, max_tokens, started=None):
     return times
 
 
+#: New tokens of the long batch.
+LONG = 512
+
+
 @pytest.fixture(scope="module")
 def long_batch_server(tiny_llama):
-    """One shape of 128 new tokens: a running batch lasts long enough for
+    """One shape of 512 new tokens: a running batch lasts long enough for
     later requests to arrive (and be tokenized and queued) while it runs,
-    even on a loaded machine."""
-    env = spyre_env("eager", prompt_lens=[64], new_tokens=[128],
+    on a loaded machine and on an idle one, where the tiny model's steps
+    are quickest (with 128, four requests sent at once once straddled
+    the end of the batch)."""
+    env = spyre_env("eager", prompt_lens=[64], new_tokens=[LONG],
                     batch_sizes=[4])
     with Server(tiny_llama, env) as srv:
         yield srv
@@ -336,17 +342,17 @@ def test_later_arrivals_wait_then_share_one_batch(long_batch_server):
     before = metric(server, steps)
     running = threading.Event()
     with ThreadPoolExecutor(5) as pool:
-        blocker = pool.submit(stream_times, server, [9] * 8, 128, running)
-        # Its first token has arrived: the batch runs 127 more steps.
+        blocker = pool.submit(stream_times, server, [9] * 8, LONG, running)
+        # Its first token has arrived: the batch runs LONG - 1 more steps.
         assert running.wait(60)
         later = [pool.submit(stream_times, server, [9] * (4 + i), 16)
                  for i in range(4)]
         first = blocker.result()
         others = [f.result() for f in later]
-    assert len(first) == 128 and all(len(t) == 16 for t in others)
-    # The engine ran the blocker's 128 steps and one batch of 16 for the
-    # four: none joined the running batch (which would leave 128 steps)
+    assert len(first) == LONG and all(len(t) == 16 for t in others)
+    # The engine ran the blocker's LONG steps and one batch of 16 for the
+    # four: none joined the running batch (which would leave LONG steps)
     # and they shared one batch.  (Arrival times on separate connections
     # can swap by a few ms, so they cannot order the two batches.)
-    assert metric(server, steps) - before == 128 + 16
+    assert metric(server, steps) - before == LONG + 16
     assert min(t[0] for t in others) > first[0]
