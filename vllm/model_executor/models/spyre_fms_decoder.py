@@ -165,6 +165,20 @@ class CausalLM(nn.Module):
         return (logits, cache) if use_cache else logits
 
 
+#: transformers' names of the parts every decoder has, and theirs here;
+#: a family's adapter adds its own.
+DECODER_RENAMES = (
+    (r"^lm_head\.weight$", "head.weight"),
+    (r"^model\.embed_tokens\.", "base_model.embedding."),
+    (r"^model\.norm\.", "base_model.dec_norm."),
+    (r"^model\.layers\.", "base_model.layers."),
+    (r"\.self_attn\.q_proj\.", ".attn.in_proj.query."),
+    (r"\.self_attn\.k_proj\.", ".attn.in_proj.key."),
+    (r"\.self_attn\.v_proj\.", ".attn.in_proj.value."),
+    (r"\.self_attn\.o_proj\.", ".attn.dense."),
+)
+
+
 def renamed(name: str, renames: Iterable[tuple[str, str]]) -> str:
     """``name`` after every ``(pattern, replacement)`` of ``renames``."""
     for pattern, repl in renames:

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm.model_executor.models import spyre_fms_decoder
-from vllm.model_executor.models.spyre_fms_decoder import (CausalLM,
+from vllm.model_executor.models.spyre_fms_decoder import (DECODER_RENAMES,
+                                                          CausalLM,
                                                           DecoderConfig,
                                                           DecoderStack,
                                                           renamed, rms_norm)
@@ -247,15 +248,7 @@ class GptOss(CausalLM):
 
 # ---- transformers' checkpoint layout -------------------------------------
 
-_RENAMES = (
-    (r"^lm_head\.weight$", "head.weight"),
-    (r"^model\.embed_tokens\.", "base_model.embedding."),
-    (r"^model\.norm\.", "base_model.dec_norm."),
-    (r"^model\.layers\.", "base_model.layers."),
-    (r"\.self_attn\.q_proj\.", ".attn.in_proj.query."),
-    (r"\.self_attn\.k_proj\.", ".attn.in_proj.key."),
-    (r"\.self_attn\.v_proj\.", ".attn.in_proj.value."),
-    (r"\.self_attn\.o_proj\.", ".attn.dense."),
+_RENAMES = DECODER_RENAMES + (
     (r"\.self_attn\.sinks$", ".attn.sinks"),
     (r"\.mlp\.router\.", ".experts.router."),
     (r"\.mlp\.experts\.", ".experts."),

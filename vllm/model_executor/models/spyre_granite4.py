@@ -35,7 +35,8 @@ from torch import nn
 
 from vllm.model_executor.layers.spyre_moe import expert_sum, router_weights
 from vllm.model_executor.models import spyre_fms_decoder
-from vllm.model_executor.models.spyre_fms_decoder import (CausalLM,
+from vllm.model_executor.models.spyre_fms_decoder import (DECODER_RENAMES,
+                                                          CausalLM,
                                                           DecoderConfig,
                                                           DecoderStack,
                                                           renamed, rms_norm)
@@ -232,15 +233,7 @@ class Granite4(CausalLM):
 
 # ---- transformers' checkpoint layout -------------------------------------
 
-_RENAMES = (
-    (r"^lm_head\.weight$", "head.weight"),
-    (r"^model\.embed_tokens\.", "base_model.embedding."),
-    (r"^model\.norm\.", "base_model.dec_norm."),
-    (r"^model\.layers\.", "base_model.layers."),
-    (r"\.self_attn\.q_proj\.", ".attn.in_proj.query."),
-    (r"\.self_attn\.k_proj\.", ".attn.in_proj.key."),
-    (r"\.self_attn\.v_proj\.", ".attn.in_proj.value."),
-    (r"\.self_attn\.o_proj\.", ".attn.dense."),
+_RENAMES = DECODER_RENAMES + (
     (r"\.mamba\.", ".ssm."),
     (r"\.shared_mlp\.output_linear\.", ".ff_sub_layer.w2."),
     (r"\.block_sparse_moe\.router\.layer\.", ".experts.router."),
