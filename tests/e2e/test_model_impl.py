@@ -4,7 +4,8 @@
   path's and to transformers', static and continuous batching (``eager``)
   and over 3 tensor-parallel ranks.
 * The tiny Llama on ``inductor``: equal to transformers' in both modes,
-  nothing compiled after warm-up.
+  nothing compiled after warm-up, every layer's attention run inside the
+  compiled graphs (no call of the attention from Python).
 * Qwen2 and Phi-3, which FMS lacks, under ``--model-impl auto``: equal to
   transformers', static, continuous batching, and ``vllm serve`` (whose
   log names the implementation).
@@ -25,7 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import (HFReference, build_tiny_family, compile_count,
-                      greedy_requests, mode_llm, spyre_env, spyre_llm)
+                      greedy_requests, mode_llm, model_runner, spyre_env,
+                      spyre_llm)
 from server import Server, served_ids
 
 pytestmark = pytest.mark.e2e
@@ -151,13 +153,39 @@ def test_vllm_serve_names_the_implementation(vllm_only, tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["static", "cb"])
-def test_tiny_llama_inductor_without_recompiling(tiny_llama, hf_tiny, mode):
+def test_tiny_llama_inductor_without_recompiling(tiny_llama, hf_tiny, mode,
+                                                 monkeypatch):
+    import torch
+    from torch._dynamo.utils import counters
+
+    from vllm.attention.backends.spyre_attn import SpyreAttentionImpl
     expected = [hf_tiny.greedy(p, m)[0] for p, m in REQUESTS]
-    got, compiled, probes = run(tiny_llama, mode, "inductor",
-                                model_impl="vllm")
+    # Attention run from Python, not traced into a graph (vLLM's opaque
+    # attention op would be), is counted.
+    attend, outside = SpyreAttentionImpl.attend, []
+
+    def counted(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            outside.append(1)
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(SpyreAttentionImpl, "attend", counted)
+    graphs = counters["stats"]["unique_graphs"]
+    with mode_llm(tiny_llama, mode, "inductor", max_model_len=MAX_MODEL_LEN,
+                  **STATIC, model_impl="vllm") as llm:
+        # One graph per step kind: a break at attention would split each.
+        graphs = counters["stats"]["unique_graphs"] - graphs
+        names = model_runner(llm).model.expected_graphs()
+        before = compile_count()
+        got = greedy_requests(llm, REQUESTS)
+        compiled = compile_count() - before
+        probes = llm.collective_rpc(probe)
     assert got == expected, mode
     assert on_vllm_code(probes), probes
     assert compiled == 0, f"{compiled} compilations after warm-up ({mode})"
+    assert graphs == len(names), (graphs, names)
+    assert not outside, f"attention run outside the graphs {len(outside)} " \
+        "times"
 
 
 def test_tiny_llama_over_three_ranks(tiny_llama_3kv):

@@ -149,6 +149,61 @@ def test_prompts_on_onednn_only_for_untied_bf16_on_amx():
         linear, tied_to="emb.weight", dtype=torch.bfloat16).unpacked is None
 
 
+class _Step:
+    """What ``PackedLinearMethod`` reads of the step: its positions per
+    row."""
+    length = 1
+
+
+@pytest.mark.parametrize("onednn", [False, True])
+def test_vllm_layers_prompts_on_onednn(onednn):
+    """vLLM's linear layers (``use_spyre_linears``): with
+    ``prompts_on_onednn``, a step of several positions per row (its
+    ``[B * L, K]`` rows flattened, as vLLM's models pass them) multiplies
+    on oneDNN, its output rounded to bfloat16; a step of one position per
+    row, and the output head always, on the kernel."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.spyre_linear_method import (
+        PackedLinearMethod, use_spyre_linears)
+    from vllm.model_executor.layers.vocab_parallel_embedding import \
+        UnquantizedEmbeddingMethod
+
+    class Layer(nn.Module):
+        def __init__(self, method, n=96, k=64):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(n, k), requires_grad=False)
+            self.quant_method = method
+
+    model = nn.Module()
+    model.proj = Layer(UnquantizedLinearMethod())
+    model.lm_head = Layer(UnquantizedEmbeddingMethod())
+    weights = {n: m.weight.detach().clone()
+               for n, m in (("proj", model.proj), ("lm_head", model.lm_head))}
+    step = _Step()
+    assert use_spyre_linears(model, torch.bfloat16, True, step=step,
+                             prompts_on_onednn=onednn) == 2
+    assert type(model.proj.quant_method) is PackedLinearMethod
+    assert hasattr(model.proj, "spyre_bf16") == onednn
+    assert not hasattr(model.lm_head, "spyre_bf16")
+    x = torch.randn(14, 64, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(96)
+
+    def kernel_product(w):
+        return F.linear(_bf16(x), _bf16(w), bias)
+
+    for step.length in (1, 7):
+        got = model.proj.quant_method.apply(model.proj, x, bias)
+        if onednn and step.length > 1:
+            assert torch.equal(got, F.linear(
+                x.bfloat16(), weights["proj"].bfloat16()).float() + bias)
+        else:
+            torch.testing.assert_close(got, kernel_product(weights["proj"]),
+                                       rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            model.lm_head.quant_method.apply(model.lm_head, x, bias),
+            kernel_product(weights["lm_head"]), rtol=1e-4, atol=1e-4)
+
+
 def test_bf16_packs_only_even_input_widths():
     model = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(3, 4))
     assert spyre_linear.pack_linears(model, torch.bfloat16) == 2

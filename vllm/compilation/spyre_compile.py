@@ -37,13 +37,15 @@ def compile_graphs(
     cache_size_limit: int,
     freeze: bool = False,
     cache: Optional[GraphCache] = None,
+    fullgraph: bool = False,
 ) -> Union[DynamoGraphs, PrecompiledGraphs]:
     """``model`` compiled for ``backend``, one graph per input shape.
 
     ``cache_size_limit`` is the fewest graphs dynamo must keep per code
     object; ``freeze`` (``inductor`` only) makes the weights constants of
     the graphs, which a cached graph cannot hold (the caller passes
-    ``freeze=False`` with a ``cache``).
+    ``freeze=False`` with a ``cache``).  ``fullgraph``: a break in the
+    graph is an error, not a split (a precompiled graph is always whole).
     """
     if freeze and cache is not None:
         raise ValueError("a cached graph cannot hold frozen weights: "
@@ -76,4 +78,4 @@ def compile_graphs(
     # batch size it sees, and the shared graph cannot use the MKL packing
     # (per batch size) of the layers left on MKL.
     return DynamoGraphs(model, backend=backend, dynamic=False,
-                        options=options or None)
+                        fullgraph=fullgraph, options=options or None)

@@ -244,8 +244,8 @@ def _choose_model_impl(model_config, spyre: SpyreConfig) -> SpyreConfig:
             "yet on the card (sendnn), whose FMS gptq/fp8 linear types are "
             "not wired in")
     if impl == spyre_model_impl.VLLM and spyre.dynamo_backend == "sendnn":
-        # Its attention runs outside the compiled graphs (vLLM's opaque
-        # attention op), on the host: the card needs it inside them.
+        # Not yet run on the card: its graphs (attention included) have
+        # only been compiled for the CPU backends.
         raise NotImplementedError(
             f"vLLM's model code (here for {arch}) runs on the CPU backends "
             "(VLLM_SPYRE_DYNAMO_BACKEND=eager or inductor), not yet on the "

@@ -20,12 +20,14 @@ same C++ kernels:
 * no cache (a prompt scored whole for its prompt log-probabilities):
   causal attention over the prompt's own positions.
 
-vLLM's models flatten a step to ``[num_tokens, ...]``; the metadata says
-how those tokens form ``B`` rows of ``L`` positions.  The model runs the
-layers as vLLM's opaque ``unified_attention`` op (``SpyreVllmCausalLM``
-sets it up), so ``torch.compile`` sees neither the metadata nor the
-caches: one graph serves every step of its shape, and the kernels run as
-they do for FMS.
+vLLM's models flatten a step to ``[num_tokens, ...]``; the step says how
+those tokens form ``B`` rows of ``L`` positions.  Inside the compiled
+model each ``Attention`` layer is an ``InlineAttention``: it reads the
+step's tensors and the caches from the ``AttentionStep`` the model's
+forward fills from its own inputs, so they are graph inputs, as they are
+for FMS, and the cache ops and kernels run inline in the graph, with no
+call back into Python per layer (vLLM's opaque ``unified_attention`` op
+and its forward context would cost one per layer and step).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from typing import Any, List, Optional, Tuple, Type
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from vllm.attention.backends.abstract import (AttentionBackend,
                                               AttentionImpl,
@@ -133,16 +136,28 @@ class SpyreAttentionMetadata(AttentionMetadata):
     ops: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.cache_kwargs = dict(mask=self.mask, cache_slots=self.cache_slots,
-                                 block_table=self.block_table,
-                                 ctx_lens=self.ctx_lens,
-                                 spyre_prefill=self.kind == STATIC_PREFILL)
-        if self.kind == PAGED:
-            self.ops = (paged_cache.store, paged_cache.compute_kernel
-                        if self.on_kernel else paged_cache.compute)
-        else:
-            self.ops = (static_cache.store, static_cache.compute_op(
-                self.kind == STATIC_PREFILL, self.on_kernel))
+        self.cache_kwargs = _cache_kwargs(self.kind, self.mask,
+                                          self.cache_slots, self.block_table,
+                                          self.ctx_lens)
+        self.ops = _ops(self.kind, self.on_kernel)
+
+
+def _cache_kwargs(kind: str, mask, cache_slots, block_table,
+                  ctx_lens) -> dict:
+    """The keyword arguments the Spyre cache ops read."""
+    return dict(mask=mask, cache_slots=cache_slots, block_table=block_table,
+                ctx_lens=ctx_lens, spyre_prefill=kind == STATIC_PREFILL)
+
+
+def _ops(kind: str, on_kernel: bool) -> tuple:
+    """The (store, compute) cache ops of a step of ``kind``."""
+    if kind == PAGED:
+        return (paged_cache.store, paged_cache.compute_kernel
+                if on_kernel else paged_cache.compute)
+    if kind == CAUSAL:
+        return (None, None)
+    return (static_cache.store,
+            static_cache.compute_op(kind == STATIC_PREFILL, on_kernel))
 
 
 def _metadata(kind: str, rows: int, length: int, prefills: int,
@@ -260,14 +275,24 @@ class SpyreAttentionImpl(AttentionImpl[SpyreAttentionMetadata]):
                 attn_metadata: SpyreAttentionMetadata,
                 output: Optional[torch.Tensor] = None,
                 output_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """query: [N, heads * head_size]; key, value: [N, kv_heads *
-        head_size], N = rows * length.  Returns [N, heads * head_size]."""
+        """vLLM's interface (``unified_attention``): the step described by
+        ``attn_metadata``.  The Spyre models call ``attend`` instead
+        (``InlineAttention``)."""
         meta = attn_metadata
-        B, L = meta.rows, meta.length
+        return self.attend(query, key, value, kv_cache, meta.kind, meta.rows,
+                           meta.length, meta.cache_kwargs, meta.ops)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, kv_cache, kind: str, rows, length,
+               cache_kwargs: dict, ops: tuple) -> torch.Tensor:
+        """query: [N, heads * head_size]; key, value: [N, kv_heads *
+        head_size], N = rows * length; ``kv_cache``: this layer's ``(keys,
+        values)`` (None for ``CAUSAL``).  Returns [N, heads * head_size]."""
+        B, L = rows, length
         q = query.view(B, L, self.num_heads, self.head_size)
         k = key.view(B, L, self.num_kv_heads, self.head_size)
         v = value.view(B, L, self.num_kv_heads, self.head_size)
-        if meta.kind == CAUSAL:
+        if kind == CAUSAL:
             mask = causal_mask(L, self.window) if self.window else None
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -275,11 +300,84 @@ class SpyreAttentionImpl(AttentionImpl[SpyreAttentionMetadata]):
                 enable_gqa=self.num_heads != self.num_kv_heads
             ).transpose(1, 2)
             return out.reshape(B * L, -1)
-        kwargs = meta.cache_kwargs
+        kwargs = cache_kwargs
         if self.window:
             kwargs = {**kwargs, "spyre_window": self.window}
-        store, compute = meta.ops
+        store, compute = ops
         keys, values, _, _ = store(k, v, kv_cache[0], kv_cache[1], **kwargs)
         out = compute(q, keys, values, self.num_heads, self.num_kv_heads,
                       0.0, self.scale, **kwargs)
         return out.reshape(B * L, -1)
+
+
+class AttentionStep:
+    """The step a Spyre model on vLLM's model code is running, as its
+    attention layers read it: filled by the model's forward from its own
+    inputs (``begin``), inside the compiled code, so that the step's
+    tensors and the caches are the graph's inputs; emptied at its end."""
+
+    def __init__(self, on_kernel: bool) -> None:
+        self.on_kernel = on_kernel
+        self.end()
+
+    def begin(self, kind: str, rows, length, caches: Optional[list] = None,
+              mask: Optional[torch.Tensor] = None,
+              cache_slots: Optional[torch.Tensor] = None,
+              block_table: Optional[torch.Tensor] = None,
+              ctx_lens: Optional[torch.Tensor] = None) -> None:
+        """A step of ``kind`` over ``rows`` x ``length`` positions;
+        ``caches``: each layer's ``(keys, values)`` (None for ``CAUSAL``)."""
+        self.kind = kind
+        self.rows = rows
+        self.length = length
+        self.caches = caches
+        self.cache_kwargs = _cache_kwargs(kind, mask, cache_slots,
+                                          block_table, ctx_lens)
+        self.ops = _ops(kind, self.on_kernel)
+
+    def end(self) -> None:
+        self.kind: Optional[str] = None
+        self.rows = self.length = 0
+        self.caches: Optional[list] = None
+        self.cache_kwargs: dict = {}
+        self.ops: tuple = (None, None)
+
+
+class InlineAttention(nn.Module):
+    """One of vLLM's ``Attention`` layers (the ``index``-th of the model),
+    attending in the step ``step`` holds: what the model calls in the
+    layer's place (``inline_attention``)."""
+
+    def __init__(self, layer: nn.Module, index: int,
+                 step: AttentionStep) -> None:
+        super().__init__()
+        self.layer = layer
+        self.index = index
+        self.step = step
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor,
+                output_shape: Optional[torch.Size] = None) -> torch.Tensor:
+        step = self.step
+        if step.kind is None:
+            raise RuntimeError(f"attention layer {self.layer.layer_name} "
+                               "called outside a Spyre step")
+        cache = step.caches[self.index] if step.caches is not None else None
+        return self.layer.impl.attend(query, key, value, cache, step.kind,
+                                      step.rows, step.length,
+                                      step.cache_kwargs, step.ops)
+
+
+def inline_attention(model: nn.Module, step: AttentionStep) -> list:
+    """Puts an ``InlineAttention`` in the place of each of ``model``'s
+    ``Attention`` layers, in the order of ``model.modules()``; returns
+    those layers."""
+    from vllm.attention import Attention
+    layers = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Attention):
+                setattr(parent, name, InlineAttention(child, len(layers),
+                                                      step))
+                layers.append(child)
+    return layers

@@ -9,7 +9,10 @@ does (``spyre_linear``):
 
 * ``PackedLinearMethod``: the weight packed once for
   ``spyre_cpu::packed_linear``, in the precision's linear dtype (float32,
-  or bfloat16 under ``--dtype bfloat16``);
+  or bfloat16 under ``--dtype bfloat16``); a bfloat16 layer on a CPU with
+  AMX also keeps its weight unpacked, in bfloat16, for the steps of
+  several positions per row (prefills), which oneDNN multiplies on AMX
+  tiles, as the FMS path's ``PackedLinear`` does;
 * ``Bf16LinearMethod``: off the kernels (``VLLM_SPYRE_NATIVE_KERNELS=0``,
   no C++ compiler), bfloat16 products on oneDNN where the precision asks
   for them.
@@ -22,14 +25,15 @@ in.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 from torch import nn
 
 from vllm.model_executor.layers.linear import (LinearMethodBase,
                                                UnquantizedLinearMethod)
-from vllm.model_executor.layers.spyre_linear import (onednn_bf16_linear,
+from vllm.model_executor.layers.spyre_linear import (has_amx_bf16,
+                                                     onednn_bf16_linear,
                                                      pack_weight)
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead, UnquantizedEmbeddingMethod, VocabParallelEmbedding)
@@ -55,12 +59,27 @@ class _AfterLoading(LinearMethodBase):
             "loaded (use_spyre_linears), not at model construction")
 
 
+class Step(Protocol):
+    """The step the model is running: ``length`` positions per row."""
+
+    length: int
+
+
 class PackedLinearMethod(_AfterLoading):
     """The layer's weight packed for ``spyre_cpu::packed_linear``
-    (buffer ``spyre_packed``, ``spyre_out_features`` columns)."""
+    (buffer ``spyre_packed``, ``spyre_out_features`` columns).  With a
+    ``step``, the steps of several positions per row multiply on oneDNN
+    (buffer ``spyre_bf16``), their outputs rounded to bfloat16 before the
+    bias, as ``PackedLinear``'s; ``length`` is static in every graph (1 in
+    decode graphs), so the choice adds no guard."""
+
+    def __init__(self, step: Optional[Step] = None) -> None:
+        self.step = step
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.step is not None and self.step.length > 1:
+            return _bf16(layer, x, bias)
         return _packed(layer, x, bias)
 
 
@@ -98,14 +117,23 @@ def _heads(model: nn.Module) -> set[int]:
     return {id(head)} if head is not None else set()
 
 
-def use_spyre_linears(model: nn.Module, dtype: torch.dtype,
-                      native: bool) -> int:
+def use_spyre_linears(model: nn.Module, dtype: torch.dtype, native: bool,
+                      step: Optional[Step] = None,
+                      prompts_on_onednn: Optional[bool] = None) -> int:
     """Puts every unquantized float32 linear layer of ``model`` and its
     output head on the packed kernel (``native``) with weights held in
     ``dtype``, or, off the kernels, on oneDNN's bfloat16 products when
-    ``dtype`` is bfloat16.  Returns how many layers moved."""
+    ``dtype`` is bfloat16.  ``prompts_on_onednn`` (default: bfloat16 on a
+    CPU with AMX, and a ``step`` to tell prompts by): the linear layers'
+    prompts (``step.length > 1``) on oneDNN; the head, which multiplies
+    each row's last position only, stays on the kernel.  Returns how many
+    layers moved."""
     if not native and dtype != torch.bfloat16:
         return 0
+    if prompts_on_onednn is None:
+        prompts_on_onednn = dtype == torch.bfloat16 and has_amx_bf16()
+    prompts = step if native and prompts_on_onednn and step is not None \
+        else None
     heads = _heads(model)
     looked_up = _embedding_weights(model)
     moved = 0
@@ -125,7 +153,7 @@ def use_spyre_linears(model: nn.Module, dtype: torch.dtype,
                                        pack_weight(weight.detach().to(dtype)),
                                        persistent=False)
                 module.spyre_out_features = weight.shape[0]
-            else:
+            if not native or (prompts is not None and not is_head):
                 module.register_buffer("spyre_bf16",
                                        weight.detach().to(torch.bfloat16),
                                        persistent=False)
@@ -133,7 +161,7 @@ def use_spyre_linears(model: nn.Module, dtype: torch.dtype,
             module.quant_method = (PackedHeadMethod()
                                    if native else Bf16HeadMethod())
         else:
-            module.quant_method = (PackedLinearMethod()
+            module.quant_method = (PackedLinearMethod(prompts)
                                    if native else Bf16LinearMethod())
         if weight.data_ptr() not in looked_up:
             module.weight = nn.Parameter(weight.new_empty(0),

@@ -51,6 +51,9 @@ class SpyreCausalLM(nn.Module):
     #: FMS attention ops: in torch ops, and on the CPU kernels.
     ATTN_NAMES = (static_cache.ATTN_NAME,
                   static_cache.ATTN_NAME_CPU_KERNEL)
+    #: Whether a break in a graph is an error (``compile_graphs``'s
+    #: ``fullgraph``) where the graph cache is off.
+    whole_graphs = False
 
     def __init__(self, *, vllm_config: VllmConfig,
                  spyre_config: SpyreConfig) -> None:
@@ -169,7 +172,8 @@ class SpyreCausalLM(nn.Module):
                        and self.spyre_config.inductor_freezing)
         limit = max(64, 8 * len(self.spyre_config.warmup_shapes))
         return compile_graphs(model, backend, cache_size_limit=limit,
-                              freeze=self.frozen, cache=cache)
+                              freeze=self.frozen, cache=cache,
+                              fullgraph=self.whole_graphs)
 
     def _graph_cache(self, backend: str):
         """This rank's entry of the graph cache, or None when it is off

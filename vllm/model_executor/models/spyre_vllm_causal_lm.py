@@ -8,27 +8,32 @@ What differs is the model inside:
 * vLLM's model class, loaded by vLLM's loader (``spyre_vllm``), its linear
   layers moved to the packed CPU kernels (``spyre_linear_method``);
 * its ``Attention`` layers on the Spyre attention backend (``spyre_attn``),
-  called as vLLM's opaque ``unified_attention`` op: ``torch.compile``
-  traces everything but attention, which runs the Spyre cache ops and
-  kernels with the step's metadata, set as vLLM's forward context;
+  each called as an ``InlineAttention``: the compiled model's forward
+  takes the step's tensors and the caches as inputs and hands them to its
+  layers (``AttentionStep``), so the Spyre cache ops and kernels run
+  inside the graph, as they do for FMS;
 * the compiled part (``_LastHidden``) returns each row's last hidden
   state; vLLM's ``compute_logits`` (its output head, the gather of a
   vocabulary split over tensor-parallel ranks, the model's logit scale)
   runs after it.
 
 The caches are the FMS path's (``spyre_kv_layout``): one per static
-warm-up shape, or the block pool, each layer's ``(keys, values)`` bound to
-its ``Attention`` layer's ``kv_cache``, vLLM's place for it.
+warm-up shape, or the block pool, each layer's ``(keys, values)`` pair
+given to the compiled model with every step.  The step's metadata is also
+vLLM's forward context, for any layer of vLLM's that reads it.
 """
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import torch
 from torch import nn
 
-from vllm.attention.backends.spyre_attn import (SpyreAttentionMetadata,
-                                               SpyreAttentionMetadataBuilder)
+from vllm.attention.backends.spyre_attn import (CAUSAL, AttentionStep,
+                                               SpyreAttentionMetadata,
+                                               SpyreAttentionMetadataBuilder,
+                                               inline_attention)
 from vllm.attention.ops.spyre_kv_layout import CacheLayout
 from vllm.attention.ops.spyre_paged_inputs import PagedInputs
 from vllm.config import VllmConfig
@@ -47,25 +52,38 @@ logger = init_logger(__name__)
 
 class _LastHidden(nn.Module):
     """What is compiled: vLLM's model over a step of ``[B, L]`` token ids
-    (flattened, as vLLM's models take them), returning each row's last
-    hidden state, ``[B, hidden]``."""
+    (flattened, as vLLM's models take them), attending in the step the
+    other inputs describe (``AttentionStep.begin``), returning each row's
+    last hidden state, ``[B, hidden]``."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, step: AttentionStep) -> None:
         super().__init__()
         self.vllm_model = model
+        self.step = step
 
-    def forward(self, input_ids: torch.Tensor,
-                positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                caches: list, kind: str, mask: Optional[torch.Tensor],
+                cache_slots: torch.Tensor,
+                block_table: Optional[torch.Tensor],
+                ctx_lens: Optional[torch.Tensor]) -> torch.Tensor:
         rows, length = input_ids.shape
+        self.step.begin(kind, rows, length, caches, mask, cache_slots,
+                        block_table, ctx_lens)
         hidden = self.vllm_model(input_ids.flatten(), positions.flatten())
+        self.step.end()
         return hidden.view(rows, length, -1)[:, -1]
 
 
 class SpyreVllmCausalLM(SpyreCausalLM):
     """vLLM's model class under static batching."""
 
+    #: Each graph is whole: its attention layers read the step from one
+    #: ``AttentionStep``, and dynamo, which keeps no guards on the modules
+    #: (``compile_graphs``), would run every layer's split-off code with
+    #: the first layer's cache.
+    whole_graphs = True
+
     def _build(self, vllm_config: VllmConfig) -> nn.Module:
-        from vllm.attention import Attention
         self.vllm_config = vllm_config
         self.vllm_model = load_vllm_decoder(vllm_config, self.dtype)
         logger.info("Spyre model implementation: vLLM (%s)",
@@ -83,23 +101,19 @@ class SpyreVllmCausalLM(SpyreCausalLM):
                 "quantized CPU kernel" if self.native else
                 "float32 products (dequantized once)",
                 time.perf_counter() - start)
+        self.step = AttentionStep(on_kernel=self.native)
         start = time.perf_counter()
         moved = use_spyre_linears(self.vllm_model, self.precision.linear,
-                                  self.native)
+                                  self.native, step=self.step)
         if moved:
             logger.info("Moved %d linear layers to the %s in %.1f s", moved,
                         "packed CPU kernel" if self.native else
                         "bfloat16 products", time.perf_counter() - start)
-        self.attention_layers = [
-            m for m in self.vllm_model.modules() if isinstance(m, Attention)
-        ]
+        self.attention_layers = inline_attention(self.vllm_model, self.step)
         if not self.attention_layers:
             raise ValueError(f"{type(self.vllm_model).__name__} has no "
                              "attention layers")
         for layer in self.attention_layers:
-            # vLLM's opaque attention op, as on its CPU and CUDA platforms:
-            # compiled graphs leave attention, its metadata and caches out.
-            layer.use_direct_call = False
             # The model's sliding window where vLLM gave the layer none
             # (the platform clears vLLM's own window setting).
             layer.impl.use_model_window(self.spyre_config.sliding_window)
@@ -109,20 +123,17 @@ class SpyreVllmCausalLM(SpyreCausalLM):
                                         k_head_dim=impl.head_size,
                                         v_head_dim=impl.head_size)
         self.metadata = SpyreAttentionMetadataBuilder(on_kernel=self.native)
-        return _LastHidden(self.vllm_model)
-
-    def _bind(self, caches: list) -> None:
-        """Gives each attention layer its ``(keys, values)``."""
-        for layer, cache in zip(self.attention_layers, caches):
-            layer.kv_cache = [cache]
+        return _LastHidden(self.vllm_model, self.step)
 
     def _run(self, graph: str, input_ids: torch.Tensor,
-             positions: torch.Tensor,
+             positions: torch.Tensor, caches: list,
              meta: SpyreAttentionMetadata) -> torch.Tensor:
-        """The compiled model with ``meta`` as vLLM's forward context, then
-        vLLM's logits: ``[B, vocab]``."""
+        """The compiled model on the step ``meta`` describes (also vLLM's
+        forward context), then vLLM's logits: ``[B, vocab]``."""
         with set_forward_context(meta, self.vllm_config):
-            hidden = self.model(graph, input_ids, positions)
+            hidden = self.model(graph, input_ids, positions, caches,
+                                meta.kind, meta.mask, meta.cache_slots,
+                                meta.block_table, meta.ctx_lens)
         return self.vllm_model.compute_logits(hidden, None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -131,14 +142,14 @@ class SpyreVllmCausalLM(SpyreCausalLM):
         """One static step, as ``SpyreCausalLM.forward``."""
         if is_prompt:
             self.kv_cache = self._cache_for(input_ids.shape[0], cache_len)
-            self._bind(self.kv_cache)
         elif self.kv_cache is None:
             raise RuntimeError("decode step without a prefill")
         self.metadata.static(input_ids, mask, cache_slots, is_prompt)
         return self._run(
             self.graph_name(is_prompt, input_ids.shape[0],
                             input_ids.shape[1], cache_len), input_ids,
-            positions, self.metadata.build([], [], 0, input_ids.shape[0]))
+            positions, self.kv_cache,
+            self.metadata.build([], [], 0, input_ids.shape[0]))
 
     # ---- prompt log-probabilities -----------------------------------------
     def prompt_hidden(self, ids: torch.Tensor) -> torch.Tensor:
@@ -146,8 +157,12 @@ class SpyreVllmCausalLM(SpyreCausalLM):
         attention causal over the prompt, no cache."""
         self.metadata.causal(ids.shape[1])
         meta = self.metadata.build([], [], 0, 1)
-        with set_forward_context(meta, self.vllm_config):
-            hidden = self.vllm_model(ids[0], torch.arange(ids.shape[1]))
+        self.step.begin(CAUSAL, 1, ids.shape[1])
+        try:
+            with set_forward_context(meta, self.vllm_config):
+                hidden = self.vllm_model(ids[0], torch.arange(ids.shape[1]))
+        finally:
+            self.step.end()
         return hidden.unsqueeze(0)
 
     def prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -165,11 +180,6 @@ class SpyreVllmCausalLM(SpyreCausalLM):
 class SpyreVllmPagedCausalLM(SpyreVllmCausalLM, SpyrePagedCausalLM):
     """vLLM's model class under continuous batching, on the block pool."""
 
-    def allocate_pool(self, num_blocks: int) -> None:
-        """The pool, bound to the attention layers."""
-        super().allocate_pool(num_blocks)
-        self._bind(self.kv_pool)
-
     def forward(self, step: PagedInputs) -> torch.Tensor:  # type: ignore
         """One prefill ([1, L]) or decode step ([B, 1]), as
         ``SpyrePagedCausalLM.forward``."""
@@ -177,5 +187,5 @@ class SpyreVllmPagedCausalLM(SpyreVllmCausalLM, SpyrePagedCausalLM):
         self.metadata.paged(step)
         return self._run(
             self.paged_graph_name(not is_decode, step.block_table.shape[1]),
-            step.input_ids, step.position_ids,
+            step.input_ids, step.position_ids, self.kv_pool,
             self.metadata.build([], [], 0, step.input_ids.shape[0]))
