@@ -17,7 +17,11 @@ three kernels:
   nearest: int8 and FP8 per output channel, int4 per group of 64 (which
   divides SmolLM2's features), symmetric; ``spyre-<kind>-bf16in``: the
   same under ``--dtype bfloat16`` (inputs rounded to bfloat16, tiles of 4
-  rows or more on ``vdpbf16ps``).
+  rows or more on ``vdpbf16ps``); ``spyre-<kind>-dense``: the same inputs
+  multiplied on oneDNN over the weight dequantized to bfloat16 per call
+  (AMX where the CPU has it; what a prompt of ``DENSE_ROWS`` rows or more
+  runs there), and ``onednn-bf16``: a bfloat16 weight on oneDNN, a
+  bfloat16 layer's prompt there; both round their outputs to bfloat16.
 
 Reports the best of N passes, the bytes each kernel's weights are held in
 and read per second, and the ratio of its time to ``mkl-packed``'s; the
@@ -129,6 +133,18 @@ def kernels(rows: int):
                 lambda w, prepare=prepare: (*prepare(w), True),
                 lambda x, p: spyre_quant_linear.quant_linear(
                     x, p, None, round_inputs=True))
+            # The same, every row count on oneDNN over the weight
+            # dequantized to bfloat16 per call (what prompts of at least
+            # DENSE_ROWS rows run where the CPU has AMX).
+            ops[f"spyre-{kind}-dense"] = (
+                lambda w, prepare=prepare: (*prepare(w), True, True),
+                lambda x, p: spyre_quant_linear.quant_linear(
+                    x, p, None, round_inputs=True, dense=1))
+        # A bfloat16 layer's prompt where the CPU has AMX.
+        ops["onednn-bf16"] = (
+            lambda w: (w.to(torch.bfloat16), w.to(torch.bfloat16).float(),
+                       w.numel() * 2, True, True),
+            lambda x, p: spyre_linear.onednn_bf16_linear(x, p, None))
     return ops
 
 
@@ -153,10 +169,15 @@ def time_pass(weights, prepare, apply, rows: int, repeats: int):
             x = x.to(torch.bfloat16).float()
         return F.linear(x, p[1])
 
+    def close(out, want, rounded):
+        if rounded:  # weights and outputs rounded to bfloat16
+            return torch.allclose(out, want, rtol=1e-2,
+                                  atol=1e-2 * want.abs().max().item())
+        return torch.allclose(out, want, rtol=1e-3, atol=1e-4)
+
     same = all(
-        torch.allclose(out, reference(inputs[w.shape[1]], p), rtol=1e-3,
-                       atol=1e-4) for w, p, out in zip(weights, prepared,
-                                                       outputs))
+        close(out, reference(inputs[w.shape[1]], p), len(p) > 4 and p[4])
+        for w, p, out in zip(weights, prepared, outputs))
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()

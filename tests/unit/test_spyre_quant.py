@@ -95,6 +95,40 @@ def test_kernel_rounding_inputs_to_bfloat16(kind, rows):
                           atol=2e-5 * want.abs().max().item())
 
 
+def _cpu_has(flag: str) -> bool:
+    with open("/proc/cpuinfo") as f:
+        return any(line.startswith("flags") and flag in line.split()
+                   for line in f)
+
+
+@kernel
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("n,k,groups,zeros,group_size",
+                         [(70, 256, 1, False, None), (64, 576, 5, True, 128)])
+def test_dense_rows_multiply_the_bfloat16_weight(kind, n, k, groups, zeros,
+                                                 group_size):
+    """From ``dense`` rows on, rounded inputs multiply the weight
+    dequantized to bfloat16 on oneDNN (where the kernel is built with
+    AVX512_BF16): the product of bfloat16 inputs and weights, rounded to
+    bfloat16, then the bias; fewer rows stay on the tiles, whose float32
+    sums are not rounded."""
+    if not (platform.machine() == "x86_64" and _cpu_has("avx512_bf16")):
+        pytest.skip("the dense path is built with AVX512_BF16 only")
+    w = _weight(kind, n, k, groups, zeros, group_size=group_size)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(n)
+    weight16 = w.dequantize().bfloat16()
+    want = torch.nn.functional.linear(x.bfloat16(), weight16).float()
+    got = quant_linear(x, pack(w), None, round_inputs=True, dense=40)
+    # Rounded to bfloat16; the sums' order is oneDNN's.
+    assert torch.equal(got, got.bfloat16().float())
+    assert torch.allclose(got, want, rtol=8e-3, atol=8e-3 * want.abs().max())
+    assert torch.equal(quant_linear(x, pack(w), bias, round_inputs=True,
+                                    dense=40), got + bias)
+    tiles = quant_linear(x, pack(w), None, round_inputs=True, dense=41)
+    assert not torch.equal(tiles, tiles.bfloat16().float())
+
+
 @kernel
 def test_kernel_bias_batch_dims_and_bfloat16():
     w = _weight("int4", 40, 128, 2, True)

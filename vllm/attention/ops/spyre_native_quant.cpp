@@ -25,6 +25,14 @@
 // its input by the dequantized weight (up to the order of the sums): the
 // format's reference, not an approximation of it.
 //
+// Many rows of rounded inputs (a prompt under the bfloat16 precision) are
+// bound by arithmetic, not by reading the weight.  From dense_rows rows on
+// (the caller sets it where the CPU multiplies bfloat16 on AMX tiles), the
+// weight is dequantized into a bfloat16 scratch [K, N], one layer at a
+// time, and the product runs on oneDNN: the weight rounded to bfloat16, the
+// output rounded to bfloat16 before the bias, as a bfloat16 layer's prompt
+// is (spyre_linear.onednn_bf16_linear).
+//
 // Written with GCC vector extensions, as the float kernel is, with AVX-512
 // intrinsics where the CPU has them for the widening loads (GCC 12 does not
 // vectorise a conversion of a byte vector) and FP8's half-float route.
@@ -312,12 +320,46 @@ constexpr TileFn kTiles[kMaxRows + 1] = {
     tile<K, 5>,  tile<K, 6>, tile<K, 7>,  tile<K, 8>,  tile<K, 9>,
     tile<K, 10>, tile<K, 11>, tile<K, 12>};
 
+#if defined(__AVX512BF16__)
+// The weight as bfloat16 [K, n_pad] (n_pad = blocks * kBlock): row k holds
+// every column's code * scale + offset at input feature k.
+template <int K>
+void dequantize_bf16(const uint8_t* wp, const float* sp, const float* op,
+                     int64_t blocks, int64_t features, int64_t groups,
+                     int64_t group, uint16_t* out) {
+  constexpr int64_t bytes = row_bytes<K>();
+  const int64_t n_pad = blocks * kBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const uint8_t* w = wp + blk * features * bytes;
+      const float* s = sp + blk * groups * kBlock;
+      const float* o = op ? op + blk * groups * kBlock : nullptr;
+      for (int64_t k = 0; k < features; ++k) {
+        const int64_t g = k / group;
+        vfloat lo, hi;
+        codes<K>(w + k * bytes, lo, hi);
+        lo *= *reinterpret_cast<const vfloat_u*>(s + g * kBlock);
+        hi *= *reinterpret_cast<const vfloat_u*>(s + g * kBlock + kLanes);
+        if (o) {
+          lo += *reinterpret_cast<const vfloat_u*>(o + g * kBlock);
+          hi += *reinterpret_cast<const vfloat_u*>(o + g * kBlock + kLanes);
+        }
+        const __m512bh v = _mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(hi),
+                                               reinterpret_cast<__m512>(lo));
+        _mm512_storeu_si512(out + k * n_pad + blk * kBlock,
+                            reinterpret_cast<__m512i>(v));
+      }
+    }
+  });
+}
+#endif
+
 at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
                         const at::Tensor& scales,
                         const std::optional<at::Tensor>& offsets,
                         int64_t kind, int64_t group, int64_t out_features,
                         const std::optional<at::Tensor>& bias,
-                        bool round_inputs) {
+                        bool round_inputs, int64_t dense_rows) {
   TORCH_CHECK(kind == kInt8 || kind == kFp8 || kind == kInt4,
               "quant_linear: unknown weight kind ", kind,
               " (0 int8, 1 fp8, 2 int4)");
@@ -368,13 +410,35 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
   const int64_t M = K ? x.numel() / K : 0;
   auto out_sizes = input.sizes().vec();
   out_sizes.back() = out_features;
-  at::Tensor y = at::empty(out_sizes, x.options());
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == out_features, "quant_linear: bias of ",
                 bias->numel(), " for ", out_features, " outputs");
     b = bias->to(at::kFloat).contiguous();
   }
+#if defined(__AVX512BF16__)
+  if (round_inputs && dense_rows > 0 && M >= dense_rows) {
+    at::Tensor wt = at::empty({K, blocks * kBlock}, x16.options());
+    auto* wtp = static_cast<uint16_t*>(wt.data_ptr());
+    const uint8_t* wq = packed.data_ptr<uint8_t>();
+    const float* sq = scales.data_ptr<float>();
+    if (kind == kInt8)
+      dequantize_bf16<kInt8>(wq, sq, op, blocks, K, groups, group, wtp);
+    else if (kind == kFp8)
+      dequantize_bf16<kFp8>(wq, sq, op, blocks, K, groups, group, wtp);
+    else
+      dequantize_bf16<kInt4>(wq, sq, op, blocks, K, groups, group, wtp);
+    at::Tensor y16 = at::mm(x16.view({M, K}), wt);
+    at::Tensor yf = y16.narrow(1, 0, out_features).to(at::kFloat);
+    if (b.defined()) yf.add_(b);
+    yf = yf.view(out_sizes);
+    return input.scalar_type() == at::kFloat ? yf
+                                             : yf.to(input.scalar_type());
+  }
+#else
+  (void)dense_rows;
+#endif
+  at::Tensor y = at::empty(out_sizes, x.options());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const TileFn* tiles = kind == kInt8  ? kTiles<kInt8>
                         : kind == kFp8 ? kTiles<kFp8>
@@ -440,7 +504,7 @@ TORCH_LIBRARY_FRAGMENT(spyre_cpu, m) {
   m.def(
       "quant_linear(Tensor input, Tensor packed, Tensor scales, "
       "Tensor? offsets, int kind, int group_size, int out_features, "
-      "Tensor? bias=None, bool round_inputs=False) "
+      "Tensor? bias=None, bool round_inputs=False, int dense_rows=0) "
       "-> Tensor");
 }
 

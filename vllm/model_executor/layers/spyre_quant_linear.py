@@ -15,6 +15,12 @@ per output, a scale and (asymmetric formats) a zero point:
 ``weight = (code - zero) * scale``.  ``pack`` lays it out for the kernel;
 ``dequantize`` gives the float32 weight (the reference, and the path off
 the kernels).
+
+A prompt is bound by arithmetic instead.  Under the bfloat16 precision on
+a CPU with AMX, a product of at least ``DENSE_ROWS`` rows dequantizes the
+layer's weight into a bfloat16 scratch and multiplies on oneDNN's AMX
+tiles (the kernel's ``dense_rows``, which the quantization method sets),
+as a bfloat16 layer's prompt does.
 """
 from __future__ import annotations
 
@@ -141,18 +147,25 @@ def pack(weight: QuantWeight) -> PackedQuant:
                        offsets, KINDS[weight.kind], weight.group_size, n)
 
 
+#: Rows from which rounded inputs multiply on oneDNN where the CPU has
+#: AMX: a prompt's, not a decode step's (``benchmarks/linear.py``).
+DENSE_ROWS = 32
+
+
 def quant_linear(x: torch.Tensor, weight: PackedQuant,
                  bias: Optional[torch.Tensor],
-                 round_inputs: bool = False) -> torch.Tensor:
+                 round_inputs: bool = False, dense: int = 0) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` on the kernel, in ``x``'s dtype;
     ``round_inputs``: ``x`` rounded to bfloat16 first (the bfloat16
     precision), which lets tiles of several rows multiply bfloat16 pairs
-    (``vdpbf16ps``) where the CPU has them."""
+    (``vdpbf16ps``) where the CPU has them; ``dense``: from this many
+    rows on, they multiply on oneDNN over the weight dequantized to
+    bfloat16 instead (0: never; with rounded inputs only)."""
     return torch.ops.spyre_cpu.quant_linear(x, weight.packed, weight.scales,
                                             weight.offsets, weight.kind,
                                             weight.group_size,
                                             weight.out_features, bias,
-                                            round_inputs)
+                                            round_inputs, dense)
 
 
 def fake_quantize_fp8(x: torch.Tensor,
