@@ -48,6 +48,16 @@ from _engines import load_fms_model
 from roofline import read_bandwidth
 
 
+def _cpu_has(flag: str) -> bool:
+    """Whether the CPU's flags (Linux) name ``flag``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split()
+                       for line in f)
+    except OSError:
+        return False
+
+
 def load_linears(model_dir: str) -> list:
     """Float32 weights of every linear layer, each storage once."""
     import torch
@@ -134,17 +144,19 @@ def kernels(rows: int):
                 lambda x, p: spyre_quant_linear.quant_linear(
                     x, p, None, round_inputs=True))
             # The same, every row count on oneDNN over the weight
-            # dequantized to bfloat16 per call (what prompts of at least
-            # DENSE_ROWS rows run where the CPU has AMX).
-            ops[f"spyre-{kind}-dense"] = (
-                lambda w, prepare=prepare: (*prepare(w), True, True),
-                lambda x, p: spyre_quant_linear.quant_linear(
-                    x, p, None, round_inputs=True, dense=1))
-        # A bfloat16 layer's prompt where the CPU has AMX.
-        ops["onednn-bf16"] = (
-            lambda w: (w.to(torch.bfloat16), w.to(torch.bfloat16).float(),
-                       w.numel() * 2, True, True),
-            lambda x, p: spyre_linear.onednn_bf16_linear(x, p, None))
+            # dequantized to bfloat16 per call (what DENSE_ROWS rows or
+            # more run where the CPU has AMX); the kernel has that path
+            # where it is built with AVX512_BF16.
+            if _cpu_has("avx512_bf16"):
+                ops[f"spyre-{kind}-dense"] = (
+                    lambda w, prepare=prepare: (*prepare(w), True, True),
+                    lambda x, p: spyre_quant_linear.quant_linear(
+                        x, p, None, round_inputs=True, dense=1))
+    # A bfloat16 layer's prompt where the CPU has AMX.
+    ops["onednn-bf16"] = (
+        lambda w: (w.to(torch.bfloat16), w.to(torch.bfloat16).float(),
+                   w.numel() * 2, True, True),
+        lambda x, p: spyre_linear.onednn_bf16_linear(x, p, None))
     return ops
 
 

@@ -31,6 +31,11 @@
 # project's .venv (PYTHON=...), network access to the package index.
 #   MODEL   Hugging Face folder to convert    (models/SmolLM2-135M-Instruct)
 #   JOBS    parallel compile jobs             (nproc)
+#   AMX     off: build without llama.cpp's AMX kernels (on by default where
+#           the CPU has AMX).  Version 0.3.36's quantized AMX path faults
+#           at its first tile configuration on some CPUs (a SIGSEGV in
+#           ggml_backend_amx_mul_mat, or SIGILL); there the peer runs its
+#           AVX-512 kernels.  Delete .peers/llama.cpp to rebuild.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -40,6 +45,7 @@ SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 MODEL=${MODEL:-$REPO/models/SmolLM2-135M-Instruct}
 JOBS=${JOBS:-$(nproc)}
+AMX=${AMX:-on}
 PEERS=$REPO/.peers
 SDIST=$PEERS/src/llama_cpp_python-$VERSION.tar.gz
 SRC=$PEERS/src/llama_cpp_python-$VERSION
@@ -91,7 +97,14 @@ then
 else
   say "building ${TARGETS[*]} with $JOBS jobs (several minutes)"
   cmake=$(tool cmake)
+  flags=()
+  if [ "$AMX" = off ]; then
+    say "without AMX kernels (AMX=off)"
+    flags=("-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+           "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+  fi
   logged "$BUILD.configure.log" "$cmake" -S "$LLAMA_SRC" -B "$BUILD" -G Ninja \
+    "${flags[@]}" \
     -DCMAKE_MAKE_PROGRAM="$(tool ninja)" -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON -DGGML_OPENMP=ON \
     -DGGML_BLAS=OFF -DGGML_CCACHE=OFF -DLLAMA_OPENSSL=OFF \

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
+from vllm.attention.ops.spyre_native import has_amx_bf16
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -107,7 +108,9 @@ def key_parts(*, model: str, hf_config: Any, backend: str,
         "vllm": vllm.__version__,
         "ibm-fms": _version("ibm-fms"),
         "project": _version("vllm-spyre-intree") + "+" + code_identity(),
-        "cpu": torch.backends.cpu.get_cpu_capability(),
+        # AMX decides which linear products a prompt's graph calls.
+        "cpu": torch.backends.cpu.get_cpu_capability() +
+        ("+amx_bf16" if has_amx_bf16() else ""),
     }
 
 

@@ -130,8 +130,8 @@ class SpyreAttentionMetadata(AttentionMetadata):
     def decode_metadata(self) -> Optional["SpyreAttentionMetadata"]:
         return self if self.num_decode_tokens else None
 
-    #: Set once per step, read by every layer: the keyword arguments the
-    #: Spyre cache ops read, and the (store, compute) ops of the step.
+    #: Set once per step, for ``SpyreAttentionImpl.forward``: the keyword
+    #: arguments the Spyre cache ops read, and the (store, compute) ops.
     cache_kwargs: dict[str, Any] = field(init=False, repr=False)
     ops: tuple = field(init=False, repr=False)
 
@@ -358,6 +358,10 @@ class InlineAttention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor,
                 output_shape: Optional[torch.Size] = None) -> torch.Tensor:
+        if output_shape is not None:
+            raise NotImplementedError(
+                "an attention output shape other than the query's (MLA) is "
+                "not supported on Spyre")
         step = self.step
         if step.kind is None:
             raise RuntimeError(f"attention layer {self.layer.layer_name} "
@@ -370,14 +374,16 @@ class InlineAttention(nn.Module):
 
 def inline_attention(model: nn.Module, step: AttentionStep) -> list:
     """Puts an ``InlineAttention`` in the place of each of ``model``'s
-    ``Attention`` layers, in the order of ``model.modules()``; returns
-    those layers."""
+    ``Attention`` layers, the ``i``-th of ``model.modules()`` reading the
+    ``i``-th cache; returns those layers, in that order."""
     from vllm.attention import Attention
-    layers = []
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    inline = {
+        id(layer): InlineAttention(layer, i, step)
+        for i, layer in enumerate(layers)
+    }
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Attention):
-                setattr(parent, name, InlineAttention(child, len(layers),
-                                                      step))
-                layers.append(child)
+                setattr(parent, name, inline[id(child)])
     return layers

@@ -48,8 +48,23 @@ _SOURCES = [Path(__file__).with_name("spyre_native_linear.cpp"),
 _NATIVE_FLAG = {"x86_64": "-march=native", "s390x": "-march=native",
                 "ppc64le": "-mcpu=native", "aarch64": "-mcpu=native"}
 _loaded: Optional[bool] = None
+_amx: Optional[bool] = None
 #: Why the build failed, when it did.
 _failure = ""
+
+
+def has_amx_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 on AMX tiles (Linux's
+    ``amx_bf16`` flag): where prompts multiply on oneDNN."""
+    global _amx
+    if _amx is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                _amx = any(line.startswith("flags") and
+                           "amx_bf16" in line.split() for line in f)
+        except OSError:
+            _amx = False
+    return _amx
 
 
 def available() -> bool:

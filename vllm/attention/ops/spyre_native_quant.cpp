@@ -397,17 +397,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
               "quant_linear: ", out_features,
               " outputs do not match a packed weight of ", blocks,
               " blocks");
-  at::Tensor x = input.scalar_type() == at::kFloat
-                     ? (input.is_contiguous() ? input : input.contiguous())
-                     : input.to(at::kFloat).contiguous();
-  // round_inputs: the inputs rounded to bfloat16 (nearest even), as the
-  // bfloat16 precision's products take them.
-  at::Tensor x16;
-  if (round_inputs) {
-    x16 = x.to(at::kBFloat16);
-    x = x16.to(at::kFloat);
-  }
-  const int64_t M = K ? x.numel() / K : 0;
+  const int64_t M = K ? input.numel() / K : 0;
   auto out_sizes = input.sizes().vec();
   out_sizes.back() = out_features;
   at::Tensor b;
@@ -418,6 +408,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
   }
 #if defined(__AVX512BF16__)
   if (round_inputs && dense_rows > 0 && M >= dense_rows) {
+    const at::Tensor x16 = input.to(at::kBFloat16).contiguous();
     at::Tensor wt = at::empty({K, blocks * kBlock}, x16.options());
     auto* wtp = static_cast<uint16_t*>(wt.data_ptr());
     const uint8_t* wq = packed.data_ptr<uint8_t>();
@@ -438,6 +429,16 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
 #else
   (void)dense_rows;
 #endif
+  at::Tensor x = input.scalar_type() == at::kFloat
+                     ? (input.is_contiguous() ? input : input.contiguous())
+                     : input.to(at::kFloat).contiguous();
+  // round_inputs: the inputs rounded to bfloat16 (nearest even), as the
+  // bfloat16 precision's products take them.
+  at::Tensor x16;
+  if (round_inputs) {
+    x16 = x.to(at::kBFloat16);
+    x = x16.to(at::kFloat);
+  }
   at::Tensor y = at::empty(out_sizes, x.options());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const TileFn* tiles = kind == kInt8  ? kTiles<kInt8>

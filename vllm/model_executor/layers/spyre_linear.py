@@ -30,25 +30,12 @@ from typing import Optional
 import torch
 from torch import nn
 
+# Re-exported: the layers' callers ask here whether prompts go to oneDNN.
+from vllm.attention.ops.spyre_native import has_amx_bf16  # noqa: F401
+
 #: Output columns per packed block; must match kBlock in
 #: ``vllm/attention/ops/spyre_native_linear.cpp``.
 BLOCK = 32
-
-_amx: Optional[bool] = None
-
-
-def has_amx_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 on AMX tiles (Linux's
-    ``amx_bf16`` flag)."""
-    global _amx
-    if _amx is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                _amx = any(line.startswith("flags") and
-                           "amx_bf16" in line.split() for line in f)
-        except OSError:
-            _amx = False
-    return _amx
 
 
 def onednn_bf16_linear(x: torch.Tensor, weight: torch.Tensor,

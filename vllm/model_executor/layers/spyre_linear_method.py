@@ -70,8 +70,10 @@ class PackedLinearMethod(_AfterLoading):
     (buffer ``spyre_packed``, ``spyre_out_features`` columns).  With a
     ``step``, the steps of several positions per row multiply on oneDNN
     (buffer ``spyre_bf16``), their outputs rounded to bfloat16 before the
-    bias, as ``PackedLinear``'s; ``length`` is static in every graph (1 in
-    decode graphs), so the choice adds no guard."""
+    bias, as ``PackedLinear``'s.  ``length`` is 1 in decode graphs, fixed
+    in static prefill graphs and at least ``MIN_PREFILL_LEN`` (2) in a
+    continuous-batching prefill graph's dynamic range, so the choice adds
+    no guard."""
 
     def __init__(self, step: Optional[Step] = None) -> None:
         self.step = step

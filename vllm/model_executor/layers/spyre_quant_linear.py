@@ -17,7 +17,7 @@ per output, a scale and (asymmetric formats) a zero point:
 the kernels).
 
 A prompt is bound by arithmetic instead.  Under the bfloat16 precision on
-a CPU with AMX, a product of at least ``DENSE_ROWS`` rows dequantizes the
+a CPU with AMX, a product of ``DENSE_ROWS`` rows or more dequantizes the
 layer's weight into a bfloat16 scratch and multiplies on oneDNN's AMX
 tiles (the kernel's ``dense_rows``, which the quantization method sets),
 as a bfloat16 layer's prompt does.
@@ -147,9 +147,11 @@ def pack(weight: QuantWeight) -> PackedQuant:
                        offsets, KINDS[weight.kind], weight.group_size, n)
 
 
-#: Rows from which rounded inputs multiply on oneDNN where the CPU has
-#: AMX: a prompt's, not a decode step's (``benchmarks/linear.py``).
-DENSE_ROWS = 32
+#: Rows (positions of the step's sequences together) from which rounded
+#: inputs multiply on oneDNN where the CPU has AMX, per code kind: where
+#: ``benchmarks/linear.py`` found the dense path faster than the tiles
+#: (prompts, and decode batches that large).
+DENSE_ROWS = {"int8": 64, "fp8": 32, "int4": 32}
 
 
 def quant_linear(x: torch.Tensor, weight: PackedQuant,

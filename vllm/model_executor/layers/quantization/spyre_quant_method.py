@@ -309,8 +309,8 @@ class SpyreQuantLinearMethod(LinearMethodBase):
             layer.spyre_qgroup = packed.group_size
             layer.spyre_qround = round_inputs
             # A prompt's rounded inputs on oneDNN's AMX tiles.
-            layer.spyre_qdense = DENSE_ROWS if round_inputs and \
-                has_amx_bf16() else 0
+            layer.spyre_qdense = DENSE_ROWS[weight.kind] if round_inputs \
+                and has_amx_bf16() else 0
             layer.spyre_out_features = packed.out_features
         else:
             layer.register_buffer("spyre_dequantized", weight.dequantize(),
