@@ -102,9 +102,14 @@ def test_linear_benchmark_small(smollm2, tmp_path):
     result = json.loads(out.read_text())
     assert result["layers"] == 4 * 30 + 1  # SmolLM2: 30 layers, LM head
     kernels = {(r["kernel"], r["rows"]) for r in result["results"]}
-    names = ("aten", "mkl-packed", "spyre-packed", "spyre-bf16",
+    names = ["aten", "mkl-packed", "spyre-packed", "spyre-bf16",
              "spyre-int8", "spyre-fp8", "spyre-int4", "spyre-int8-bf16in",
-             "spyre-fp8-bf16in", "spyre-int4-bf16in")
+             "spyre-fp8-bf16in", "spyre-int4-bf16in", "onednn-bf16"]
+    with open("/proc/cpuinfo") as f:  # the kernel's dense path
+        if any(line.startswith("flags") and "avx512_bf16" in line.split()
+               for line in f):
+            names += ["spyre-int8-dense", "spyre-fp8-dense",
+                      "spyre-int4-dense"]
     assert kernels == {(k, n) for k in names for n in (1, 4)}
     assert all(r["same"] and r["bytes_per_s"] > 0
                for r in result["results"])
@@ -119,7 +124,7 @@ def test_linear_benchmark_small(smollm2, tmp_path):
     lines = proc.stdout.strip().splitlines()
     header = next(i for i, line in enumerate(lines)
                   if line.startswith("kernel "))
-    assert len(lines) - header == 2 + 20
+    assert len(lines) - header == 2 + 2 * len(names)
 
 
 def test_attention_benchmark_small(smollm2, tmp_path):
