@@ -48,16 +48,6 @@ from _engines import load_fms_model
 from roofline import read_bandwidth
 
 
-def _cpu_has(flag: str) -> bool:
-    """Whether the CPU's flags (Linux) name ``flag``."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and flag in line.split()
-                       for line in f)
-    except OSError:
-        return False
-
-
 def load_linears(model_dir: str) -> list:
     """Float32 weights of every linear layer, each storage once."""
     import torch
@@ -147,7 +137,7 @@ def kernels(rows: int):
             # dequantized to bfloat16 per call (what DENSE_ROWS rows or
             # more run where the CPU has AMX); the kernel has that path
             # where it is built with AVX512_BF16.
-            if _cpu_has("avx512_bf16"):
+            if native.cpu_has("avx512_bf16"):
                 ops[f"spyre-{kind}-dense"] = (
                     lambda w, prepare=prepare: (*prepare(w), True, True),
                     lambda x, p: spyre_quant_linear.quant_linear(

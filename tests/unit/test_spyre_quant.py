@@ -95,12 +95,6 @@ def test_kernel_rounding_inputs_to_bfloat16(kind, rows):
                           atol=2e-5 * want.abs().max().item())
 
 
-def _cpu_has(flag: str) -> bool:
-    with open("/proc/cpuinfo") as f:
-        return any(line.startswith("flags") and flag in line.split()
-                   for line in f)
-
-
 @kernel
 @pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
 @pytest.mark.parametrize("n,k,groups,zeros,group_size",
@@ -112,7 +106,8 @@ def test_dense_rows_multiply_the_bfloat16_weight(kind, n, k, groups, zeros,
     AVX512_BF16): the product of bfloat16 inputs and weights, rounded to
     bfloat16, then the bias; fewer rows stay on the tiles, whose float32
     sums are not rounded."""
-    if not (platform.machine() == "x86_64" and _cpu_has("avx512_bf16")):
+    if not (platform.machine() == "x86_64" and
+            native.cpu_has("avx512_bf16")):
         pytest.skip("the dense path is built with AVX512_BF16 only")
     w = _weight(kind, n, k, groups, zeros, group_size=group_size)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(1))

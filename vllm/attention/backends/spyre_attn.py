@@ -31,7 +31,7 @@ and its forward context would cost one per layer and step).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple, Type
 
 import torch
@@ -130,16 +130,6 @@ class SpyreAttentionMetadata(AttentionMetadata):
     def decode_metadata(self) -> Optional["SpyreAttentionMetadata"]:
         return self if self.num_decode_tokens else None
 
-    #: Set once per step, for ``SpyreAttentionImpl.forward``: the keyword
-    #: arguments the Spyre cache ops read, and the (store, compute) ops.
-    cache_kwargs: dict[str, Any] = field(init=False, repr=False)
-    ops: tuple = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.cache_kwargs = _cache_kwargs(self.kind, self.mask,
-                                          self.cache_slots, self.block_table,
-                                          self.ctx_lens)
-        self.ops = _ops(self.kind, self.on_kernel)
 
 
 def _cache_kwargs(kind: str, mask, cache_slots, block_table,
@@ -279,8 +269,11 @@ class SpyreAttentionImpl(AttentionImpl[SpyreAttentionMetadata]):
         ``attn_metadata``.  The Spyre models call ``attend`` instead
         (``InlineAttention``)."""
         meta = attn_metadata
-        return self.attend(query, key, value, kv_cache, meta.kind, meta.rows,
-                           meta.length, meta.cache_kwargs, meta.ops)
+        return self.attend(
+            query, key, value, kv_cache, meta.kind, meta.rows, meta.length,
+            _cache_kwargs(meta.kind, meta.mask, meta.cache_slots,
+                          meta.block_table, meta.ctx_lens),
+            _ops(meta.kind, meta.on_kernel))
 
     def attend(self, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, kv_cache, kind: str, rows, length,

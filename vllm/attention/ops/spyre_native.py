@@ -48,23 +48,29 @@ _SOURCES = [Path(__file__).with_name("spyre_native_linear.cpp"),
 _NATIVE_FLAG = {"x86_64": "-march=native", "s390x": "-march=native",
                 "ppc64le": "-mcpu=native", "aarch64": "-mcpu=native"}
 _loaded: Optional[bool] = None
-_amx: Optional[bool] = None
+_cpu_flags: Optional[frozenset] = None
 #: Why the build failed, when it did.
 _failure = ""
 
 
-def has_amx_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 on AMX tiles (Linux's
-    ``amx_bf16`` flag): where prompts multiply on oneDNN."""
-    global _amx
-    if _amx is None:
+def cpu_has(flag: str) -> bool:
+    """Whether the CPU's flags (Linux's ``/proc/cpuinfo``) name ``flag``."""
+    global _cpu_flags
+    if _cpu_flags is None:
         try:
             with open("/proc/cpuinfo") as f:
-                _amx = any(line.startswith("flags") and
-                           "amx_bf16" in line.split() for line in f)
+                _cpu_flags = frozenset(
+                    word for line in f if line.startswith("flags")
+                    for word in line.split()[2:])
         except OSError:
-            _amx = False
-    return _amx
+            _cpu_flags = frozenset()
+    return flag in _cpu_flags
+
+
+def has_amx_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 on AMX tiles: where prompts
+    multiply on oneDNN."""
+    return cpu_has("amx_bf16")
 
 
 def available() -> bool:

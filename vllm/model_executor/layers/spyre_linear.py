@@ -30,8 +30,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-# Re-exported: the layers' callers ask here whether prompts go to oneDNN.
-from vllm.attention.ops.spyre_native import has_amx_bf16  # noqa: F401
+from vllm.attention.ops.spyre_native import has_amx_bf16
 
 #: Output columns per packed block; must match kBlock in
 #: ``vllm/attention/ops/spyre_native_linear.cpp``.
