@@ -95,7 +95,11 @@ def metric(url: str, name: str) -> float:
     """The sum of a Prometheus metric's samples (through ``requests``: a
     new httpx client per call is too slow for polling loops)."""
     import requests
-    text = requests.get(url + "/metrics", timeout=10).text
+    return metric_in(requests.get(url + "/metrics", timeout=10).text, name)
+
+
+def metric_in(text: str, name: str) -> float:
+    """The sum of metric ``name``'s samples in one scrape's ``text``."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith((name + "{", name + " ")))
 

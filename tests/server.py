@@ -21,8 +21,8 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from serving_soak import metric as url_metric  # noqa: E402
-from serving_soak import (burst, random_requests, soak,  # noqa: E402
-                          soak_plan, tree_rss)
+from serving_soak import (burst, metric_in, random_requests,  # noqa: E402
+                          soak, soak_plan, tree_rss)
 
 
 def free_port() -> int:
