@@ -16,12 +16,16 @@ three kernels:
   (docs/quantization.md) on the weights quantized here by round to
   nearest: int8 and FP8 per output channel, int4 per group of 64 (which
   divides SmolLM2's features), symmetric; ``spyre-<kind>-bf16in``: the
-  same under ``--dtype bfloat16`` (inputs rounded to bfloat16, tiles of 4
-  rows or more on ``vdpbf16ps``); ``spyre-<kind>-dense``: the same inputs
-  multiplied on oneDNN over the weight dequantized to bfloat16 per call
-  (AMX where the CPU has it; what a prompt of ``DENSE_ROWS`` rows or more
-  runs there), and ``onednn-bf16``: a bfloat16 weight on oneDNN, a
-  bfloat16 layer's prompt there; both round their outputs to bfloat16.
+  same under ``--dtype bfloat16`` (inputs rounded to bfloat16; tiles of
+  ``DOT_ROWS`` rows or more on ``vdpbf16ps`` where the CPU has AVX512_BF16
+  and no AMX, as the engine runs them); ``spyre-<kind>-dot``: the same
+  inputs, every row count on ``vdpbf16ps`` tiles, and
+  ``spyre-<kind>-dense``: on oneDNN over the weight dequantized to
+  bfloat16 per call (AMX where the CPU has it; what a prompt of
+  ``DENSE_ROWS`` rows or more runs there), both where the CPU has
+  AVX512_BF16; ``onednn-bf16``: a bfloat16 weight on oneDNN, a bfloat16
+  layer's prompt there.  The dense kernels round their outputs to
+  bfloat16.
 
 Reports the best of N passes, the bytes each kernel's weights are held in
 and read per second, and the ratio of its time to ``mkl-packed``'s; the
@@ -128,16 +132,22 @@ def kernels(rows: int):
             ops[f"spyre-{kind}"] = (
                 prepare,
                 lambda x, p: spyre_quant_linear.quant_linear(x, p, None))
-            # --dtype bfloat16: inputs rounded, bfloat16 pairs from 4 rows.
+            # --dtype bfloat16: inputs rounded, bfloat16 pairs from
+            # DOT_ROWS rows where the engine uses them on this CPU.
+            dot = spyre_quant_linear.kernel_rows(kind, True)[1]
             ops[f"spyre-{kind}-bf16in"] = (
                 lambda w, prepare=prepare: (*prepare(w), True),
-                lambda x, p: spyre_quant_linear.quant_linear(
-                    x, p, None, round_inputs=True))
+                lambda x, p, dot=dot: spyre_quant_linear.quant_linear(
+                    x, p, None, round_inputs=True, dot=dot))
             # The same, every row count on oneDNN over the weight
             # dequantized to bfloat16 per call (what DENSE_ROWS rows or
             # more run where the CPU has AMX); the kernel has that path
             # where it is built with AVX512_BF16.
             if native.cpu_has("avx512_bf16"):
+                ops[f"spyre-{kind}-dot"] = (
+                    lambda w, prepare=prepare: (*prepare(w), True),
+                    lambda x, p: spyre_quant_linear.quant_linear(
+                        x, p, None, round_inputs=True, dot=1))
                 ops[f"spyre-{kind}-dense"] = (
                     lambda w, prepare=prepare: (*prepare(w), True, True),
                     lambda x, p: spyre_quant_linear.quant_linear(

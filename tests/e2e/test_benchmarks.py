@@ -106,8 +106,9 @@ def test_linear_benchmark_small(smollm2, tmp_path):
              "spyre-int8", "spyre-fp8", "spyre-int4", "spyre-int8-bf16in",
              "spyre-fp8-bf16in", "spyre-int4-bf16in", "onednn-bf16"]
     from vllm.attention.ops.spyre_native import cpu_has
-    if cpu_has("avx512_bf16"):  # the kernel's dense path
-        names += ["spyre-int8-dense", "spyre-fp8-dense", "spyre-int4-dense"]
+    if cpu_has("avx512_bf16"):  # the kernel's dot and dense paths
+        names += [f"spyre-{kind}-{path}" for path in ("dot", "dense")
+                  for kind in ("int8", "fp8", "int4")]
     assert kernels == {(k, n) for k in names for n in (1, 4)}
     assert all(r["same"] and r["bytes_per_s"] > 0
                for r in result["results"])

@@ -84,13 +84,14 @@ def test_kernel_last_group_shorter(kind, rows):
 @kernel
 @pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 12, 40])
-def test_kernel_rounding_inputs_to_bfloat16(kind, rows):
-    # The bfloat16 precision: inputs rounded to bfloat16, then (from 4 rows
-    # on, where the CPU has AVX512_BF16) multiplied as bfloat16 pairs.
+@pytest.mark.parametrize("dot", [0, 4])
+def test_kernel_rounding_inputs_to_bfloat16(kind, rows, dot):
+    # The bfloat16 precision: inputs rounded to bfloat16, then (from ``dot``
+    # rows on, where the CPU has AVX512_BF16) multiplied as bfloat16 pairs.
     w = _weight(kind, 64, 576, 5, True, group_size=128)
     x = torch.randn(rows, 576)
     want = x.bfloat16().double() @ w.dequantize().double().T
-    got = quant_linear(x, pack(w), None, round_inputs=True)
+    got = quant_linear(x, pack(w), None, round_inputs=True, dot=dot)
     assert torch.allclose(got.double(), want, rtol=2e-5,
                           atol=2e-5 * want.abs().max().item())
 
@@ -138,6 +139,36 @@ def test_kernel_bias_batch_dims_and_bfloat16():
     assert torch.allclose(got16.float(),
                           x.bfloat16().float() @ w.dequantize().T + bias,
                           rtol=2e-2, atol=5e-2)
+
+
+@kernel
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("rows", [1, 3, 5, 12])
+def test_bfloat16_inputs_read_and_outputs_rounded_in_the_kernel(kind, rows):
+    """A bfloat16 input (the bfloat16 precision's activations) is read as
+    it is and its outputs rounded to bfloat16 as they are stored: exactly
+    the float32 input's result, bias added, then rounded (the group sums
+    of the offsets included)."""
+    w = _weight(kind, 70, 576, 5, True, group_size=128)
+    x = torch.randn(rows, 576).bfloat16()
+    bias = torch.randn(70).bfloat16()
+    got = quant_linear(x, pack(w), bias, round_inputs=True)
+    assert got.dtype == torch.bfloat16
+    want = quant_linear(x.float(), pack(w), bias.float(), round_inputs=True)
+    assert torch.equal(got, want.bfloat16())
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_kernel_rows_follow_the_cpu(monkeypatch, amx):
+    """With AMX, prompts of DENSE_ROWS rows on oneDNN and float32 tiles
+    below (faster there than bfloat16 pairs at every height); without it,
+    bfloat16 pairs from DOT_ROWS rows; float32 inputs neither."""
+    from vllm.model_executor.layers import spyre_quant_linear as sql
+    monkeypatch.setattr(sql, "has_amx_bf16", lambda: amx)
+    for kind in ("int8", "fp8", "int4"):
+        assert sql.kernel_rows(kind, False) == (0, 0)
+        assert sql.kernel_rows(kind, True) == (
+            (sql.DENSE_ROWS[kind], 0) if amx else (0, sql.DOT_ROWS))
 
 
 @kernel

@@ -44,6 +44,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -70,6 +71,22 @@ typedef uint32_t vuint
 typedef int8_t vbyte_u __attribute__((vector_size(kLanes), aligned(1)));
 typedef uint8_t vubyte_u __attribute__((vector_size(kLanes), aligned(1)));
 
+// A bfloat16 (its bits) as a float, exactly.
+inline float from_bf16(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// A float rounded to bfloat16 (nearest, ties to even), as PyTorch rounds.
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;  // NaN
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 #if defined(__AVX512F__)
 // Sixteen bytes widened to 32-bit lanes, signed or not.
 inline vint widen_signed(const uint8_t* p) {
@@ -94,15 +111,21 @@ inline vint widen_unsigned(const uint8_t* p) {
 // and the seven exponent-and-mantissa bits moved to where a half float has
 // them (5-bit exponent, bias 15, against e4m3's 4-bit, bias 7) make a half
 // float of the value times 2^-8, subnormals included; the NaN code 0x7F
-// reads as 480 (a checkpoint holds none).
+// reads as 480 (a checkpoint holds none).  With AVX-512: each code
+// sign-extended to 16 bits and shifted left by 7 has the sign in bits 15
+// and 14 and the rest in bits 13..7; clearing bit 14 leaves the half float.
+#if defined(__AVX512F__)
+inline __m256i fp8_half_bits(__m256i sign_extended) {
+  return _mm256_and_si256(_mm256_slli_epi16(sign_extended, 7),
+                          _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+}
+#endif
+
 inline vfloat fp8_codes(const uint8_t* p) {
 #if defined(__AVX512F__)
-  const __m256i b = _mm256_cvtepu8_epi16(
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i bits = _mm256_or_si256(
-      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
-      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
-  return reinterpret_cast<vfloat>(_mm512_cvtph_ps(bits));
+  return reinterpret_cast<vfloat>(_mm512_cvtph_ps(fp8_half_bits(
+      _mm256_cvtepi8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))));
 #else
   // 2^9 times the value = (e ? 8 + m : m) << max(e - 1, 0), e the
   // exponent field and m the mantissa: exact in 32-bit integers; times
@@ -139,6 +162,17 @@ constexpr int64_t row_bytes() {
   return K == kInt4 ? kBlock / 2 : kBlock;
 }
 
+// Prefetches for the rows from `row` on, `span` bytes: one per cache line
+// they start (a row of int8 codes is half a line, of int4 a quarter).
+constexpr int64_t kLine = 64;
+inline void prefetch_rows(const uint8_t* row, int64_t offset, int64_t span) {
+  for (int64_t at = (offset + kLine - 1) / kLine * kLine - offset;
+       at < span; at += kLine) {
+    __builtin_prefetch(row + at + kAheadL1);
+    __builtin_prefetch(row + at + kAheadL2, 0, 2);
+  }
+}
+
 // acc[r] += sums[r] * the scales of group g, plus the group's offsets
 // times row r's sum of inputs over the group (xsums, [R][groups]).
 template <int R>
@@ -164,19 +198,30 @@ inline void add_group(vfloat (&acc)[R][2], const vfloat (&sums)[R][2],
   }
 }
 
+// Where a tile's rows go: float32 outputs, or bfloat16 ones (rounded
+// after the bias, as a float32 result converted to bfloat16 is).
+struct Out {
+  void* y;  // the tile's first output
+  int64_t ldy;
+  bool bf16;
+};
+
 // y[r, 0:cols] = acc[r] (+ bias) for the R rows.
 template <int R>
-inline void store_rows(const vfloat (&acc)[R][2], float* y, int64_t ldy,
-                       int64_t cols, const float* bias) {
-  float out[kBlock];
+inline void store_rows(const vfloat (&acc)[R][2], Out out, int64_t cols,
+                       const float* bias) {
+  float row[kBlock];
   for (int r = 0; r < R; ++r) {
-    *reinterpret_cast<vfloat_u*>(out) = acc[r][0];
-    *reinterpret_cast<vfloat_u*>(out + kLanes) = acc[r][1];
-    float* yr = y + r * ldy;
-    if (bias) {
-      for (int64_t c = 0; c < cols; ++c) yr[c] = out[c] + bias[c];
+    *reinterpret_cast<vfloat_u*>(row) = acc[r][0];
+    *reinterpret_cast<vfloat_u*>(row + kLanes) = acc[r][1];
+    if (bias)
+      for (int64_t c = 0; c < cols; ++c) row[c] += bias[c];
+    if (out.bf16) {
+      uint16_t* yr = static_cast<uint16_t*>(out.y) + r * out.ldy;
+      for (int64_t c = 0; c < cols; ++c) yr[c] = to_bf16(row[c]);
     } else {
-      std::memcpy(yr, out, cols * sizeof(float));
+      std::memcpy(static_cast<float*>(out.y) + r * out.ldy, row,
+                  cols * sizeof(float));
     }
   }
 }
@@ -197,8 +242,8 @@ constexpr int chains() {
 template <int K, int R>
 void tile(const float* x, int64_t ldx, const float* xsums, int64_t groups,
           const uint8_t* block, int64_t in, int64_t group,
-          const float* scales, const float* offsets, float* y, int64_t ldy,
-          int64_t cols, const float* bias) {
+          const float* scales, const float* offsets, Out out, int64_t cols,
+          const float* bias) {
   constexpr int U = chains<R>();
   constexpr int64_t bytes = row_bytes<K>();
   vfloat acc[R][2];
@@ -211,8 +256,6 @@ void tile(const float* x, int64_t ldx, const float* xsums, int64_t groups,
     int64_t k = k0;
     auto step = [&](int u, int64_t kk) {
       const uint8_t* row = block + kk * bytes;
-      __builtin_prefetch(row + kAheadL1);
-      __builtin_prefetch(row + kAheadL2, 0, 2);
       vfloat w0, w1;
       codes<K>(row, w0, w1);
       for (int r = 0; r < R; ++r) {
@@ -221,9 +264,14 @@ void tile(const float* x, int64_t ldx, const float* xsums, int64_t groups,
         part[u][r][1] += xs * w1;
       }
     };
-    for (; k + U <= end; k += U)
+    for (; k + U <= end; k += U) {
+      prefetch_rows(block + k * bytes, k * bytes, U * bytes);
       for (int u = 0; u < U; ++u) step(u, k + u);
-    for (; k < end; ++k) step(0, k);
+    }
+    for (; k < end; ++k) {
+      prefetch_rows(block + k * bytes, k * bytes, bytes);
+      step(0, k);
+    }
     vfloat sums[R][2];
     for (int r = 0; r < R; ++r) {
       sums[r][0] = part[0][r][0];
@@ -235,21 +283,22 @@ void tile(const float* x, int64_t ldx, const float* xsums, int64_t groups,
     }
     add_group<R>(acc, sums, scales, offsets, xsums, groups, g);
   }
-  store_rows<R>(acc, y, ldy, cols, bias);
+  store_rows<R>(acc, out, cols, bias);
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t,
                         const uint8_t*, int64_t, int64_t, const float*,
-                        const float*, float*, int64_t, int64_t,
-                        const float*);
+                        const float*, Out, int64_t, const float*);
 
 #if defined(__AVX512BF16__)
-// Rounded inputs (bfloat16 precision): from kDotRows rows on, a tile
+// Rounded inputs (bfloat16 precision): from dot_rows rows on, a tile
 // multiplies bfloat16 pairs with vdpbf16ps, two input features per lane,
-// twice the products per instruction of float32 multiply-adds.  Codes are
+// twice the products per instruction of float32 multiply-adds.  The caller
+// sets dot_rows where benchmarks/linear.py found it faster (AMD's Zen 4);
+// on Intel's AMX machines the float32 tiles are faster at every height.
+// Codes are
 // small integers or FP8 values, exact in bfloat16, so only the inputs are
 // rounded, as the bfloat16 float kernel rounds them.
-constexpr int64_t kDotRows = 4;
 
 // Lanes of rows k (a) and k + 1 (b) as bfloat16 pairs: b's upper half
 // above a's (both exact, so truncation is rounding).
@@ -264,7 +313,7 @@ template <int K, int R>
 void tile_dot(const uint32_t* x, int64_t ldx, const float* xsums,
               int64_t groups, const uint8_t* block, int64_t in,
               int64_t group, const float* scales, const float* offsets,
-              float* y, int64_t ldy, int64_t cols, const float* bias) {
+              Out out, int64_t cols, const float* bias) {
   constexpr int64_t bytes = row_bytes<K>();
   vfloat acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vfloat{};
@@ -274,8 +323,7 @@ void tile_dot(const uint32_t* x, int64_t ldx, const float* xsums,
     const int64_t end = std::min(k0 + group, in);
     for (int64_t k = k0; k < end; k += 2) {
       const uint8_t* row = block + k * bytes;
-      __builtin_prefetch(row + kAheadL1);
-      __builtin_prefetch(row + kAheadL2, 0, 2);
+      prefetch_rows(row, k * bytes, 2 * bytes);
       vfloat a0, a1, b0, b1;
       codes<K>(row, a0, a1);
       codes<K>(row + bytes, b0, b1);
@@ -292,13 +340,12 @@ void tile_dot(const uint32_t* x, int64_t ldx, const float* xsums,
     }
     add_group<R>(acc, part, scales, offsets, xsums, groups, g);
   }
-  store_rows<R>(acc, y, ldy, cols, bias);
+  store_rows<R>(acc, out, cols, bias);
 }
 
 using DotFn = void (*)(const uint32_t*, int64_t, const float*, int64_t,
                        const uint8_t*, int64_t, int64_t, const float*,
-                       const float*, float*, int64_t, int64_t,
-                       const float*);
+                       const float*, Out, int64_t, const float*);
 
 template <int K>
 constexpr DotFn kDots[kMaxRows + 1] = {
@@ -319,6 +366,18 @@ constexpr TileFn kTiles[kMaxRows + 1] = {
     nullptr,     tile<K, 1>, tile<K, 2>,  tile<K, 3>,  tile<K, 4>,
     tile<K, 5>,  tile<K, 6>, tile<K, 7>,  tile<K, 8>,  tile<K, 9>,
     tile<K, 10>, tile<K, 11>, tile<K, 12>};
+
+// Each row's sum of inputs per group ([M][groups]), for the offsets.
+void group_sums(const float* x, int64_t M, int64_t K, int64_t group,
+                int64_t groups, float* out) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.0f;
+      for (int64_t k = g * group; k < std::min(K, (g + 1) * group); ++k)
+        s += x[m * K + k];
+      out[m * groups + g] = s;
+    }
+}
 
 #if defined(__AVX512BF16__)
 // The weight as bfloat16 [K, n_pad] (n_pad = blocks * kBlock): row k holds
@@ -359,7 +418,8 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
                         const std::optional<at::Tensor>& offsets,
                         int64_t kind, int64_t group, int64_t out_features,
                         const std::optional<at::Tensor>& bias,
-                        bool round_inputs, int64_t dense_rows) {
+                        bool round_inputs, int64_t dense_rows,
+                        int64_t dot_rows) {
   TORCH_CHECK(kind == kInt8 || kind == kFp8 || kind == kInt4,
               "quant_linear: unknown weight kind ", kind,
               " (0 int8, 1 fp8, 2 int4)");
@@ -404,7 +464,10 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == out_features, "quant_linear: bias of ",
                 bias->numel(), " for ", out_features, " outputs");
-    b = bias->to(at::kFloat).contiguous();
+    b = bias->scalar_type() == at::kFloat ||
+                bias->scalar_type() == at::kBFloat16
+            ? bias->contiguous()
+            : bias->to(at::kFloat).contiguous();
   }
 #if defined(__AVX512BF16__)
   if (round_inputs && dense_rows > 0 && M >= dense_rows) {
@@ -428,50 +491,71 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
   }
 #else
   (void)dense_rows;
+  (void)dot_rows;
 #endif
-  at::Tensor x = input.scalar_type() == at::kFloat
-                     ? (input.is_contiguous() ? input : input.contiguous())
-                     : input.to(at::kFloat).contiguous();
-  // round_inputs: the inputs rounded to bfloat16 (nearest even), as the
-  // bfloat16 precision's products take them.
-  at::Tensor x16;
-  if (round_inputs) {
-    x16 = x.to(at::kBFloat16);
-    x = x16.to(at::kFloat);
+  // The tiles read float32 inputs; the bfloat16 pairs of the dot tiles,
+  // bfloat16 ones.  A bfloat16 input is widened (exactly) into a float32
+  // scratch; round_inputs rounds a float32 one to bfloat16 (nearest even)
+  // as the bfloat16 precision's products take it.  A bfloat16 input's
+  // outputs are rounded to bfloat16 as they are stored.  The scratch is
+  // filled here, not by ATen conversions: a decode step calls this once
+  // per layer, and each ATen call costs microseconds.
+  const bool bf16_in = input.scalar_type() == at::kBFloat16;
+  at::Tensor x = input.is_contiguous() ? input : input.contiguous();
+  std::vector<float> x32;
+  std::vector<uint16_t> x16;
+  const float* xf = bf16_in ? nullptr : x.data_ptr<float>();
+  const uint16_t* xb =
+      bf16_in ? static_cast<const uint16_t*>(x.data_ptr()) : nullptr;
+  if (!bf16_in && round_inputs) {
+    x16.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) x16[i] = to_bf16(xf[i]);
+    xb = x16.data();
   }
-  at::Tensor y = at::empty(out_sizes, x.options());
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  const TileFn* tiles = kind == kInt8  ? kTiles<kInt8>
-                        : kind == kFp8 ? kTiles<kFp8>
-                                       : kTiles<kInt4>;
+  if (xb) {
+    x32.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) x32[i] = from_bf16(xb[i]);
+    xf = x32.data();
+  }
+  at::Tensor y = at::empty(out_sizes, input.options());
+  // Biases as float32 (a bfloat16 bias widened exactly).
+  std::vector<float> bias32;
+  const float* bp = nullptr;
+  if (b.defined()) {
+    if (b.scalar_type() == at::kFloat) {
+      bp = b.data_ptr<float>();
+    } else {
+      const auto* b16 = static_cast<const uint16_t*>(b.data_ptr());
+      bias32.resize(out_features);
+      for (int64_t c = 0; c < out_features; ++c) bias32[c] = from_bf16(b16[c]);
+      bp = bias32.data();
+    }
+  }
   const int64_t height =
       M ? (M + (M + kMaxRows - 1) / kMaxRows - 1) /
               ((M + kMaxRows - 1) / kMaxRows)
         : 0;
   // Each row's sum of inputs per group, for the offsets.
-  at::Tensor xsums;
+  std::vector<float> xsums;
   if (op) {
-    xsums = groups * group == K
-                ? x.view({M, groups, group}).sum(-1)
-                : at::constant_pad_nd(x.view({M, K}), {0, groups * group - K})
-                      .view({M, groups, group})
-                      .sum(-1);
-    xsums = xsums.contiguous();
+    xsums.resize(M * groups);
+    group_sums(xf, M, K, group, groups, xsums.data());
   }
-  const float* xsp = op ? xsums.data_ptr<float>() : nullptr;
-  const float* xp = x.data_ptr<float>();
+  const float* xsp = op ? xsums.data() : nullptr;
   const DotFnOrNull* dots = nullptr;
 #if defined(__AVX512BF16__)
-  if (round_inputs && K % 2 == 0 && group % 2 == 0 && height >= kDotRows)
+  if (round_inputs && dot_rows > 0 && K % 2 == 0 && group % 2 == 0 &&
+      height >= dot_rows)
     dots = kind == kInt8 ? kDots<kInt8> : kind == kFp8 ? kDots<kFp8>
                                                          : kDots<kInt4>;
 #endif
-  const uint32_t* x2 =
-      dots ? static_cast<const uint32_t*>(x16.data_ptr()) : nullptr;
-  (void)x2;
+  const TileFn* tiles = kind == kInt8  ? kTiles<kInt8>
+                        : kind == kFp8 ? kTiles<kFp8>
+                                       : kTiles<kInt4>;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  char* yp = static_cast<char*>(y.data_ptr());
+  const int64_t y_bytes = y.element_size();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t c0 = blk * kBlock;
@@ -479,24 +563,25 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
       const int64_t at = blk * groups * kBlock;
       for (int64_t m0 = 0; m0 < M; m0 += height) {
         const int64_t rows = std::min(height, M - m0);
+        const Out out{yp + (m0 * out_features + c0) * y_bytes, out_features,
+                      bf16_in};
+        const float* xs = xsp ? xsp + m0 * groups : nullptr;
+        const uint8_t* w = wp + blk * K * bytes;
+        const float* o = op ? op + at : nullptr;
+        const float* bc = bp ? bp + c0 : nullptr;
 #if defined(__AVX512BF16__)
         if (dots) {
-          dots[rows](x2 + m0 * K / 2, K / 2,
-                     xsp ? xsp + m0 * groups : nullptr, groups,
-                     wp + blk * K * bytes, K, group, sp + at,
-                     op ? op + at : nullptr, yp + m0 * out_features + c0,
-                     out_features, cols, bp ? bp + c0 : nullptr);
+          dots[rows](reinterpret_cast<const uint32_t*>(xb + m0 * K), K / 2,
+                     xs, groups, w, K, group, sp + at, o, out, cols, bc);
           continue;
         }
 #endif
-        tiles[rows](xp + m0 * K, K, xsp ? xsp + m0 * groups : nullptr,
-                    groups, wp + blk * K * bytes, K, group, sp + at,
-                    op ? op + at : nullptr, yp + m0 * out_features + c0,
-                    out_features, cols, bp ? bp + c0 : nullptr);
+        tiles[rows](xf + m0 * K, K, xs, groups, w, K, group, sp + at, o, out,
+                    cols, bc);
       }
     }
   });
-  return input.scalar_type() == at::kFloat ? y : y.to(input.scalar_type());
+  return y;
 }
 
 }  // namespace
@@ -505,7 +590,8 @@ TORCH_LIBRARY_FRAGMENT(spyre_cpu, m) {
   m.def(
       "quant_linear(Tensor input, Tensor packed, Tensor scales, "
       "Tensor? offsets, int kind, int group_size, int out_features, "
-      "Tensor? bias=None, bool round_inputs=False, int dense_rows=0) "
+      "Tensor? bias=None, bool round_inputs=False, int dense_rows=0, "
+      "int dot_rows=0) "
       "-> Tensor");
 }
 

@@ -20,7 +20,8 @@ A prompt is bound by arithmetic instead.  Under the bfloat16 precision on
 a CPU with AMX, a product of ``DENSE_ROWS`` rows or more dequantizes the
 layer's weight into a bfloat16 scratch and multiplies on oneDNN's AMX
 tiles (the kernel's ``dense_rows``, which the quantization method sets),
-as a bfloat16 layer's prompt does.
+as a bfloat16 layer's prompt does.  Without AMX, tiles of ``DOT_ROWS``
+rows or more multiply bfloat16 pairs (``kernel_rows``).
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from vllm.attention.ops.spyre_native import has_amx_bf16
 
 #: Output columns per packed block (kBlock in spyre_native_quant.cpp).
 BLOCK = 32
@@ -149,25 +152,44 @@ def pack(weight: QuantWeight) -> PackedQuant:
 
 #: Rows (positions of the step's sequences together) from which rounded
 #: inputs multiply on oneDNN where the CPU has AMX, per code kind: where
-#: ``benchmarks/linear.py`` found the dense path faster than the tiles
-#: (prompts, and decode batches that large).
-DENSE_ROWS = {"int8": 64, "fp8": 32, "int4": 32}
+#: ``benchmarks/linear.py`` found the dense path faster than the float32
+#: tiles (prompts, and decode batches that large).
+DENSE_ROWS = {"int8": 80, "fp8": 48, "int4": 72}
+
+#: Rows from which rounded inputs multiply as bfloat16 pairs
+#: (``vdpbf16ps``) where the CPU has AVX512_BF16 but not AMX (AMD's Zen
+#: 4, where they beat the float32 tiles from 4 rows); on AMX machines the
+#: float32 tiles are faster at every height below ``DENSE_ROWS``.
+DOT_ROWS = 4
+
+
+def kernel_rows(kind: str, round_inputs: bool) -> tuple[int, int]:
+    """``(dense, dot)`` for a layer of ``kind`` codes: the row counts from
+    which ``quant_linear`` multiplies on oneDNN, and as bfloat16 pairs (0:
+    never); both only with rounded inputs (the bfloat16 precision)."""
+    if not round_inputs:
+        return 0, 0
+    if has_amx_bf16():
+        return DENSE_ROWS[kind], 0
+    return 0, DOT_ROWS
 
 
 def quant_linear(x: torch.Tensor, weight: PackedQuant,
                  bias: Optional[torch.Tensor],
-                 round_inputs: bool = False, dense: int = 0) -> torch.Tensor:
+                 round_inputs: bool = False, dense: int = 0,
+                 dot: int = 0) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` on the kernel, in ``x``'s dtype;
     ``round_inputs``: ``x`` rounded to bfloat16 first (the bfloat16
-    precision), which lets tiles of several rows multiply bfloat16 pairs
-    (``vdpbf16ps``) where the CPU has them; ``dense``: from this many
-    rows on, they multiply on oneDNN over the weight dequantized to
-    bfloat16 instead (0: never; with rounded inputs only)."""
+    precision); ``dense``: from this many rows on, they multiply on
+    oneDNN over the weight dequantized to bfloat16 instead; ``dot``: from
+    this many rows on, the tiles multiply bfloat16 pairs (``vdpbf16ps``)
+    where the kernel is built with AVX512_BF16 (0: never; both with
+    rounded inputs only; ``kernel_rows`` chooses them for this CPU)."""
     return torch.ops.spyre_cpu.quant_linear(x, weight.packed, weight.scales,
                                             weight.offsets, weight.kind,
                                             weight.group_size,
                                             weight.out_features, bias,
-                                            round_inputs, dense)
+                                            round_inputs, dense, dot)
 
 
 def fake_quantize_fp8(x: torch.Tensor,

@@ -20,11 +20,9 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.layers.quantization.spyre_quant_schemes import (
     Scheme)
-from vllm.model_executor.layers.spyre_linear import has_amx_bf16
-from vllm.model_executor.layers.spyre_quant_linear import (DENSE_ROWS,
-                                                           QuantWeight,
+from vllm.model_executor.layers.spyre_quant_linear import (QuantWeight,
                                                            fake_quantize_fp8,
-                                                           pack)
+                                                           kernel_rows, pack)
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead)
 from vllm.model_executor.parameter import (BasevLLMParameter,
@@ -308,9 +306,10 @@ class SpyreQuantLinearMethod(LinearMethodBase):
             layer.spyre_qkind = packed.kind
             layer.spyre_qgroup = packed.group_size
             layer.spyre_qround = round_inputs
-            # A prompt's rounded inputs on oneDNN's AMX tiles.
-            layer.spyre_qdense = DENSE_ROWS[weight.kind] if round_inputs \
-                and has_amx_bf16() else 0
+            # A prompt's rounded inputs on oneDNN's AMX tiles, or tiles of
+            # bfloat16 pairs, as this CPU multiplies them faster.
+            layer.spyre_qdense, layer.spyre_qdot = kernel_rows(weight.kind,
+                                                               round_inputs)
             layer.spyre_out_features = packed.out_features
         else:
             layer.register_buffer("spyre_dequantized", weight.dequantize(),
@@ -337,7 +336,7 @@ class SpyreQuantLinearMethod(LinearMethodBase):
                 x, layer.spyre_qcodes, layer.spyre_qscales,
                 layer.spyre_qoffsets, layer.spyre_qkind, layer.spyre_qgroup,
                 layer.spyre_out_features, bias, layer.spyre_qround,
-                layer.spyre_qdense)
+                layer.spyre_qdense, layer.spyre_qdot)
         return F.linear(x, layer.spyre_dequantized.to(x.dtype), bias)
 
     # A quantized output head is applied like a linear layer; its tokens
