@@ -20,12 +20,15 @@ REPO = Path(__file__).resolve().parents[2]
 def test_offline_benchmark_small(smollm2, tmp_path):
     """P + G = 65 tokens: the CB engine's max_model_len (P + G in whole
     64-token blocks) is two blocks, and the static prompt is padded (61 ->
-    64)."""
+    64).  ``spyre-eager-vllm``: the static engine on vLLM's model code
+    (what ``--model-impl vllm`` adds beside each engine), the same ids, and
+    its decode rate over the FMS engine's."""
     out, png = tmp_path / "offline.json", tmp_path / "plot.png"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "offline.py"),
          "--model", str(smollm2), "--engines",
-         "spyre-eager,spyre-cb-eager,hf", "--batch-sizes", "1,2",
+         "spyre-eager,spyre-cb-eager,hf,spyre-eager-vllm",
+         "--batch-sizes", "1,2",
          "--prompt-len", "61", "--new-tokens", "4", "--repetitions", "2",
          "--json", str(out), "--plot", str(png)],
         capture_output=True, text=True, timeout=900, cwd=REPO)
@@ -63,27 +66,14 @@ def test_offline_benchmark_small(smollm2, tmp_path):
     header = next(i for i, line in enumerate(last)
                   if line.startswith("engine "))
     assert "cbstep/static" in last[header] and "preempt" in last[header]
-    assert len(last) - header == 2 + 6  # header, rule, 3 engines x 2 sizes
-
-
-def test_offline_benchmark_vllm_model_code(smollm2, tmp_path):
-    """``--model-impl vllm``: each of our engines again on vLLM's model
-    code, the same ids, and its decode rate over the FMS engine's."""
-    out = tmp_path / "offline.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "offline.py"),
-         "--model", str(smollm2), "--engines", "spyre-eager",
-         "--model-impl", "vllm", "--batch-sizes", "2", "--prompt-len", "61",
-         "--new-tokens", "4", "--repetitions", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=900, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert result["compilations"] == 0 and result["ids_match"] is True
-    fms = result["engines"]["spyre-eager"]["batches"]["2"]
-    ours = result["engines"]["spyre-eager-vllm"]["batches"]["2"]
-    assert ours["ids"] == fms["ids"]
-    assert ours["ratios"]["decode vllm/fms"] == pytest.approx(
-        ours["median"]["decode_tok_s"] / fms["median"]["decode_tok_s"])
+    # header, rule, 4 engines x 2 sizes
+    assert len(last) - header == 2 + 8
+    for b in ("1", "2"):
+        fms = engines["spyre-eager"]["batches"][b]
+        ours = engines["spyre-eager-vllm"]["batches"][b]
+        assert ours["ids"] == fms["ids"]
+        assert ours["ratios"]["decode vllm/fms"] == pytest.approx(
+            ours["median"]["decode_tok_s"] / fms["median"]["decode_tok_s"])
     assert "decode vllm/fms" in proc.stdout
 
 
