@@ -202,11 +202,18 @@ def test_pack_layout():
     assert torch.equal(p.packed[0, :, 3] & 15, w.codes[3].to(torch.uint8))
     assert torch.equal(p.packed[0, :, 3] >> 4, w.codes[19].to(torch.uint8))
     assert p.scales.shape == (2, 1, 32) and not p.scales[1, 0, 8:].any()
-    # The kernel reads int4 codes as code - 8: a zero point of 8 needs no
-    # offset, none (codes 0..15 as they are) an offset of 8 scales.
-    assert torch.equal(p.offsets[0, 0], 8 * p.scales[0, 0])
+    # The kernel reads int4 codes as they are (0..15): no zero point needs
+    # no offsets, one for every weight (8: symmetric formats) neither (the
+    # kernel subtracts it once per group); zero points that differ are
+    # offsets, -zero * scale.
+    assert p.offsets is None and p.zero_point == 0
     w8 = QuantWeight("int4", w.codes, w.scales, torch.full_like(w.scales, 8.))
-    assert pack(w8).offsets is None
+    assert pack(w8).offsets is None and pack(w8).zero_point == 8
+    zeros = torch.full_like(w.scales, 8.)
+    zeros[0, 0] = 7
+    mixed = pack(QuantWeight("int4", w.codes, w.scales, zeros))
+    assert mixed.zero_point == 0
+    assert torch.equal(mixed.offsets[0, 0], -zeros[:32, 0] * w.scales[:32, 0])
     assert pack(_weight("int8", 40, 8, 1, False)).offsets is None
 
 

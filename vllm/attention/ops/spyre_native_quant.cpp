@@ -11,15 +11,17 @@
 //   int8, FP8:  [N / kBlock][K][kBlock] bytes (column c of row k at c);
 //   int4:       [N / kBlock][K][kBlock / 2] bytes, the low nibble of byte
 //               c holding column c and the high nibble column c + 16,
-//               each the code (-8..7) plus 8.
+//               each the format's code, 0..15.
 //
 // Scales come per group of input features and per column, [N / kBlock]
 // [G][kBlock] float32 (G = ceil(K / group size), the last group possibly
 // shorter; one group: per-channel or per-tensor scales), with
 // optional offsets of the same shape: the weight of column c at feature k
-// in group g is code * scale[g][c] + offset[g][c].  An FP8 code is the
-// e4m3 value times 2^-8 (its bits widened to a half float, see
-// fp8_codes): the packer folds the 2^8 into the scales.
+// in group g is code * scale[g][c] + offset[g][c]; or one zero point for
+// the whole layer (8 in a symmetric int4 format, whose codes are 0..15):
+// (code - zero) * scale[g][c], applied once per group to its sum.  An
+// FP8 code is the e4m3 value times 2^-8 (its bits widened to a half float,
+// see fp8_codes): the packer folds the 2^8 into the scales.
 //
 // Inputs and sums are float32, so a layer computes exactly the product of
 // its input by the dequantized weight (up to the order of the sums): the
@@ -149,11 +151,11 @@ inline void codes(const uint8_t* row, vfloat& lo, vfloat& hi) {
     lo = fp8_codes(row);
     hi = fp8_codes(row + kLanes);
   } else {
+    // Read as they are, 0..15: a zero point (8 in symmetric formats)
+    // is an offset, which costs once per group, not per weight.
     const vint v = widen_unsigned(row);
-    // Stored as code + 8 (0..15), read back as -8..7: symmetric formats
-    // then need no offsets.
-    lo = __builtin_convertvector((v & 15) - 8, vfloat);
-    hi = __builtin_convertvector((v >> 4) - 8, vfloat);
+    lo = __builtin_convertvector(v & 15, vfloat);
+    hi = __builtin_convertvector(v >> 4, vfloat);
   }
 }
 
@@ -174,14 +176,24 @@ inline void prefetch_rows(const uint8_t* row, int64_t offset, int64_t span) {
 }
 
 // acc[r] += sums[r] * the scales of group g, plus the group's offsets
-// times row r's sum of inputs over the group (xsums, [R][groups]).
+// times row r's sum of inputs over the group (xsums, [R][groups]); or,
+// for one zero point for the whole layer (a symmetric int4 format's 8),
+// acc[r] += (sums[r] - zero * xsums) * the scales.
 template <int R>
 inline void add_group(vfloat (&acc)[R][2], const vfloat (&sums)[R][2],
-                      const float* scales, const float* offsets,
+                      const float* scales, const float* offsets, float zero,
                       const float* xsums, int64_t groups, int64_t g) {
   const float* sg = scales + g * kBlock;
   const vfloat s0 = *reinterpret_cast<const vfloat_u*>(sg);
   const vfloat s1 = *reinterpret_cast<const vfloat_u*>(sg + kLanes);
+  if (!offsets && zero != 0.0f) {
+    for (int r = 0; r < R; ++r) {
+      const float shift = zero * xsums[r * groups + g];
+      acc[r][0] += (sums[r][0] - shift) * s0;
+      acc[r][1] += (sums[r][1] - shift) * s1;
+    }
+    return;
+  }
   for (int r = 0; r < R; ++r) {
     acc[r][0] += sums[r][0] * s0;
     acc[r][1] += sums[r][1] * s1;
@@ -242,8 +254,8 @@ constexpr int chains() {
 template <int K, int R>
 void tile(const float* x, int64_t ldx, const float* xsums, int64_t groups,
           const uint8_t* block, int64_t in, int64_t group,
-          const float* scales, const float* offsets, Out out, int64_t cols,
-          const float* bias) {
+          const float* scales, const float* offsets, float zero, Out out,
+          int64_t cols, const float* bias) {
   constexpr int U = chains<R>();
   constexpr int64_t bytes = row_bytes<K>();
   vfloat acc[R][2];
@@ -281,14 +293,14 @@ void tile(const float* x, int64_t ldx, const float* xsums, int64_t groups,
         sums[r][1] += part[u][r][1];
       }
     }
-    add_group<R>(acc, sums, scales, offsets, xsums, groups, g);
+    add_group<R>(acc, sums, scales, offsets, zero, xsums, groups, g);
   }
   store_rows<R>(acc, out, cols, bias);
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t,
                         const uint8_t*, int64_t, int64_t, const float*,
-                        const float*, Out, int64_t, const float*);
+                        const float*, float, Out, int64_t, const float*);
 
 #if defined(__AVX512BF16__)
 // Rounded inputs (bfloat16 precision): from dot_rows rows on, a tile
@@ -313,7 +325,7 @@ template <int K, int R>
 void tile_dot(const uint32_t* x, int64_t ldx, const float* xsums,
               int64_t groups, const uint8_t* block, int64_t in,
               int64_t group, const float* scales, const float* offsets,
-              Out out, int64_t cols, const float* bias) {
+              float zero, Out out, int64_t cols, const float* bias) {
   constexpr int64_t bytes = row_bytes<K>();
   vfloat acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vfloat{};
@@ -338,14 +350,14 @@ void tile_dot(const uint32_t* x, int64_t ldx, const float* xsums,
             reinterpret_cast<__m512>(part[r][1]), xs, p1));
       }
     }
-    add_group<R>(acc, part, scales, offsets, xsums, groups, g);
+    add_group<R>(acc, part, scales, offsets, zero, xsums, groups, g);
   }
   store_rows<R>(acc, out, cols, bias);
 }
 
 using DotFn = void (*)(const uint32_t*, int64_t, const float*, int64_t,
                        const uint8_t*, int64_t, int64_t, const float*,
-                       const float*, Out, int64_t, const float*);
+                       const float*, float, Out, int64_t, const float*);
 
 template <int K>
 constexpr DotFn kDots[kMaxRows + 1] = {
@@ -381,10 +393,10 @@ void group_sums(const float* x, int64_t M, int64_t K, int64_t group,
 
 #if defined(__AVX512BF16__)
 // The weight as bfloat16 [K, n_pad] (n_pad = blocks * kBlock): row k holds
-// every column's code * scale + offset at input feature k.
+// every column's (code - zero) * scale + offset at input feature k.
 template <int K>
 void dequantize_bf16(const uint8_t* wp, const float* sp, const float* op,
-                     int64_t blocks, int64_t features, int64_t groups,
+                     float zero, int64_t blocks, int64_t features, int64_t groups,
                      int64_t group, uint16_t* out) {
   constexpr int64_t bytes = row_bytes<K>();
   const int64_t n_pad = blocks * kBlock;
@@ -397,8 +409,9 @@ void dequantize_bf16(const uint8_t* wp, const float* sp, const float* op,
         const int64_t g = k / group;
         vfloat lo, hi;
         codes<K>(w + k * bytes, lo, hi);
-        lo *= *reinterpret_cast<const vfloat_u*>(s + g * kBlock);
-        hi *= *reinterpret_cast<const vfloat_u*>(s + g * kBlock + kLanes);
+        lo = (lo - zero) * *reinterpret_cast<const vfloat_u*>(s + g * kBlock);
+        hi = (hi - zero) *
+             *reinterpret_cast<const vfloat_u*>(s + g * kBlock + kLanes);
         if (o) {
           lo += *reinterpret_cast<const vfloat_u*>(o + g * kBlock);
           hi += *reinterpret_cast<const vfloat_u*>(o + g * kBlock + kLanes);
@@ -417,6 +430,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
                         const at::Tensor& scales,
                         const std::optional<at::Tensor>& offsets,
                         int64_t kind, int64_t group, int64_t out_features,
+                        double zero_point,
                         const std::optional<at::Tensor>& bias,
                         bool round_inputs, int64_t dense_rows,
                         int64_t dot_rows) {
@@ -450,6 +464,11 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
                 "quant_linear: offsets must have the scales' shape");
     op = offsets->data_ptr<float>();
   }
+  // One zero point for every weight (weight = (code - zero) * scale),
+  // where no offsets are given.
+  TORCH_CHECK(op == nullptr || zero_point == 0.0,
+              "quant_linear: offsets and a zero point of ", zero_point);
+  const float zf = static_cast<float>(zero_point);
   TORCH_CHECK(input.size(-1) == K, "quant_linear: the input has ",
               input.size(-1), " features, the weight ", K);
   TORCH_CHECK(out_features > (blocks - 1) * kBlock &&
@@ -477,11 +496,11 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
     const uint8_t* wq = packed.data_ptr<uint8_t>();
     const float* sq = scales.data_ptr<float>();
     if (kind == kInt8)
-      dequantize_bf16<kInt8>(wq, sq, op, blocks, K, groups, group, wtp);
+      dequantize_bf16<kInt8>(wq, sq, op, zf, blocks, K, groups, group, wtp);
     else if (kind == kFp8)
-      dequantize_bf16<kFp8>(wq, sq, op, blocks, K, groups, group, wtp);
+      dequantize_bf16<kFp8>(wq, sq, op, zf, blocks, K, groups, group, wtp);
     else
-      dequantize_bf16<kInt4>(wq, sq, op, blocks, K, groups, group, wtp);
+      dequantize_bf16<kInt4>(wq, sq, op, zf, blocks, K, groups, group, wtp);
     at::Tensor y16 = at::mm(x16.view({M, K}), wt);
     at::Tensor yf = y16.narrow(1, 0, out_features).to(at::kFloat);
     if (b.defined()) yf.add_(b);
@@ -537,11 +556,11 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
         : 0;
   // Each row's sum of inputs per group, for the offsets.
   std::vector<float> xsums;
-  if (op) {
+  if (op || zf != 0.0f) {
     xsums.resize(M * groups);
     group_sums(xf, M, K, group, groups, xsums.data());
   }
-  const float* xsp = op ? xsums.data() : nullptr;
+  const float* xsp = xsums.empty() ? nullptr : xsums.data();
   const DotFnOrNull* dots = nullptr;
 #if defined(__AVX512BF16__)
   if (round_inputs && dot_rows > 0 && K % 2 == 0 && group % 2 == 0 &&
@@ -572,12 +591,12 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
 #if defined(__AVX512BF16__)
         if (dots) {
           dots[rows](reinterpret_cast<const uint32_t*>(xb + m0 * K), K / 2,
-                     xs, groups, w, K, group, sp + at, o, out, cols, bc);
+                     xs, groups, w, K, group, sp + at, o, zf, out, cols, bc);
           continue;
         }
 #endif
-        tiles[rows](xf + m0 * K, K, xs, groups, w, K, group, sp + at, o, out,
-                    cols, bc);
+        tiles[rows](xf + m0 * K, K, xs, groups, w, K, group, sp + at, o, zf,
+                    out, cols, bc);
       }
     }
   });
@@ -590,6 +609,7 @@ TORCH_LIBRARY_FRAGMENT(spyre_cpu, m) {
   m.def(
       "quant_linear(Tensor input, Tensor packed, Tensor scales, "
       "Tensor? offsets, int kind, int group_size, int out_features, "
+      "float zero_point, "
       "Tensor? bias=None, bool round_inputs=False, int dense_rows=0, "
       "int dot_rows=0) "
       "-> Tensor");

@@ -107,6 +107,8 @@ class PackedQuant:
     kind: int
     group_size: int
     out_features: int
+    #: One zero point for every weight, where there are no offsets.
+    zero_point: float = 0.0
 
 
 def _blocked(t: torch.Tensor, blocks: int) -> torch.Tensor:
@@ -119,10 +121,11 @@ def _blocked(t: torch.Tensor, blocks: int) -> torch.Tensor:
 
 def pack(weight: QuantWeight) -> PackedQuant:
     """Codes in column blocks ``[N / 32][K][32]`` bytes (int4: two codes
-    per byte, columns c and c + 16 of the block, which the kernel reads as
-    code - 8), scales and offsets ``[N / 32][G][32]`` float32, where
-    ``code * scale + offset`` is the weight; no offsets where every zero
-    point is 0 (int4: 8)."""
+    per byte, columns c and c + 16 of the block), scales and offsets
+    ``[N / 32][G][32]`` float32, where ``code * scale + offset`` is the
+    weight; no offsets where every zero point is 0, nor where all are the
+    same (symmetric int4: 8), which the kernel subtracts once per group
+    (``zero_point``)."""
     n, k = weight.codes.shape
     blocks = -(-n // BLOCK)
     if weight.kind == "fp8":
@@ -137,24 +140,23 @@ def pack(weight: QuantWeight) -> PackedQuant:
     packed = padded.view(blocks, BLOCK, k).transpose(1, 2)
     if weight.kind == "int4":
         packed = packed[..., :BLOCK // 2] | (packed[..., BLOCK // 2:] << 4)
-    offsets = None
+    offsets, zero = None, 0.0
     zeros = weight.zeros
-    if weight.kind == "int4":
-        # The kernel reads int4 codes as code - 8: a zero point of 8 (every
-        # symmetric int4 format's) needs no offset.
-        zeros = (torch.zeros_like(weight.scales) if zeros is None else
-                 zeros) - 8
-    if zeros is not None and zeros.any():
-        offsets = _blocked(-zeros * weight.scales, blocks)
+    if zeros is not None and zeros.numel():
+        if bool((zeros == zeros.flatten()[0]).all()):
+            zero = float(zeros.flatten()[0])
+        else:
+            offsets = _blocked(-zeros * weight.scales, blocks)
     return PackedQuant(packed.contiguous(), _blocked(scales, blocks),
-                       offsets, KINDS[weight.kind], weight.group_size, n)
+                       offsets, KINDS[weight.kind], weight.group_size, n,
+                       zero)
 
 
 #: Rows (positions of the step's sequences together) from which rounded
 #: inputs multiply on oneDNN where the CPU has AMX, per code kind: where
 #: ``benchmarks/linear.py`` found the dense path faster than the float32
 #: tiles (prompts, and decode batches that large).
-DENSE_ROWS = {"int8": 80, "fp8": 48, "int4": 72}
+DENSE_ROWS = {"int8": 80, "fp8": 48, "int4": 64}
 
 #: Rows from which rounded inputs multiply as bfloat16 pairs
 #: (``vdpbf16ps``) where the CPU has AVX512_BF16 but not AMX (AMD's Zen
@@ -188,7 +190,8 @@ def quant_linear(x: torch.Tensor, weight: PackedQuant,
     return torch.ops.spyre_cpu.quant_linear(x, weight.packed, weight.scales,
                                             weight.offsets, weight.kind,
                                             weight.group_size,
-                                            weight.out_features, bias,
+                                            weight.out_features,
+                                            weight.zero_point, bias,
                                             round_inputs, dense, dot)
 
 

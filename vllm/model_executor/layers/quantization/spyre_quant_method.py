@@ -304,6 +304,7 @@ class SpyreQuantLinearMethod(LinearMethodBase):
             layer.register_buffer("spyre_qoffsets", packed.offsets,
                                   persistent=False)
             layer.spyre_qkind = packed.kind
+            layer.spyre_qzero = packed.zero_point
             layer.spyre_qgroup = packed.group_size
             layer.spyre_qround = round_inputs
             # A prompt's rounded inputs on oneDNN's AMX tiles, or tiles of
@@ -335,7 +336,7 @@ class SpyreQuantLinearMethod(LinearMethodBase):
             return torch.ops.spyre_cpu.quant_linear(
                 x, layer.spyre_qcodes, layer.spyre_qscales,
                 layer.spyre_qoffsets, layer.spyre_qkind, layer.spyre_qgroup,
-                layer.spyre_out_features, bias, layer.spyre_qround,
+                layer.spyre_out_features, layer.spyre_qzero, bias, layer.spyre_qround,
                 layer.spyre_qdense, layer.spyre_qdot)
         return F.linear(x, layer.spyre_dequantized.to(x.dtype), bias)
 
