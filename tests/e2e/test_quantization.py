@@ -129,6 +129,21 @@ def test_inductor_without_recompiling(quantized, fmt, mode):
     assert compiled == 0, f"{compiled} compilations after warm-up"
 
 
+@pytest.mark.parametrize("fmt", ["gptq-int8", "gptq-int4"])
+def test_bfloat16_inductor_equals_eager(quantized, fmt):
+    """``--dtype bfloat16`` (inputs rounded to bfloat16; on a CPU with AMX
+    the prompt's 4 x 64 rows multiply on oneDNN over the dequantized
+    weight, elsewhere on tiles of bfloat16 pairs): the compiled graphs
+    call the kernel with every argument as eager does, give its ids and
+    compile nothing after warm-up."""
+    path, _ = quantized[fmt]
+    eager, _, _ = run(path, "static", dtype="bfloat16")
+    got, compiled, probes = run(path, "static", "inductor", dtype="bfloat16")
+    assert got == eager, fmt
+    assert on_kernel(probes), probes
+    assert compiled == 0, f"{compiled} compilations after warm-up"
+
+
 @pytest.mark.parametrize("fmt", ["gptq-int4", "fp8"])
 def test_over_three_ranks(quantized, fmt):
     """Codes and scales sharded: groups of 128 split on group boundaries

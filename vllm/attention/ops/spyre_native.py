@@ -139,9 +139,9 @@ def _fake(input: torch.Tensor, packed: torch.Tensor, out_features: int,
 def _fake_quant(input: torch.Tensor, packed: torch.Tensor,
                 scales: torch.Tensor, offsets: Optional[torch.Tensor],
                 kind: int, group_size: int, out_features: int,
-                bias: Optional[torch.Tensor] = None,
-                round_inputs: bool = False,
-                dense_rows: int = 0) -> torch.Tensor:
+                zero_point: float, bias: Optional[torch.Tensor] = None,
+                round_inputs: bool = False, dense_rows: int = 0,
+                dot_rows: int = 0) -> torch.Tensor:
     return input.new_empty((*input.shape[:-1], out_features))
 
 
