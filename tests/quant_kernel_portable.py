@@ -44,16 +44,19 @@ def main() -> int:
         else:
             q = (torch.randn(40, 256, generator=g) * 30).to(
                 torch.float8_e4m3fn)
-        w = mod.QuantWeight(kind, q, torch.rand(40, 2, generator=g) + 0.1,
-                            torch.rand(40, 2, generator=g) * 4, None)
-        for rows in (1, 5, 13):
-            x = torch.randn(rows, 256, generator=g)
-            for rnd in (False, True):
-                xr = x.bfloat16().float() if rnd else x
-                want = xr.double() @ w.dequantize().double().T
-                y = mod.quant_linear(x, mod.pack(w), None, rnd).double()
-                err = ((y - want).abs().max() / want.abs().max()).item()
-                assert err < 2e-5, (kind, rows, rnd, err)
+        scales = torch.rand(40, 2, generator=g) + 0.1
+        # Zero points per row and group (offsets), and one for the layer.
+        for zeros in (torch.rand(40, 2, generator=g) * 4,
+                      torch.full((40, 2), 8.0)):
+            w = mod.QuantWeight(kind, q, scales, zeros, None)
+            for rows in (1, 5, 13):
+                x = torch.randn(rows, 256, generator=g)
+                for rnd in (False, True):
+                    xr = x.bfloat16().float() if rnd else x
+                    want = xr.double() @ w.dequantize().double().T
+                    y = mod.quant_linear(x, mod.pack(w), None, rnd).double()
+                    err = ((y - want).abs().max() / want.abs().max()).item()
+                    assert err < 2e-5, (kind, rows, rnd, err)
     print("OK")
     return 0
 

@@ -344,7 +344,8 @@ def queued_behind_the_batch(server, blocker, count):
         if (metric_in(text, "vllm:num_requests_waiting") == count and
                 metric_in(text, "vllm:num_requests_running") == 1):
             return True
-        time.sleep(0.01)
+        # Not too often: the same API server tokenizes the four.
+        time.sleep(0.05)
     return False
 
 

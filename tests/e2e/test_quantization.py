@@ -133,7 +133,8 @@ def test_inductor_without_recompiling(quantized, fmt, mode):
 def test_bfloat16_inductor_equals_eager(quantized, fmt):
     """``--dtype bfloat16`` (inputs rounded to bfloat16; on a CPU with AMX
     the prompt's 4 x 64 rows multiply on oneDNN over the dequantized
-    weight, elsewhere on tiles of bfloat16 pairs): the compiled graphs
+    weight, on one with AVX512_BF16 but no AMX on tiles of bfloat16
+    pairs): the compiled graphs
     call the kernel with every argument as eager does, give its ids and
     compile nothing after warm-up."""
     path, _ = quantized[fmt]

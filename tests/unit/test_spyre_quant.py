@@ -32,8 +32,11 @@ kernel = pytest.mark.skipif(not native.available(),
                             reason="no C++ compiler for the kernel")
 
 
-def _weight(kind: str, n: int, k: int, groups: int, zeros: bool,
+def _weight(kind: str, n: int, k: int, groups: int, zeros,
             seed: int = 0, group_size=None) -> QuantWeight:
+    """Random codes and scales; ``zeros``: False (none), True (random
+    zero points per row and group: offsets) or "uniform" (8 everywhere:
+    the layer's one zero point, an FP8 layer's offsets)."""
     g = torch.Generator().manual_seed(seed)
     if kind == "int8":
         codes = torch.randint(-128, 128, (n, k), generator=g,
@@ -44,8 +47,12 @@ def _weight(kind: str, n: int, k: int, groups: int, zeros: bool,
         codes = (torch.randn(n, k, generator=g) * 40).clamp(
             -448, 448).to(torch.float8_e4m3fn)
     scales = torch.rand(n, groups, generator=g) + 0.05
-    z = (torch.randint(0, 16, (n, groups), generator=g).float()
-         if zeros else None)
+    if zeros == "uniform":
+        z = torch.full((n, groups), 8.0)
+    elif zeros:
+        z = torch.randint(0, 16, (n, groups), generator=g).float()
+    else:
+        z = None
     return QuantWeight(kind, codes, scales, z, group_size)
 
 
@@ -54,7 +61,8 @@ def _weight(kind: str, n: int, k: int, groups: int, zeros: bool,
 @pytest.mark.parametrize("n,k,groups,zeros", [(70, 256, 1, False),
                                               (96, 256, 2, True),
                                               (33, 128, 4, False),
-                                              (64, 576, 1, True)])
+                                              (64, 576, 1, True),
+                                              (96, 256, 2, "uniform")])
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 30])
 def test_kernel_equals_dequantized_product(kind, n, k, groups, zeros, rows):
     w = _weight(kind, n, k, groups, zeros)
@@ -85,10 +93,11 @@ def test_kernel_last_group_shorter(kind, rows):
 @pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 12, 40])
 @pytest.mark.parametrize("dot", [0, 4])
-def test_kernel_rounding_inputs_to_bfloat16(kind, rows, dot):
+@pytest.mark.parametrize("zeros", [True, "uniform"])
+def test_kernel_rounding_inputs_to_bfloat16(kind, rows, dot, zeros):
     # The bfloat16 precision: inputs rounded to bfloat16, then (from ``dot``
     # rows on, where the CPU has AVX512_BF16) multiplied as bfloat16 pairs.
-    w = _weight(kind, 64, 576, 5, True, group_size=128)
+    w = _weight(kind, 64, 576, 5, zeros, group_size=128)
     x = torch.randn(rows, 576)
     want = x.bfloat16().double() @ w.dequantize().double().T
     got = quant_linear(x, pack(w), None, round_inputs=True, dot=dot)
@@ -99,7 +108,8 @@ def test_kernel_rounding_inputs_to_bfloat16(kind, rows, dot):
 @kernel
 @pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
 @pytest.mark.parametrize("n,k,groups,zeros,group_size",
-                         [(70, 256, 1, False, None), (64, 576, 5, True, 128)])
+                         [(70, 256, 1, False, None), (64, 576, 5, True, 128),
+                          (64, 576, 5, "uniform", 128)])
 def test_dense_rows_multiply_the_bfloat16_weight(kind, n, k, groups, zeros,
                                                  group_size):
     """From ``dense`` rows on, rounded inputs multiply the weight
@@ -164,7 +174,7 @@ def test_kernel_rows_follow_the_cpu(monkeypatch, amx):
     below (faster there than bfloat16 pairs at every height); without it,
     bfloat16 pairs from DOT_ROWS rows; float32 inputs neither."""
     from vllm.model_executor.layers import spyre_quant_linear as sql
-    monkeypatch.setattr(sql, "has_amx_bf16", lambda: amx)
+    monkeypatch.setattr(native, "has_amx_bf16", lambda: amx)
     for kind in ("int8", "fp8", "int4"):
         assert sql.kernel_rows(kind, False) == (0, 0)
         assert sql.kernel_rows(kind, True) == (

@@ -23,9 +23,10 @@
 // FP8 code is the e4m3 value times 2^-8 (its bits widened to a half float,
 // see fp8_codes): the packer folds the 2^8 into the scales.
 //
-// Inputs and sums are float32, so a layer computes exactly the product of
-// its input by the dequantized weight (up to the order of the sums): the
-// format's reference, not an approximation of it.
+// Inputs and sums are float32, so a layer computes the product of its
+// input by the dequantized weight up to float32 rounding (the order of the
+// sums, and with a zero point or offsets their sum of inputs taken apart):
+// the format's reference, not an approximation of it.
 //
 // Many rows of rounded inputs (a prompt under the bfloat16 precision) are
 // bound by arithmetic, not by reading the weight.  From dense_rows rows on
@@ -379,7 +380,8 @@ constexpr TileFn kTiles[kMaxRows + 1] = {
     tile<K, 5>,  tile<K, 6>, tile<K, 7>,  tile<K, 8>,  tile<K, 9>,
     tile<K, 10>, tile<K, 11>, tile<K, 12>};
 
-// Each row's sum of inputs per group ([M][groups]), for the offsets.
+// Each row's sum of inputs per group ([M][groups]), for the offsets or
+// the zero point.
 void group_sums(const float* x, int64_t M, int64_t K, int64_t group,
                 int64_t groups, float* out) {
   for (int64_t m = 0; m < M; ++m)
@@ -396,8 +398,8 @@ void group_sums(const float* x, int64_t M, int64_t K, int64_t group,
 // every column's (code - zero) * scale + offset at input feature k.
 template <int K>
 void dequantize_bf16(const uint8_t* wp, const float* sp, const float* op,
-                     float zero, int64_t blocks, int64_t features, int64_t groups,
-                     int64_t group, uint16_t* out) {
+                     float zero, int64_t blocks, int64_t features,
+                     int64_t groups, int64_t group, uint16_t* out) {
   constexpr int64_t bytes = row_bytes<K>();
   const int64_t n_pad = blocks * kBlock;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
@@ -554,7 +556,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
       M ? (M + (M + kMaxRows - 1) / kMaxRows - 1) /
               ((M + kMaxRows - 1) / kMaxRows)
         : 0;
-  // Each row's sum of inputs per group, for the offsets.
+  // Each row's sum of inputs per group, for the offsets or the zero point.
   std::vector<float> xsums;
   if (op || zf != 0.0f) {
     xsums.resize(M * groups);

@@ -30,8 +30,6 @@ from typing import Optional
 
 import torch
 
-from vllm.attention.ops.spyre_native import has_amx_bf16
-
 #: Output columns per packed block (kBlock in spyre_native_quant.cpp).
 BLOCK = 32
 
@@ -123,9 +121,10 @@ def pack(weight: QuantWeight) -> PackedQuant:
     """Codes in column blocks ``[N / 32][K][32]`` bytes (int4: two codes
     per byte, columns c and c + 16 of the block), scales and offsets
     ``[N / 32][G][32]`` float32, where ``code * scale + offset`` is the
-    weight; no offsets where every zero point is 0, nor where all are the
-    same (symmetric int4: 8), which the kernel subtracts once per group
-    (``zero_point``)."""
+    weight; no offsets where every zero point is 0, nor, for integer
+    codes, where all are the same (symmetric int4: 8), which the kernel
+    subtracts once per group (``zero_point``; FP8 codes are read scaled by
+    2^-8, so their zero points stay offsets)."""
     n, k = weight.codes.shape
     blocks = -(-n // BLOCK)
     if weight.kind == "fp8":
@@ -143,7 +142,7 @@ def pack(weight: QuantWeight) -> PackedQuant:
     offsets, zero = None, 0.0
     zeros = weight.zeros
     if zeros is not None and zeros.numel():
-        if bool((zeros == zeros.flatten()[0]).all()):
+        if weight.kind != "fp8" and bool((zeros == zeros.flatten()[0]).all()):
             zero = float(zeros.flatten()[0])
         else:
             offsets = _blocked(-zeros * weight.scales, blocks)
@@ -169,6 +168,9 @@ def kernel_rows(kind: str, round_inputs: bool) -> tuple[int, int]:
     """``(dense, dot)`` for a layer of ``kind`` codes: the row counts from
     which ``quant_linear`` multiplies on oneDNN, and as bfloat16 pairs (0:
     never); both only with rounded inputs (the bfloat16 precision)."""
+    # Imported here: the module stays importable on its own (packing and
+    # the op's wrapper), as tests/quant_kernel_portable.py loads it.
+    from vllm.attention.ops.spyre_native import has_amx_bf16
     if not round_inputs:
         return 0, 0
     if has_amx_bf16():

@@ -335,8 +335,9 @@ class SpyreQuantLinearMethod(LinearMethodBase):
         if hasattr(layer, "spyre_qcodes"):
             return torch.ops.spyre_cpu.quant_linear(
                 x, layer.spyre_qcodes, layer.spyre_qscales,
-                layer.spyre_qoffsets, layer.spyre_qkind, layer.spyre_qgroup,
-                layer.spyre_out_features, layer.spyre_qzero, bias, layer.spyre_qround,
+                layer.spyre_qoffsets, layer.spyre_qkind,
+                layer.spyre_qgroup, layer.spyre_out_features,
+                layer.spyre_qzero, bias, layer.spyre_qround,
                 layer.spyre_qdense, layer.spyre_qdot)
         return F.linear(x, layer.spyre_dequantized.to(x.dtype), bias)
 
