@@ -528,12 +528,30 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
   const float* xf = bf16_in ? nullptr : x.data_ptr<float>();
   const uint16_t* xb =
       bf16_in ? static_cast<const uint16_t*>(x.data_ptr()) : nullptr;
+  const int64_t height =
+      M ? (M + (M + kMaxRows - 1) / kMaxRows - 1) /
+              ((M + kMaxRows - 1) / kMaxRows)
+        : 0;
+  const DotFnOrNull* dots = nullptr;
+#if defined(__AVX512BF16__)
+  if (round_inputs && dot_rows > 0 && K % 2 == 0 && group % 2 == 0 &&
+      height >= dot_rows)
+    dots = kind == kInt8 ? kDots<kInt8> : kind == kFp8 ? kDots<kFp8>
+                                                         : kDots<kInt4>;
+#endif
+  // One pass over the inputs: the float32 scratch the tiles read, and the
+  // rounded bfloat16 copy only where the dot tiles read it.
   if (!bf16_in && round_inputs) {
-    x16.resize(M * K);
-    for (int64_t i = 0; i < M * K; ++i) x16[i] = to_bf16(xf[i]);
-    xb = x16.data();
-  }
-  if (xb) {
+    x32.resize(M * K);
+    if (dots) x16.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) {
+      const uint16_t h = to_bf16(xf[i]);
+      x32[i] = from_bf16(h);
+      if (dots) x16[i] = h;
+    }
+    xb = dots ? x16.data() : nullptr;
+    xf = x32.data();
+  } else if (bf16_in) {
     x32.resize(M * K);
     for (int64_t i = 0; i < M * K; ++i) x32[i] = from_bf16(xb[i]);
     xf = x32.data();
@@ -552,10 +570,6 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
       bp = bias32.data();
     }
   }
-  const int64_t height =
-      M ? (M + (M + kMaxRows - 1) / kMaxRows - 1) /
-              ((M + kMaxRows - 1) / kMaxRows)
-        : 0;
   // Each row's sum of inputs per group, for the offsets or the zero point.
   std::vector<float> xsums;
   if (op || zf != 0.0f) {
@@ -563,13 +577,6 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
     group_sums(xf, M, K, group, groups, xsums.data());
   }
   const float* xsp = xsums.empty() ? nullptr : xsums.data();
-  const DotFnOrNull* dots = nullptr;
-#if defined(__AVX512BF16__)
-  if (round_inputs && dot_rows > 0 && K % 2 == 0 && group % 2 == 0 &&
-      height >= dot_rows)
-    dots = kind == kInt8 ? kDots<kInt8> : kind == kFp8 ? kDots<kFp8>
-                                                         : kDots<kInt4>;
-#endif
   const TileFn* tiles = kind == kInt8  ? kTiles<kInt8>
                         : kind == kFp8 ? kTiles<kFp8>
                                        : kTiles<kInt4>;
