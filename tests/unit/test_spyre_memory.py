@@ -25,10 +25,15 @@ def test_read_checkpoint_counts_headers(tmp_path):
               str(tmp_path / "model-2.safetensors"))
     counts = sm.read_checkpoint(str(tmp_path))
     assert counts == sm.Checkpoint(numel=50 * 8 + 16 * 8 + 50 * 8,
-                                   whole_numel=50 * 8)
+                                   whole_numel=50 * 8,
+                                   matrix_numel=16 * 8 + 50 * 8,
+                                   matrix_whole_numel=0)
     # The embedding stays whole on every rank; the rest is split.
     assert counts.rank_bytes(2, 1) == counts.numel * 2
     assert counts.rank_bytes(4, 2) == (400 + (128 + 400) // 2) * 4
+    # The linear layers' weights (not the embedding) held in two bytes.
+    assert counts.rank_bytes(4, 1, 2) == 400 * 4 + 528 * 2
+    assert counts.rank_bytes(4, 2, 2) == 400 * 4 + 528 // 2 * 2
     assert sm.read_checkpoint(str(tmp_path / "none")) is None
 
 
@@ -49,7 +54,9 @@ def test_tensors_kept_whole_under_tensor_parallelism(tmp_path):
     save_file({n: torch.zeros(4, 8) for n in whole + split},
               str(tmp_path / "model.safetensors"))
     counts = sm.read_checkpoint(str(tmp_path))
-    assert counts == sm.Checkpoint(numel=9 * 32, whole_numel=4 * 32)
+    assert counts == sm.Checkpoint(numel=9 * 32, whole_numel=4 * 32,
+                                   matrix_numel=7 * 32,
+                                   matrix_whole_numel=2 * 32)
 
 
 def test_kv_bytes_equal_the_allocated_caches():

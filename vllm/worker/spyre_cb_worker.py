@@ -41,7 +41,7 @@ class SpyreCBWorker(SpyreWorkerBase):
         """Checks that the model and the smallest useful pool fit, loads
         and compiles the model; warm-up waits for the pool."""
         self.check_memory()
-        self.model_runner.load_model()
+        self.load_weights()
 
     def memory_estimate(self) -> spyre_memory.Estimate:
         """Continuous batching: the blocks of one ``max_model_len``
@@ -57,7 +57,8 @@ class SpyreCBWorker(SpyreWorkerBase):
         return spyre_memory.cb_estimate(
             spyre_memory.process_rss(), weights, geometry, blocks,
             CB_BLOCK_SIZE, max_model_len, self.scheduler_config.max_num_seqs,
-            backend, override is not None, on_kernel)
+            backend, override is not None, on_kernel,
+            replaced=on_kernel and not self.reads_linears_narrow())
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """Blocks that fit this rank's share of the memory vLLM may use,

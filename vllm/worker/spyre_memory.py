@@ -8,8 +8,10 @@ it with its share of the memory this machine lets the process use:
   vLLM and FMS imported, the engine built): measured, not guessed;
 * the weights, this rank's share under tensor parallelism (the embedding,
   Mamba-2 layers and GPT-OSS's experts stay whole on every rank),
-  counted from the checkpoint's safetensors headers at the dtype being
-  served;
+  counted from the checkpoint's safetensors headers at the dtypes they
+  are held in (``spyre_dtypes``: on the CPU a bfloat16 model holds its
+  linear weights in bfloat16, two bytes each, and the rest in float32),
+  with the packed copy of a head tied to the embedding;
 * the key/value caches: static batching keeps one per warm-up shape, each
   ``batch × (prompt + new tokens) × layers × 2 × KV heads × head size``;
   continuous batching needs at least the blocks of one ``max_model_len``
@@ -53,17 +55,32 @@ _WHOLE = ("embed", "wte", "wpe", "tok_embeddings", ".mamba.",
 RUNTIME_OVERHEAD = {"eager": 0.25, "inductor": 1.3, "sendnn": 0.25}
 
 
+#: Names of the 2-D weights that are embeddings, not linear layers.
+_EMBEDDINGS = ("embed", "wte", "wpe", "tok_embeddings")
+
+
 @dataclass(frozen=True)
 class Checkpoint:
-    """Parameter counts of a checkpoint: all, and those kept whole."""
+    """Parameter counts of a checkpoint: all, and those kept whole; of
+    them, the linear layers' weights (2-D ``.weight`` tensors other than
+    embeddings), which may be held in another dtype."""
 
     numel: int
     whole_numel: int
+    matrix_numel: int = 0
+    matrix_whole_numel: int = 0
 
-    def rank_bytes(self, item: int, tp: int) -> int:
-        """Bytes of this rank's weights at ``item`` bytes per element."""
+    def rank_bytes(self, item: int, tp: int,
+                   matrix_item: Optional[int] = None) -> int:
+        """Bytes of this rank's weights at ``item`` bytes per element, the
+        linear weights at ``matrix_item`` where given."""
         split = self.numel - self.whole_numel
-        return (self.whole_numel + split // tp) * item
+        total = (self.whole_numel + split // tp) * item
+        if matrix_item is not None:
+            matrices = self.matrix_whole_numel + (
+                self.matrix_numel - self.matrix_whole_numel) // tp
+            total -= matrices * (item - matrix_item)
+        return total
 
 
 def read_checkpoint(model_dir: str) -> Optional[Checkpoint]:
@@ -72,7 +89,7 @@ def read_checkpoint(model_dir: str) -> Optional[Checkpoint]:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         return None
-    numel = whole = 0
+    numel = whole = matrix = matrix_whole = 0
     for path in files:
         with open(path, "rb") as f:
             (size, ) = struct.unpack("<Q", f.read(8))
@@ -84,9 +101,13 @@ def read_checkpoint(model_dir: str) -> Optional[Checkpoint]:
             for d in info["shape"]:
                 n *= d
             numel += n
-            if any(w in name for w in _WHOLE):
-                whole += n
-    return Checkpoint(numel, whole)
+            kept_whole = any(w in name for w in _WHOLE)
+            whole += n if kept_whole else 0
+            if len(info["shape"]) == 2 and name.endswith(".weight") and \
+                    not any(e in name for e in _EMBEDDINGS):
+                matrix += n
+                matrix_whole += n if kept_whole else 0
+    return Checkpoint(numel, whole, matrix, matrix_whole)
 
 
 @dataclass(frozen=True)
@@ -170,9 +191,10 @@ class Estimate:
 def runtime_bytes(weights: int, backend: str, kv: int, act: int,
                   packed: bool) -> int:
     """What running costs beyond the counted tensors: ``RUNTIME_OVERHEAD``
-    of the weights and, on ``eager`` with the packed kernels, the float32
-    weights the packing replaced, which stay resident as free heap (large
-    buffers are kept in the heap, ``keep_large_buffers``) until caches and
+    of the weights and, on ``eager`` where the packed kernels replaced
+    weights read in float32 (``packed``; a bfloat16 checkpoint served in
+    bfloat16 is read as it is held and replaces nothing), those float32
+    weights, which stay resident as free heap until caches and
     activations reuse them (``inductor``'s measured fraction includes
     it)."""
     slack = max(0, weights - kv - act) if packed and backend == "eager" \
@@ -218,13 +240,14 @@ def pooling_estimate(process: int, weights: int, geometry: Geometry,
 def cb_estimate(process: int, weights: int, geometry: Geometry,
                 blocks: int, block_size: int, max_model_len: int,
                 max_num_seqs: int, backend: str, override: bool,
-                on_kernel: bool) -> Estimate:
+                on_kernel: bool, replaced: Optional[bool] = None) -> Estimate:
     """Continuous batching: ``blocks`` blocks of the pool, a prefill and a
     decode step of ``max_num_seqs`` sequences.  On the paged C++ kernel
     (``on_kernel``) a prefill is one pass over a whole ``max_model_len``
     sequence, which the kernel scores one query position at a time (no
     ``[heads, L, L]`` scores); elsewhere it runs in chunks of a block,
-    each holding its scores."""
+    each holding its scores.  ``replaced`` (default: ``on_kernel``): the
+    packed kernels replaced float32 weights (``runtime_bytes``)."""
     kv = geometry.kv_bytes(blocks, block_size)
     # A hybrid model's Mamba-2 states: a slot per sequence and a spare.
     from vllm.model_executor.layers.spyre_mamba import cb_state_slots
@@ -241,7 +264,8 @@ def cb_estimate(process: int, weights: int, geometry: Geometry,
             f"the {blocks} blocks of one sequence of max_model_len="
             f"{max_model_len}")
     return Estimate(process, weights, kv, act,
-                    runtime_bytes(weights, backend, kv, act, on_kernel),
+                    runtime_bytes(weights, backend, kv, act,
+                                  on_kernel if replaced is None else replaced),
                     f"a pool of {pool} ({block_size} tokens each)")
 
 
@@ -320,16 +344,25 @@ def _has_sinks(hf_config) -> bool:
                if a in FAMILIES)
 
 
-def weights_of(vllm_config, item: int) -> int:
-    """This rank's weight bytes; the checkpoint files' size when they are
-    not safetensors."""
+def weights_of(vllm_config, item: int,
+               matrix_item: Optional[int] = None) -> int:
+    """This rank's weight bytes, the linear layers' weights at
+    ``matrix_item`` bytes each where given (and then a head tied to the
+    embedding counted once more, for its own packed copy); the checkpoint
+    files' size when they are not safetensors."""
     path = vllm_config.model_config.model
     tp = vllm_config.parallel_config.tensor_parallel_size
     counts = read_checkpoint(path)
-    if counts is not None:
-        return counts.rank_bytes(item, tp)
-    stored = sum(f.stat().st_size for f in Path(path).glob("*.bin"))
-    return stored // tp
+    if counts is None:
+        stored = sum(f.stat().st_size for f in Path(path).glob("*.bin"))
+        return stored // tp
+    held = counts.rank_bytes(item, tp, matrix_item)
+    model = vllm_config.model_config
+    if matrix_item is not None and getattr(model.hf_text_config,
+                                           "tie_word_embeddings", False):
+        held += (model.get_vocab_size() * model.get_hidden_size() *
+                 matrix_item)
+    return held
 
 
 def ranks_on_this_machine(world_size: int) -> int:

@@ -36,6 +36,11 @@ class SpyrePoolingWorker(SpyreWorkerBase):
         raise NotImplementedError(
             "Pooling models keep no key/value cache on Spyre")
 
+    def reads_linears_narrow(self) -> bool:
+        """An encoder is read in the dtype its tensors are held in
+        (``encoder_dtype``), its bfloat16 products made from that."""
+        return False
+
     def memory_estimate(self) -> spyre_memory.Estimate:
         """The weights and the largest shape's activations; no cache."""
         weights, geometry = self._memory_parts()

@@ -25,7 +25,9 @@ class SpyreWorker(SpyreWorkerBase):
         """Static batching: a cache per warm-up shape."""
         weights, geometry = self._memory_parts()
         backend = self.spyre_config.dynamo_backend
-        packed = native.in_use(backend, self.spyre_config.native_kernels)[0]
+        # Packing replaces float32 weights unless they were read narrow.
+        packed = native.in_use(backend, self.spyre_config.native_kernels)[0] \
+            and not self.reads_linears_narrow()
         return spyre_memory.static_estimate(
             spyre_memory.process_rss(), weights, geometry,
             self.spyre_config.warmup_shapes, backend, packed)

@@ -21,7 +21,9 @@ from vllm.distributed import (ensure_model_parallel_initialized,
                               init_distributed_environment)
 from vllm.logger import init_logger
 from vllm.model_executor import set_random_seed
-from vllm.model_executor.models.spyre_dtypes import precision_of
+from vllm.model_executor.models.spyre_dtypes import (load_dtype,
+                                                     precision_of,
+                                                     stored_dtypes)
 from vllm.platforms import current_platform
 from vllm.platforms.spyre_config import (SpyreConfig,
                                          malloc_threshold_unset)
@@ -70,10 +72,6 @@ class SpyreWorkerBase(LocalOrDistributedWorkerBase):
         torch.set_num_threads(threads)
         logger.info("Spyre worker %d: %d intra-op threads", self.rank,
                     threads)
-        if spyre_memory.keep_large_buffers(malloc_threshold_unset()):
-            logger.info("Spyre worker %d: large buffers stay in the heap "
-                        "between passes (glibc mmap threshold %d MiB)",
-                        self.rank, spyre_memory.HEAP_THRESHOLD >> 20)
         init_distributed_environment(
             world_size=self.parallel_config.world_size,
             rank=self.rank,
@@ -90,8 +88,20 @@ class SpyreWorkerBase(LocalOrDistributedWorkerBase):
         """Checks that the configuration fits in memory, loads and compiles
         the model, then warms up every shape."""
         self.check_memory()
-        self.model_runner.load_model()
+        self.load_weights()
         self.model_runner.warmup()
+
+    def load_weights(self) -> None:
+        """Loads and compiles the model, then keeps the large buffers of
+        the passes to come in the heap (``keep_large_buffers``).  Not
+        before: the load's transient buffers (each tensor as read, each
+        layer's weight before it is packed) go back to the system when
+        freed, so they leave no free heap behind."""
+        self.model_runner.load_model()
+        if spyre_memory.keep_large_buffers(malloc_threshold_unset()):
+            logger.info("Spyre worker %d: large buffers stay in the heap "
+                        "between passes (glibc mmap threshold %d MiB)",
+                        self.rank, spyre_memory.HEAP_THRESHOLD >> 20)
 
     def check_memory(self) -> None:
         """``ValueError`` before anything is loaded when this rank's
@@ -124,16 +134,33 @@ class SpyreWorkerBase(LocalOrDistributedWorkerBase):
                             self.spyre_config.dynamo_backend).model
 
     def _memory_parts(self) -> tuple[int, spyre_memory.Geometry]:
-        """This rank's weight bytes and cache geometry, at the dtype
-        served.  bfloat16 on the CPU holds the cache in bfloat16 and the
-        rest in float32; its weights are counted at float32 (an upper
-        bound: the linear layers' weights are held in bfloat16)."""
-        item = torch.empty((), dtype=self.held_dtype()).element_size()
-        kv = precision_of(self.model_config.dtype,
-                          self.spyre_config.dynamo_backend).kv
-        kv_item = torch.empty((), dtype=kv).element_size()
-        return (spyre_memory.weights_of(self.vllm_config, item),
+        """This rank's weight bytes and cache geometry, at the dtypes held.
+        bfloat16 on the CPU holds the cache and the linear layers' weights
+        in bfloat16 and the rest in float32; the linear weights are
+        counted at two bytes where they are read so (``spyre_dtypes.
+        load_dtype``, FMS's model code), else at float32 (an upper bound:
+        the float32 copy is replaced by the packed one, whose freed memory
+        ``runtime_bytes`` counts)."""
+        precision = precision_of(self.model_config.dtype,
+                                 self.spyre_config.dynamo_backend)
+        item = torch.empty((), dtype=precision.model).element_size()
+        kv_item = torch.empty((), dtype=precision.kv).element_size()
+        matrix_item = (torch.empty((), dtype=precision.linear).element_size()
+                       if self.reads_linears_narrow() else None)
+        return (spyre_memory.weights_of(self.vllm_config, item, matrix_item),
                 spyre_memory.geometry_of(self.vllm_config, item, kv_item))
+
+    def reads_linears_narrow(self) -> bool:
+        """Whether the checkpoint's linear weights are read straight into
+        a narrower dtype than the model's own tensors (FMS's model code,
+        a bfloat16 checkpoint served in bfloat16 on the CPU), so that no
+        float32 copy of them is ever made."""
+        precision = precision_of(self.model_config.dtype,
+                                 self.spyre_config.dynamo_backend)
+        return (self.spyre_config.model_impl == "fms"
+                and precision.linear != precision.model
+                and load_dtype(precision, stored_dtypes(
+                    self.model_config.model)) == precision.linear)
 
     def get_startup_timings(self) -> dict[str, float]:
         """Seconds per start-up phase (model load, warm-up of each shape)."""

@@ -63,16 +63,18 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packable(linear: nn.Linear, dtype: torch.dtype) -> bool:
-    """Whether the kernel takes this float32 layer with its weight held in
+    """Whether the kernel takes this layer (its weight float32, or already
+    in ``dtype`` as a bfloat16 checkpoint is read) with its weight held in
     ``dtype``: float32, or bfloat16 with an even number of input
     features."""
-    return linear.weight.dtype == torch.float32 and (
+    return linear.weight.dtype in (torch.float32, dtype) and (
         dtype == torch.float32 or
         (dtype == torch.bfloat16 and linear.in_features % 2 == 0))
 
 
 class PackedLinear(nn.Module):
-    """Drop-in for a float32 ``nn.Linear`` (no autograd), its weight packed
+    """Drop-in for a float32 ``nn.Linear`` (no autograd; its weight may be
+    read in bfloat16 already, ``spyre_loader.hold``), its weight packed
     in float32 or, with ``dtype=torch.bfloat16``, in bfloat16: then the
     inputs are rounded to bfloat16 and the products summed in float32, the
     output staying float32.  ``tied_to`` names the model parameter the
@@ -131,7 +133,7 @@ class PackedLinear(nn.Module):
                 f"prompts_on_onednn={self.unpacked is not None}")
 
 
-def _plain_linear_types() -> tuple[type, ...]:
+def plain_linear_types() -> tuple[type, ...]:
     """Linear classes whose forward is exactly ``nn.Linear``'s.  FMS's
     tensor-parallel head adds a gather to it and is left alone."""
     from fms.modules.head import LinearClassificationHead
@@ -145,19 +147,25 @@ def pack_linears(model: nn.Module,
     its weight in ``dtype``; returns how many.  A weight tied to an
     embedding stays in place for the embedding, and the layer gets its own
     packed copy, which remembers the parameter it was tied to."""
-    plain = _plain_linear_types()
+    plain = plain_linear_types()
     swaps = [(f"{prefix}.{name}" if prefix else name, parent, name, child)
              for prefix, parent in model.named_modules()
              for name, child in parent.named_children()
              if type(child) in plain and packable(child, dtype)]
     owners = _parameter_owners(model)
-    for qualified, parent, name, child in swaps:
+    count = len(swaps)
+    # Each layer's old weight is freed as soon as its packed copy exists,
+    # so the model never holds two copies of more than one layer.
+    swaps.reverse()
+    while swaps:
+        qualified, parent, name, child = swaps.pop()
         others = [n for n in owners.get(id(child.weight), [])
                   if not n.startswith(qualified + ".")]
         setattr(parent, name,
                 PackedLinear(child, tied_to=others[0] if others else None,
                              dtype=dtype))
-    return len(swaps)
+        del child
+    return count
 
 
 def _parameter_owners(model: nn.Module) -> dict[int, list[str]]:
@@ -192,10 +200,25 @@ class Bf16Linear(nn.Module):
 def bf16_linears(model: nn.Module) -> int:
     """Replaces every plain float32 linear layer of ``model`` (no tied
     weights) with a ``Bf16Linear``; returns how many."""
-    plain = _plain_linear_types()
-    swaps = [(parent, name, child) for parent in model.modules()
+    plain = plain_linear_types()
+    swaps = [(parent, name) for parent in model.modules()
              for name, child in parent.named_children()
-             if type(child) in plain and child.weight.dtype == torch.float32]
-    for parent, name, child in swaps:
-        setattr(parent, name, Bf16Linear(child))
+             if type(child) in plain and
+             child.weight.dtype in (torch.float32, torch.bfloat16)]
+    for parent, name in swaps:
+        setattr(parent, name, Bf16Linear(getattr(parent, name)))
     return len(swaps)
+
+
+def widen_linears(model: nn.Module, dtype: torch.dtype) -> int:
+    """Widens to ``dtype`` the weights of the plain linear layers left in a
+    narrower dtype (read as a bfloat16 checkpoint is, then neither packed
+    nor put on oneDNN: an odd number of input features); returns how
+    many."""
+    plain = plain_linear_types()
+    layers = [m for m in model.modules() if type(m) in plain and
+              m.weight.is_floating_point() and m.weight.dtype != dtype]
+    for m in layers:
+        m.weight = nn.Parameter(m.weight.detach().to(dtype),
+                                requires_grad=False)
+    return len(layers)

@@ -6,6 +6,14 @@ own mapping of ``config.json`` with the family's corrections and checkpoint
 adapter), shards it over the tensor-parallel group, runs the family's
 ``prepare`` step (Mixtral's dense experts) and freezes it for inference.
 ``SpyreCausalLM`` then swaps in the CPU kernels and compiles it.
+
+FMS builds the model on the meta device and reads the checkpoint one
+tensor at a time (memory-mapped safetensors), each into the dtype it is
+given.  A bfloat16 checkpoint served in bfloat16 on the CPU is read in
+bfloat16 (``spyre_dtypes.load_dtype``): the linear weights stay as read
+until the kernels pack them, and only the model's own tensors (embedding,
+norms) are widened to float32, so no float32 copy of a linear layer is
+ever made and the load peaks near the bytes the model holds.
 """
 from __future__ import annotations
 
@@ -17,16 +25,21 @@ from torch import nn
 
 from vllm.logger import init_logger
 from vllm.model_executor.models import spyre_families
+from vllm.model_executor.models.spyre_dtypes import (Precision, load_dtype,
+                                                     stored_dtypes)
 
 logger = init_logger(__name__)
 
 
-def load_fms_decoder(path: str, hf_config, dtype: torch.dtype, tp_size: int,
-                     backend: str) -> nn.Module:
-    """The FMS model of the checkpoint in ``path``, in ``dtype``, this
-    rank's shard of it when ``tp_size > 1``, ready for inference."""
+def load_fms_decoder(path: str, hf_config, precision: Precision,
+                     tp_size: int, backend: str) -> nn.Module:
+    """The FMS model of the checkpoint in ``path``, its tensors in
+    ``precision.model`` except the weights of plain linear layers, which
+    may be held in ``precision.linear`` (``hold``), this rank's shard of it
+    when ``tp_size > 1``, ready for inference."""
     from fms.models import get_model
     start = time.perf_counter()
+    dtype = load_dtype(precision, stored_dtypes(path))
     parallel = {}
     if tp_size > 1:
         import torch.distributed as dist
@@ -35,12 +48,53 @@ def load_fms_decoder(path: str, hf_config, dtype: torch.dtype, tp_size: int,
         parallel = dict(distributed_strategy="tp", group=dist.group.WORLD)
     model = get_model(**spyre_families.fms_model_args(path, hf_config),
                       data_type=dtype, device_type="cpu", **parallel)
+    read = time.perf_counter() - start
+    widened = hold(model, precision.model) if dtype != precision.model else 0
     spyre_families.family_of(hf_config).prepare(model)
     model.eval()
     model.requires_grad_(False)
-    logger.info("Loaded FMS model %s from %s in %.1f s",
-                type(model).__name__, path, time.perf_counter() - start)
+    logger.info(
+        "Loaded FMS model %s from %s in %.1f s (read in %s: %.1f s; %d "
+        "tensors widened to %s)", type(model).__name__, path,
+        time.perf_counter() - start, str(dtype).removeprefix("torch."), read,
+        widened, str(precision.model).removeprefix("torch."))
     return model
+
+
+def hold(model: nn.Module, dtype: torch.dtype) -> int:
+    """Widens to ``dtype`` every floating-point tensor of ``model`` except
+    the weights of plain linear layers (``spyre_linear.plain_linear_types``)
+    that no other module shares: those stay as read, for the kernels to
+    pack.  A tensor shared by several modules (a head tied to the
+    embedding) is widened once and stays shared.  Returns how many tensors
+    were widened."""
+    from vllm.model_executor.layers.spyre_linear import plain_linear_types
+    plain = plain_linear_types()
+    users: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, t in list(module._parameters.items()) + list(
+                module._buffers.items()):
+            if t is not None:
+                users.setdefault(id(t), []).append((module, name))
+    widened: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None or not t.is_floating_point() or \
+                        t.dtype == dtype or t.element_size() > \
+                        torch.empty((), dtype=dtype).element_size():
+                    continue
+                if all(type(m) in plain and n == "weight"
+                       for m, n in users[id(t)]):
+                    continue
+                new = widened.get(id(t))
+                if new is None:
+                    data = t.detach().to(dtype)
+                    new = (nn.Parameter(data, requires_grad=False)
+                           if isinstance(t, nn.Parameter) else data)
+                    widened[id(t)] = new
+                table[name] = new
+    return len(widened)
 
 
 def _keep_embedding_whole() -> None:

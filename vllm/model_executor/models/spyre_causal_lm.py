@@ -111,7 +111,7 @@ class SpyreCausalLM(nn.Module):
         returns the module to compile."""
         model_config = vllm_config.model_config
         self.fms_model = spyre_loader.load_fms_decoder(
-            model_config.model, model_config.hf_config, self.dtype,
+            model_config.model, model_config.hf_config, self.precision,
             self.tp_size, self.spyre_config.dynamo_backend)
         logger.info("Spyre model implementation: FMS (%s)",
                     type(self.fms_model).__name__)
@@ -121,6 +121,8 @@ class SpyreCausalLM(nn.Module):
             self._use_cpu_kernels()
         else:
             self._bf16_products()
+        # Linear layers read in a narrower dtype that neither took.
+        spyre_linear.widen_linears(self.fms_model, self.dtype)
         self._register_attention()
         self.cache_layout = CacheLayout.of(self.fms_model)
         self.state_layout = spyre_mamba.StateLayout.of(self.fms_model)

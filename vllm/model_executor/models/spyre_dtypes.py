@@ -60,3 +60,34 @@ def encoder_dtype(dtype: torch.dtype,
     if backend != "sendnn" and dtype == torch.bfloat16:
         return torch.float32, True
     return serving_dtype(dtype, backend), False
+
+
+def stored_dtypes(model_dir: str) -> set[torch.dtype]:
+    """The dtypes of the floating-point tensors of the safetensors files
+    in ``model_dir`` (their headers only are read); empty when it holds
+    none."""
+    import json
+    import struct
+    from pathlib import Path
+    names = {"BF16": torch.bfloat16, "F16": torch.float16,
+             "F32": torch.float32, "F64": torch.float64}
+    found: set[torch.dtype] = set()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (size, ) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        found.update(names[info["dtype"]] for key, info in header.items()
+                     if key != "__metadata__" and info["dtype"] in names)
+    return found
+
+
+def load_dtype(precision: Precision, stored: set[torch.dtype]) -> torch.dtype:
+    """The dtype a checkpoint's tensors are read into: the linear weights'
+    dtype where every stored float already is in it (a bfloat16
+    checkpoint served in bfloat16: the model's own float32 tensors are
+    widened afterwards, exactly, and no float32 copy of a linear layer is
+    ever made); else the model's dtype, which rounds nothing that serving
+    keeps wider."""
+    if stored == {precision.linear}:
+        return precision.linear
+    return precision.model
