@@ -389,6 +389,33 @@ _M_MMAP_THRESHOLD = -3
 HEAP_THRESHOLD = 2**31 - 1
 
 
+#: Allocations from this size on get mappings of their own during the load.
+LOAD_THRESHOLD = 2**20
+
+
+def _mallopt(param: int, value: int) -> bool:
+    """glibc's ``mallopt``; False where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError, TypeError):
+        return False  # not glibc
+    return bool(mallopt(param, value))
+
+
+def return_large_buffers(threshold_unset: bool) -> bool:
+    """Returns every buffer of ``LOAD_THRESHOLD`` or more to the system
+    when it is freed, for the load: each tensor as read and each layer's
+    weight before it is packed are freed as the load goes, and glibc's
+    own threshold, which rises to the size of the buffers freed (up to
+    32 MiB), would leave them behind as free heap that the model's
+    tensors never reuse.  Only on glibc, and only when the user has not
+    tuned the threshold; returns whether it was done."""
+    return threshold_unset and _mallopt(_M_MMAP_THRESHOLD, LOAD_THRESHOLD)
+
+
 def keep_large_buffers(threshold_unset: bool) -> bool:
     """Serves large tensors from the heap, reused from pass to pass.
 
@@ -404,14 +431,6 @@ def keep_large_buffers(threshold_unset: bool) -> bool:
     (``threshold_unset``); returns whether it was done."""
     if not threshold_unset:
         return False
-    import ctypes
-    import ctypes.util
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
-        return False  # not glibc
-    return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_THRESHOLD)) and \
-        bool(mallopt(_M_TRIM_THRESHOLD, HEAP_THRESHOLD))
+    return _mallopt(_M_MMAP_THRESHOLD, HEAP_THRESHOLD) and \
+        _mallopt(_M_TRIM_THRESHOLD, HEAP_THRESHOLD)
 

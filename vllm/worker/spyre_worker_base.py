@@ -92,11 +92,12 @@ class SpyreWorkerBase(LocalOrDistributedWorkerBase):
         self.model_runner.warmup()
 
     def load_weights(self) -> None:
-        """Loads and compiles the model, then keeps the large buffers of
-        the passes to come in the heap (``keep_large_buffers``).  Not
-        before: the load's transient buffers (each tensor as read, each
-        layer's weight before it is packed) go back to the system when
-        freed, so they leave no free heap behind."""
+        """Loads and compiles the model, its transient buffers (each
+        tensor as read, each layer's weight before it is packed) given
+        back to the system as they are freed (``return_large_buffers``),
+        then keeps the large buffers of the passes to come in the heap
+        (``keep_large_buffers``)."""
+        spyre_memory.return_large_buffers(malloc_threshold_unset())
         self.model_runner.load_model()
         if spyre_memory.keep_large_buffers(malloc_threshold_unset()):
             logger.info("Spyre worker %d: large buffers stay in the heap "
