@@ -11,6 +11,12 @@ estimate compared here adds the blocks the worker actually allocated.
 
     python benchmarks/memory.py [--model DIR] [--configs small,large,cb]
         [--json PATH]
+
+The ``bf16`` and ``bf16-cb`` configurations are sized for the
+realistic-size checkpoints ``scripts/benchmark_checkpoints.py`` writes:
+
+    python benchmarks/memory.py --model models/bench/granite-3.3-8b-bf16 \
+        --configs bf16,bf16-cb
 """
 from __future__ import annotations
 
@@ -33,6 +39,13 @@ CONFIGS = {
            dict(max_model_len=2048, max_num_seqs=16), (16, 1800, 32)),
     "small-inductor": (spyre_env("inductor", [(64, 24, 4)]), {},
                        (4, 60, 24)),
+    # Sized for the realistic-size checkpoints (``--model`` one of
+    # scripts/benchmark_checkpoints.py's), whose steps are slow on a CPU.
+    "bf16": (spyre_env("eager", [(64, 24, 4)]), dict(dtype="bfloat16"),
+             (4, 60, 24)),
+    "bf16-cb": (spyre_cb_env("eager"),
+                dict(dtype="bfloat16", max_model_len=512, max_num_seqs=4),
+                (4, 200, 16)),
 }
 
 

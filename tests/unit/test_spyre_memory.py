@@ -77,7 +77,8 @@ def test_static_estimate_sums_caches_and_takes_the_largest_step():
     # 2 x 256 prompt tokens over 320 positions is the largest prefill.
     assert est.activations == GEOMETRY.activation_bytes(2, 256, 320)
     assert "prompt_len=256, new_tokens=64, batch_size=2" in est.sized_for
-    assert est.overhead == 1000 * sm.RUNTIME_OVERHEAD["eager"]
+    assert est.overhead == sm.GiB // 10 + int(1000 * 0.04)
+    assert est.overhead == sm.overhead_bytes(1000, "eager")
     assert est.total == 100 + 1000 + est.kv_cache + est.activations + \
         est.overhead
 
@@ -93,11 +94,11 @@ def test_packed_weights_on_eager_count_the_replaced_weights():
     assert packed.overhead - plain.overhead == (
         weights - packed.kv_cache - packed.activations)
     assert sm.static_estimate(0, 1000, GEOMETRY, shapes, "eager",
-                              True).overhead == 1000 * sm.RUNTIME_OVERHEAD[
-                                  "eager"]  # reused by the caches
+                              True).overhead == sm.overhead_bytes(
+                                  1000, "eager")  # reused by the caches
     assert sm.static_estimate(0, weights, GEOMETRY, shapes, "inductor",
                               True).overhead == int(
-                                  weights * sm.RUNTIME_OVERHEAD["inductor"])
+                                  weights * 1.3)
 
 
 def test_cb_estimate_sizes_the_pool_asked_for():

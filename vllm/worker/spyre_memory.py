@@ -48,11 +48,20 @@ _WHOLE = ("embed", "wte", "wpe", "tok_embeddings", ".mamba.",
           "block_sparse_moe.router", "mlp.experts.gate_up_proj",
           "mlp.experts.down_proj", "mlp.router.")
 
-#: What running the model costs beyond its weights, caches and activations,
-#: as a fraction of the weights: graphs, inductor's packed copies of weights
-#: and its compile-time peak, allocator slack.  Measured with SmolLM2 by
-#: ``benchmarks/memory.py`` (docs/performance.md).
-RUNTIME_OVERHEAD = {"eager": 0.25, "inductor": 1.3, "sendnn": 0.25}
+#: What running the model costs beyond its weights, caches and activations:
+#: a fixed part (bytes) and a fraction of the weights: graphs, inductor's
+#: packed copies of weights and its compile-time peak, allocator slack.
+#: Measured by ``benchmarks/memory.py`` (docs/performance.md): ``eager``
+#: on SmolLM2 and on Granite-3.3-2B- and 8B-shaped checkpoints,
+#: ``inductor`` on SmolLM2.
+RUNTIME_OVERHEAD = {"eager": (GiB // 10, 0.04), "inductor": (0, 1.3),
+                    "sendnn": (0, 0.25)}
+
+
+def overhead_bytes(weights: int, backend: str) -> int:
+    """``RUNTIME_OVERHEAD`` of ``backend`` for ``weights`` bytes."""
+    fixed, fraction = RUNTIME_OVERHEAD[backend]
+    return fixed + int(weights * fraction)
 
 
 #: Names of the 2-D weights that are embeddings, not linear layers.
@@ -199,7 +208,7 @@ def runtime_bytes(weights: int, backend: str, kv: int, act: int,
     it)."""
     slack = max(0, weights - kv - act) if packed and backend == "eager" \
         else 0
-    return int(weights * RUNTIME_OVERHEAD[backend]) + slack
+    return overhead_bytes(weights, backend) + slack
 
 
 def static_estimate(process: int, weights: int, geometry: Geometry,
@@ -232,7 +241,7 @@ def pooling_estimate(process: int, weights: int, geometry: Geometry,
 
     largest = max(shapes, key=step)
     return Estimate(process, weights, 0, step(largest),
-                    int(weights * RUNTIME_OVERHEAD[backend]),
+                    overhead_bytes(weights, backend),
                     f"the largest pooling shape (prompt_len="
                     f"{largest.prompt_len}, batch_size={largest.batch_size})")
 
