@@ -303,6 +303,11 @@ ENGINES: dict[str, Engine] = {
     "spyre-cb-inductor-bf16": Engine(
         partial(SpyreCBDriver, dtype="bfloat16"), "inductor", ours=True,
         static_peer="spyre-inductor-bf16", precision="bf16"),
+    "spyre-eager-bf16": Engine(partial(SpyreDriver, dtype="bfloat16"),
+                               "eager", ours=True, precision="bf16"),
+    "spyre-cb-eager-bf16": Engine(
+        partial(SpyreCBDriver, dtype="bfloat16"), "eager", ours=True,
+        static_peer="spyre-eager-bf16", precision="bf16"),
     "hf-bf16": Engine(partial(HFDriver, dtype="bfloat16"), precision="bf16"),
 }
 
@@ -347,6 +352,13 @@ def quantized_model(model: str, fmt: str, head: bool = True,
     too (as llama.cpp's GGUFs quantize theirs), else left float (the
     tools' default)."""
     name = f"{os.path.basename(model)}-{fmt}" + ("" if head else "-float-head")
+    # scripts/benchmark_checkpoints.py writes <shape>-<fmt> beside
+    # <shape>-bf16, the head quantized.
+    written = Path(model).with_name(
+        os.path.basename(model).removesuffix("-bf16") + f"-{fmt}")
+    if head and model.endswith("-bf16") and (written /
+                                             "config.json").exists():
+        return str(written)
     out = Path(root or REPO / ".quantized") / name
     if not (out / "config.json").exists():
         sys.path.insert(0, str(REPO / "scripts"))
@@ -370,17 +382,18 @@ def _quantized(driver, fmt: str):
 
 
 def _with_quantized(engines: dict[str, Engine]) -> dict[str, Engine]:
-    """``spyre-inductor-<fmt>`` and ``spyre-cb-inductor-<fmt>`` for every
-    format of ``QUANT_FORMATS``."""
+    """``spyre-<backend>-<fmt>`` and ``spyre-cb-<backend>-<fmt>`` for every
+    format of ``QUANT_FORMATS``, on ``inductor`` and ``eager``."""
     out = dict(engines)
     for fmt, bits in QUANT_FORMATS.items():
-        out[f"spyre-inductor-{fmt}"] = Engine(
-            _quantized(SpyreDriver, fmt), "inductor", ours=True,
-            precision=bits, unquantized_peer="spyre-inductor-bf16")
-        out[f"spyre-cb-inductor-{fmt}"] = Engine(
-            _quantized(SpyreCBDriver, fmt), "inductor", ours=True,
-            precision=bits, unquantized_peer="spyre-cb-inductor-bf16",
-            static_peer=f"spyre-inductor-{fmt}")
+        for backend in ("inductor", "eager"):
+            out[f"spyre-{backend}-{fmt}"] = Engine(
+                _quantized(SpyreDriver, fmt), backend, ours=True,
+                precision=bits, unquantized_peer=f"spyre-{backend}-bf16")
+            out[f"spyre-cb-{backend}-{fmt}"] = Engine(
+                _quantized(SpyreCBDriver, fmt), backend, ours=True,
+                precision=bits, unquantized_peer=f"spyre-cb-{backend}-bf16",
+                static_peer=f"spyre-{backend}-{fmt}")
     return out
 
 

@@ -25,7 +25,9 @@ backend: a cheap check of the FMS path), llamacpp-f32, llamacpp-bf16,
 llamacpp-q8_0, llamacpp-q4_0, llamacpp-q4_1 (llama.cpp through its C API on
 GGUF files of the model, B sequences in one context, one decode call per
 step; set up once with ``bash benchmarks/peers/setup_llamacpp.sh``), and
-spyre-inductor-<format>, spyre-cb-inductor-<format> (ours, static and
+spyre-inductor-bf16, spyre-eager-bf16 and their spyre-cb-* twins (ours
+served with --dtype bfloat16), and spyre-<backend>-<format>,
+spyre-cb-<backend>-<format> with backend inductor or eager (ours, static and
 continuous batching, on the model quantized by scripts/quantize.py to
 <format>: gptq-int8, fp8, fp8-dynamic, w8a16, gptq-int4 or w4a16, the
 output head included, served with --dtype bfloat16; written on first use
@@ -48,8 +50,8 @@ CB slower).
         [--engines spyre-inductor,spyre-eager,hf,fms]
         (add spyre-cb-inductor,spyre-cb-eager for continuous batching,
         llamacpp-f32,llamacpp-bf16,llamacpp-q8_0,llamacpp-q4_0,llamacpp-q4_1
-        for llama.cpp, spyre-inductor-<format> and spyre-cb-inductor-<format>
-        for ours on a quantized checkpoint)
+        for llama.cpp, spyre-<backend>-<format> and
+        spyre-cb-<backend>-<format> for ours on a quantized checkpoint)
         [--json PATH] [--plot PATH] [--allow-mismatch]
         [--model-impl vllm]
 

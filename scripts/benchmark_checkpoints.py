@@ -19,10 +19,12 @@ Shapes (``SHAPES``): ``granite-3.3-2b`` and ``granite-3.3-8b``
 ``granite-4.0-h-micro`` (``GraniteMoeHybridForCausalLM``: Mamba-2 layers
 with attention every tenth layer, no experts).  The vocabulary is the
 default model's 49152 tokens.  Formats other than ``bf16`` go through the
-quantization writer (``scripts/quantize.py``) from the bf16 folder; it
-reads the whole float model, so at 8B it needs more memory than a
-24 GiB machine has (``--formats bf16`` there).  A folder already written
-(its ``config.json`` present) is kept.
+quantization writer (``scripts/quantize.py``) from the bf16 folder, the
+output head quantized too (as llama.cpp's GGUF files quantize theirs), into
+``<shape>-<format>`` beside it, where ``benchmarks/offline.py``'s quantized
+engines find them (``_engines.quantized_model``); the writer holds the
+whole model in memory.  A folder already written (its ``config.json``
+present) is kept.
 """
 from __future__ import annotations
 
@@ -198,7 +200,7 @@ def write_quantized(source: Path, fmt: str) -> Path:
         return folder
     subprocess.run([sys.executable, str(ROOT / "scripts" / "quantize.py"),
                     "--model", str(source), "--format", fmt,
-                    "--out", str(folder)], check=True)
+                    "--out", str(folder), "--lm-head"], check=True)
     return folder
 
 

@@ -90,6 +90,26 @@ def build_tiny_llama(out_dir: Path, seed: int = 0, heads: int = 4,
     return _save(LlamaForCausalLM(config).eval(), tokenizer, out_dir)
 
 
+def build_bf16_valued_llama(out_dir: Path, dtype, hidden: int = 64,
+                            layers: int = 2, intermediate: int = 128,
+                            tied: bool = False) -> Path:
+    """A random Llama whose values are all bfloat16 numbers, saved in
+    ``dtype``: its bfloat16 and float32 copies hold the same values, so a
+    model read from either must be the same."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(**{
+        **_common(len(tokenizer), hidden // 16),
+        "hidden_size": hidden, "intermediate_size": intermediate,
+        "num_hidden_layers": layers, "tie_word_embeddings": tied,
+        "torch_dtype": str(dtype).removeprefix("torch.")
+    }, num_key_value_heads=hidden // 32, rms_norm_eps=1e-5)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).to(dtype).eval()
+    return _save(model, tokenizer, out_dir)
+
+
 def _llama(vocab: int, heads: int = 6, kv_heads: int = 3,
            intermediate=None):
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -36,27 +36,9 @@ def test_load_dtype_reads_narrow_only_where_nothing_is_rounded():
     assert load_dtype(card, {torch.bfloat16}) == torch.bfloat16
 
 
-def _checkpoint(out: Path, dtype: torch.dtype, hidden: int = 64,
-                layers: int = 2, intermediate: int = 128,
-                tied: bool = False) -> Path:
-    """A random Llama whose values are all bfloat16 numbers, saved in
-    ``dtype`` (so its float32 and bfloat16 copies hold the same values)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tiny_models import build_tokenizer
-    tokenizer = build_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden,
-                         intermediate_size=intermediate,
-                         num_hidden_layers=layers,
-                         num_attention_heads=hidden // 16,
-                         num_key_value_heads=hidden // 32,
-                         max_position_embeddings=256, initializer_range=0.3,
-                         tie_word_embeddings=tied)
-    model = LlamaForCausalLM(config).to(torch.bfloat16).to(dtype)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    return out
+def _checkpoint(out: Path, dtype: torch.dtype, **kwargs) -> Path:
+    from tiny_models import build_bf16_valued_llama
+    return build_bf16_valued_llama(out, dtype, **kwargs)
 
 
 def _load(path: Path):
