@@ -90,15 +90,39 @@ def test_packed_weights_on_eager_count_the_replaced_weights():
     weights = 10 * 2**30  # more than the caches and activations
     shapes = [WarmupShape(64, 24, 4)]
     plain = sm.static_estimate(0, weights, GEOMETRY, shapes, "eager")
-    packed = sm.static_estimate(0, weights, GEOMETRY, shapes, "eager", True)
+    packed = sm.static_estimate(0, weights, GEOMETRY, shapes, "eager",
+                                weights)
     assert packed.overhead - plain.overhead == (
         weights - packed.kv_cache - packed.activations)
     assert sm.static_estimate(0, 1000, GEOMETRY, shapes, "eager",
-                              True).overhead == sm.overhead_bytes(
+                              1000).overhead == sm.overhead_bytes(
                                   1000, "eager")  # reused by the caches
     assert sm.static_estimate(0, weights, GEOMETRY, shapes, "inductor",
-                              True).overhead == int(
-                                  weights * 1.3)
+                              weights).overhead == int(weights * 1.3)
+
+
+def test_quantized_codes_count_as_stored(tmp_path):
+    """A quantized checkpoint's codes are held as stored, its floating
+    tensors at the model's dtype; none of them is a float32 linear weight
+    that packing replaces."""
+    from safetensors.torch import save_file
+    save_file({"model.embed_tokens.weight": torch.zeros(50, 8,
+                                                        dtype=torch.float16),
+               "model.layers.0.mlp.up_proj.qweight": torch.zeros(
+                   2, 16, dtype=torch.int32),
+               "model.layers.0.mlp.up_proj.scales": torch.zeros(
+                   1, 16, dtype=torch.float16),
+               "model.layers.0.mlp.down_proj.weight": torch.zeros(
+                   8, 16, dtype=torch.float8_e4m3fn)},
+              str(tmp_path / "model.safetensors"))
+    counts = sm.read_checkpoint(str(tmp_path))
+    assert counts == sm.Checkpoint(numel=400 + 16, whole_numel=400,
+                                   matrix_numel=0, matrix_whole_numel=0,
+                                   code_bytes=2 * 16 * 4 + 8 * 16,
+                                   code_whole_bytes=0)
+    assert counts.rank_bytes(4, 1, 2) == (400 + 16) * 4 + 256
+    assert counts.rank_bytes(4, 2) == (400 + 8) * 4 + 128
+    assert counts.rank_matrices(1) == 0
 
 
 def test_cb_estimate_sizes_the_pool_asked_for():
@@ -114,7 +138,7 @@ def test_cb_estimate_sizes_the_pool_asked_for():
         GEOMETRY.prompt_logprobs_bytes(300))
     assert "5 blocks of one sequence of max_model_len=300" in est.sized_for
     est = sm.cb_estimate(0, 0, GEOMETRY, 40, 64, 300, 16, "eager", True,
-                         True)
+                         True, replaced=0)
     assert "--num-gpu-blocks-override 40" in est.sized_for
     # The kernel on eager prefills whole sequences too.
     assert est.activations == max(

@@ -58,7 +58,7 @@ class SpyreCBWorker(SpyreWorkerBase):
             spyre_memory.process_rss(), weights, geometry, blocks,
             CB_BLOCK_SIZE, max_model_len, self.scheduler_config.max_num_seqs,
             backend, override is not None, on_kernel,
-            replaced=on_kernel and not self.reads_linears_narrow())
+            replaced=self.replaced_bytes(on_kernel))
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """Blocks that fit this rank's share of the memory vLLM may use,

@@ -70,26 +70,43 @@ _EMBEDDINGS = ("embed", "wte", "wpe", "tok_embeddings")
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """Parameter counts of a checkpoint: all, and those kept whole; of
-    them, the linear layers' weights (2-D ``.weight`` tensors other than
-    embeddings), which may be held in another dtype."""
+    """Counts of a checkpoint's tensors: floating-point elements, all and
+    those kept whole; of them, the linear layers' weights (2-D
+    ``.weight`` tensors other than embeddings), which may be held in
+    another dtype; and the bytes of the other tensors (a quantized
+    checkpoint's codes, zero points and group indices), held as stored."""
 
     numel: int
     whole_numel: int
     matrix_numel: int = 0
     matrix_whole_numel: int = 0
+    code_bytes: int = 0
+    code_whole_bytes: int = 0
+
+    @staticmethod
+    def _rank(total: int, whole: int, tp: int) -> int:
+        return whole + (total - whole) // tp
 
     def rank_bytes(self, item: int, tp: int,
                    matrix_item: Optional[int] = None) -> int:
-        """Bytes of this rank's weights at ``item`` bytes per element, the
-        linear weights at ``matrix_item`` where given."""
-        split = self.numel - self.whole_numel
-        total = (self.whole_numel + split // tp) * item
+        """Bytes of this rank's weights: floating-point ones at ``item``
+        bytes per element, the linear weights among them at
+        ``matrix_item`` where given, the rest as stored."""
+        total = self._rank(self.numel, self.whole_numel, tp) * item
         if matrix_item is not None:
-            matrices = self.matrix_whole_numel + (
-                self.matrix_numel - self.matrix_whole_numel) // tp
-            total -= matrices * (item - matrix_item)
-        return total
+            total -= self.rank_matrices(tp) * (item - matrix_item)
+        return total + self._rank(self.code_bytes, self.code_whole_bytes, tp)
+
+    def rank_matrices(self, tp: int) -> int:
+        """Elements of this rank's floating-point linear weights."""
+        return self._rank(self.matrix_numel, self.matrix_whole_numel, tp)
+
+
+#: Bytes per element of the safetensors dtypes, and the floating ones.
+_ITEM = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1,
+         "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+         "BOOL": 1}
+_FLOATS = ("F64", "F32", "F16", "BF16")
 
 
 def read_checkpoint(model_dir: str) -> Optional[Checkpoint]:
@@ -98,7 +115,7 @@ def read_checkpoint(model_dir: str) -> Optional[Checkpoint]:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         return None
-    numel = whole = matrix = matrix_whole = 0
+    numel = whole = matrix = matrix_whole = codes = codes_whole = 0
     for path in files:
         with open(path, "rb") as f:
             (size, ) = struct.unpack("<Q", f.read(8))
@@ -109,14 +126,19 @@ def read_checkpoint(model_dir: str) -> Optional[Checkpoint]:
             n = 1
             for d in info["shape"]:
                 n *= d
-            numel += n
             kept_whole = any(w in name for w in _WHOLE)
+            if info["dtype"] not in _FLOATS:
+                nbytes = n * _ITEM.get(info["dtype"], 1)
+                codes += nbytes
+                codes_whole += nbytes if kept_whole else 0
+                continue
+            numel += n
             whole += n if kept_whole else 0
             if len(info["shape"]) == 2 and name.endswith(".weight") and \
                     not any(e in name for e in _EMBEDDINGS):
                 matrix += n
                 matrix_whole += n if kept_whole else 0
-    return Checkpoint(numel, whole, matrix, matrix_whole)
+    return Checkpoint(numel, whole, matrix, matrix_whole, codes, codes_whole)
 
 
 @dataclass(frozen=True)
@@ -198,23 +220,20 @@ class Estimate:
 
 
 def runtime_bytes(weights: int, backend: str, kv: int, act: int,
-                  packed: bool) -> int:
+                  replaced: int = 0) -> int:
     """What running costs beyond the counted tensors: ``RUNTIME_OVERHEAD``
-    of the weights and, on ``eager`` where the packed kernels replaced
-    weights read in float32 (``packed``; a bfloat16 checkpoint served in
-    bfloat16 is read as it is held and replaces nothing), those float32
-    weights, which stay resident as free heap until caches and
-    activations reuse them (``inductor``'s measured fraction includes
-    it)."""
-    slack = max(0, weights - kv - act) if packed and backend == "eager" \
-        else 0
+    of the weights and, on ``eager``, the ``replaced`` bytes of float32
+    linear weights that the packed kernels replaced (``replaced_bytes``),
+    which stay resident as free heap until caches and activations reuse
+    them (``inductor``'s measured fraction includes it)."""
+    slack = max(0, replaced - kv - act) if backend == "eager" else 0
     return overhead_bytes(weights, backend) + slack
 
 
 def static_estimate(process: int, weights: int, geometry: Geometry,
-                    shapes, backend: str, packed: bool = False) -> Estimate:
+                    shapes, backend: str, replaced: int = 0) -> Estimate:
     """Static batching: a cache per shape, the largest shape's prefill;
-    ``packed``: the linear layers run on the packed kernels."""
+    ``replaced``: bytes of float32 weights the packed kernels replaced."""
     kv = sum(geometry.kv_bytes(s.batch_size, s.max_len) for s in shapes)
     # A hybrid model's Mamba-2 states: one slot per row, per batch size.
     kv += geometry.state_slot_bytes * sum({s.batch_size for s in shapes})
@@ -225,7 +244,7 @@ def static_estimate(process: int, weights: int, geometry: Geometry,
               geometry.prompt_logprobs_bytes(
                   max(s.prompt_len for s in shapes)))
     return Estimate(process, weights, kv, act,
-                    runtime_bytes(weights, backend, kv, act, packed),
+                    runtime_bytes(weights, backend, kv, act, replaced),
                     f"the largest shape {largest} and the caches of "
                     f"{len(shapes)} shape(s)")
 
@@ -249,14 +268,14 @@ def pooling_estimate(process: int, weights: int, geometry: Geometry,
 def cb_estimate(process: int, weights: int, geometry: Geometry,
                 blocks: int, block_size: int, max_model_len: int,
                 max_num_seqs: int, backend: str, override: bool,
-                on_kernel: bool, replaced: Optional[bool] = None) -> Estimate:
+                on_kernel: bool, replaced: int = 0) -> Estimate:
     """Continuous batching: ``blocks`` blocks of the pool, a prefill and a
     decode step of ``max_num_seqs`` sequences.  On the paged C++ kernel
     (``on_kernel``) a prefill is one pass over a whole ``max_model_len``
     sequence, which the kernel scores one query position at a time (no
     ``[heads, L, L]`` scores); elsewhere it runs in chunks of a block,
-    each holding its scores.  ``replaced`` (default: ``on_kernel``): the
-    packed kernels replaced float32 weights (``runtime_bytes``)."""
+    each holding its scores.  ``replaced``: bytes of float32 weights the
+    packed kernels replaced (``runtime_bytes``)."""
     kv = geometry.kv_bytes(blocks, block_size)
     # A hybrid model's Mamba-2 states: a slot per sequence and a spare.
     from vllm.model_executor.layers.spyre_mamba import cb_state_slots
@@ -273,8 +292,7 @@ def cb_estimate(process: int, weights: int, geometry: Geometry,
             f"the {blocks} blocks of one sequence of max_model_len="
             f"{max_model_len}")
     return Estimate(process, weights, kv, act,
-                    runtime_bytes(weights, backend, kv, act,
-                                  on_kernel if replaced is None else replaced),
+                    runtime_bytes(weights, backend, kv, act, replaced),
                     f"a pool of {pool} ({block_size} tokens each)")
 
 
@@ -372,6 +390,16 @@ def weights_of(vllm_config, item: int,
         held += (model.get_vocab_size() * model.get_hidden_size() *
                  matrix_item)
     return held
+
+
+def replaced_bytes(vllm_config, item: int) -> int:
+    """This rank's floating-point linear weights at ``item`` bytes: what
+    packing replaces where they were read at the model's dtype."""
+    counts = read_checkpoint(vllm_config.model_config.model)
+    if counts is None:
+        return weights_of(vllm_config, item)
+    return counts.rank_matrices(
+        vllm_config.parallel_config.tensor_parallel_size) * item
 
 
 def ranks_on_this_machine(world_size: int) -> int:

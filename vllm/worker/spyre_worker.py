@@ -25,12 +25,11 @@ class SpyreWorker(SpyreWorkerBase):
         """Static batching: a cache per warm-up shape."""
         weights, geometry = self._memory_parts()
         backend = self.spyre_config.dynamo_backend
-        # Packing replaces float32 weights unless they were read narrow.
-        packed = native.in_use(backend, self.spyre_config.native_kernels)[0] \
-            and not self.reads_linears_narrow()
+        packed = native.in_use(backend, self.spyre_config.native_kernels)[0]
         return spyre_memory.static_estimate(
             spyre_memory.process_rss(), weights, geometry,
-            self.spyre_config.warmup_shapes, backend, packed)
+            self.spyre_config.warmup_shapes, backend,
+            self.replaced_bytes(packed))
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """One block per sequence, ``max_num_seqs`` sequences, one spare."""

@@ -151,6 +151,15 @@ class SpyreWorkerBase(LocalOrDistributedWorkerBase):
         return (spyre_memory.weights_of(self.vllm_config, item, matrix_item),
                 spyre_memory.geometry_of(self.vllm_config, item, kv_item))
 
+    def replaced_bytes(self, packed: bool) -> int:
+        """Bytes of float32 linear weights that packing (``packed``: the
+        packed kernels are in use) replaces: none where they are read
+        narrow."""
+        if not packed or self.reads_linears_narrow():
+            return 0
+        item = torch.empty((), dtype=self.held_dtype()).element_size()
+        return spyre_memory.replaced_bytes(self.vllm_config, item)
+
     def reads_linears_narrow(self) -> bool:
         """Whether the checkpoint's linear weights are read straight into
         a narrower dtype than the model's own tensors (FMS's model code,

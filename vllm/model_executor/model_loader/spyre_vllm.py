@@ -7,19 +7,67 @@ current vLLM config, so its attention layers take the platform's backend
 the weights with the class's own ``load_weights``.  The model is built in
 the dtype its tensors are held in on Spyre (``spyre_dtypes``), which on
 the CPU may differ from the dtype served.
+
+Safetensors files are read one tensor at a time, each file mapped only
+while its tensor is copied out (``SpyreModelLoader``): vLLM's own
+iterator keeps a file mapped while it walks all of its tensors, and every
+page it touched stays resident until the file is done, a whole
+checkpoint file on top of the model being built.
 """
 from __future__ import annotations
 
 import copy
 import time
+from typing import Generator
 
 import torch
 from torch import nn
 
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
+from vllm.model_executor.model_loader.default_loader import \
+    DefaultModelLoader
 
 logger = init_logger(__name__)
+
+
+def tensor_by_tensor(
+        files: list[str]) -> Generator[tuple[str, torch.Tensor], None, None]:
+    """Every tensor of the safetensors ``files``, each read from a file
+    mapped only while it is copied out."""
+    from safetensors import safe_open
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            names = list(f.keys())
+        for name in names:
+            with safe_open(file, framework="pt") as f:
+                tensor = f.get_tensor(name)
+            yield name, tensor
+
+
+class SpyreModelLoader(DefaultModelLoader):
+    """vLLM's default loader, reading safetensors checkpoints with
+    ``tensor_by_tensor``."""
+
+    def _get_weights_iterator(
+            self, source: DefaultModelLoader.Source
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """Upstream's, but for safetensors files: they are read one tensor
+        at a time (the module docstring says why)."""
+        if self.load_config.load_format not in ("auto", "safetensors"):
+            yield from super()._get_weights_iterator(source)
+            return
+        _, files, use_safetensors = self._prepare_weights(
+            source.model_or_path, source.revision, source.fall_back_to_pt,
+            source.allow_patterns_overrides)
+        if not use_safetensors:
+            yield from super()._get_weights_iterator(source)
+            return
+        if self.counter_before_loading_weights == 0.0:
+            self.counter_before_loading_weights = time.perf_counter()
+        prefix = source.prefix
+        for name, tensor in tensor_by_tensor(files):
+            yield prefix + name, tensor
 
 
 def load_vllm_decoder(vllm_config: VllmConfig,
@@ -31,7 +79,10 @@ def load_vllm_decoder(vllm_config: VllmConfig,
     model_config.dtype = dtype
     model_config.model_impl = "vllm"
     start = time.perf_counter()
-    loader = get_model_loader(vllm_config.load_config)
+    load_config = vllm_config.load_config
+    loader = (SpyreModelLoader(load_config)
+              if load_config.load_format in ("auto", "safetensors") else
+              get_model_loader(load_config))
     model = loader.load_model(vllm_config=vllm_config,
                               model_config=model_config)
     model.requires_grad_(False)

@@ -39,8 +39,8 @@ from vllm.attention.ops.spyre_paged_inputs import PagedInputs
 from vllm.config import VllmConfig
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
-from vllm.model_executor.layers.quantization.spyre_quant import \
-    finish_quantized_layers
+from vllm.model_executor.layers.quantization.spyre_quant import (
+    SpyreQuantConfig, finish_quantized_layers)
 from vllm.model_executor.layers.spyre_linear_method import use_spyre_linears
 from vllm.model_executor.model_loader.spyre_vllm import load_vllm_decoder
 from vllm.model_executor.models.spyre_causal_lm import SpyreCausalLM
@@ -85,22 +85,24 @@ class SpyreVllmCausalLM(SpyreCausalLM):
 
     def _build(self, vllm_config: VllmConfig) -> nn.Module:
         self.vllm_config = vllm_config
+        round_inputs = self.precision.linear == torch.bfloat16
+        if isinstance(vllm_config.quant_config, SpyreQuantConfig):
+            vllm_config.quant_config.finish_on_load(self.native,
+                                                    round_inputs)
         self.vllm_model = load_vllm_decoder(vllm_config, self.dtype)
         logger.info("Spyre model implementation: vLLM (%s)",
                     type(self.vllm_model).__name__)
         #: Names the attention in the graph cache's keys.
         self.attn_name = "vllm-" + ("kernel" if self.native else "torch")
-        start = time.perf_counter()
-        quantized = finish_quantized_layers(
-            self.vllm_model, self.native,
-            round_inputs=self.precision.linear == torch.bfloat16)
+        quantized = finish_quantized_layers(self.vllm_model, self.native,
+                                            round_inputs=round_inputs)
         if quantized:
             logger.info(
-                "Put %d quantized linear layers (%s) on the %s in %.1f s",
-                quantized, vllm_config.quant_config.describe(),
+                "%d quantized linear layers (%s) on the %s, each put there "
+                "as it was loaded", quantized,
+                vllm_config.quant_config.describe(),
                 "quantized CPU kernel" if self.native else
-                "float32 products (dequantized once)",
-                time.perf_counter() - start)
+                "float32 products (dequantized once)")
         self.step = AttentionStep(on_kernel=self.native)
         start = time.perf_counter()
         moved = use_spyre_linears(self.vllm_model, self.precision.linear,

@@ -84,6 +84,16 @@ class SpyreQuantConfig(QuantizationConfig):
                     t in ("Linear", "lm_head") for t in self.targets)
         else:
             raise UnsupportedQuantization(f"quant_method {method!r}")
+        #: ``SpyreQuantLinearMethod.finish``'s ``(native, round_inputs)``
+        #: for each layer as soon as its tensors are loaded, or None: each
+        #: waits for ``finish_quantized_layers``.
+        self.finish_options: Optional[tuple[bool, bool]] = None
+
+    def finish_on_load(self, native: bool, round_inputs: bool) -> None:
+        """Puts each layer on the kernel (``finish``) as soon as its
+        tensors are loaded, so that the model never holds every layer's
+        unpacked codes and their packed copies at once."""
+        self.finish_options = (native, round_inputs)
 
     def __repr__(self) -> str:
         return f"SpyreQuantConfig({self.method}: {self.describe()})"
@@ -179,14 +189,16 @@ def _tied_embeddings() -> bool:
 def finish_quantized_layers(model: nn.Module, native: bool,
                             round_inputs: bool = False) -> int:
     """``SpyreQuantLinearMethod.finish`` on every quantized layer of
-    ``model``; returns how many."""
+    ``model`` not finished as it was loaded (``finish_on_load``); returns
+    how many quantized layers the model has."""
     done = 0
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if isinstance(method, SpyreQuantLinearMethod) and \
-                hasattr(module, "spyre_quant"):
+        if not isinstance(method, SpyreQuantLinearMethod):
+            continue
+        if hasattr(module, "spyre_quant"):
             method.finish(module, native, round_inputs)
-            done += 1
+        done += int(method.finished(module))
     return done
 
 

@@ -234,6 +234,8 @@ class SpyreQuantLinearMethod(LinearMethodBase):
                 weight = self._int_weight(layer)
                 _free(layer, "weight_packed", "weight_scale", "weight_shape")
         layer.spyre_quant = weight
+        if self.config.finish_options is not None:
+            self.finish(layer, *self.config.finish_options)
 
     def _gptq_weight(self, layer: nn.Module) -> QuantWeight:
         bits = self.scheme.bits
@@ -316,6 +318,12 @@ class SpyreQuantLinearMethod(LinearMethodBase):
             layer.register_buffer("spyre_dequantized", weight.dequantize(),
                                   persistent=False)
         del layer.spyre_quant
+
+    @staticmethod
+    def finished(layer: nn.Module) -> bool:
+        """Whether ``finish`` has put the layer on its kernel or path."""
+        return hasattr(layer, "spyre_qkind") or hasattr(
+            layer, "spyre_dequantized")
 
     def weight_bytes(self, layer: nn.Module) -> int:
         """Bytes the layer's weight is held in."""
