@@ -63,6 +63,14 @@ class SpyreDriver:
         return unique_parameter_bytes(worker.model_runner.model,
                                       buffers=True)
 
+    def step_bytes(self) -> int:
+        """The bytes a batch-1 decode step reads: the weights held
+        (``weight_bytes``) less the token embeddings, of which a step reads
+        one row per token, and the unpacked copies that only prompts
+        multiply (``PackedLinear.unpacked``)."""
+        worker = self.engine.model_executor.driver_worker.worker
+        return decode_read_bytes(worker.model_runner.model)
+
     def run(self, prompts: list[list[int]]) -> Run:
         from vllm import SamplingParams, TokensPrompt
         ids: dict[int, list[int]] = {}
@@ -239,6 +247,23 @@ def unique_parameter_bytes(model, buffers: bool = False) -> int:
         seen[p.data_ptr()] = max(seen.get(p.data_ptr(), 0),
                                  p.numel() * p.element_size())
     return sum(seen.values())
+
+
+def decode_read_bytes(model) -> int:
+    """Bytes of ``model``'s parameters and buffers, each storage once,
+    that a batch-1 decode step reads: not the tables of its embedding
+    modules (unless a head shares one), nor buffers named ``unpacked``."""
+    embedding, other = {}, {}
+    for module in model.modules():
+        is_embedding = "Embedding" in type(module).__name__
+        tensors = list(module.named_parameters(recurse=False)) + [
+            (n, b) for n, b in module.named_buffers(recurse=False)
+            if n != "unpacked"]
+        for _, t in tensors:
+            size = t.numel() * t.element_size()
+            into = embedding if is_embedding else other
+            into[t.data_ptr()] = max(into.get(t.data_ptr(), 0), size)
+    return sum(other.values())
 
 
 class SpyreGraphCacheDriver(SpyreDriver):
@@ -435,6 +460,8 @@ class EngineWorker:
                     warm_s=self.warm_s, threads=torch.get_num_threads())
         if hasattr(self.driver, "weight_bytes"):
             info["weight_bytes"] = self.driver.weight_bytes()
+        if hasattr(self.driver, "step_bytes"):
+            info["step_bytes"] = self.driver.step_bytes()
         info["rss_bytes"] = resident_bytes()
         return info
 

@@ -5,7 +5,12 @@ cannot be faster than weight bytes / memory read bandwidth (the roofline).
 This script measures the machine's read bandwidth, counts the model's
 weight bytes (each parameter storage once: tied embeddings count once), and
 runs the offline.py workload at batch 1 through our engine and, as a
-reference, through transformers ``generate``, each in its own process.  The
+reference, through transformers ``generate``, each in its own process.
+``--engines`` names other engines of offline.py instead (ours in bfloat16
+or a quantized format, at a realistic size); each of ours is held to its
+own limit: the bytes its decode step reads (its packed or quantized
+weights, norms and head; not the embedding table, of which a step reads a
+row, nor the copies that only prompts multiply) over the bandwidth.  The
 measured step is (total - TTFT) / (G - 1), median of the repetitions after
 an untimed warm run; any compilation during a timed run fails the script.
 
@@ -25,7 +30,13 @@ the C++ read cannot be built, the roofline is ``torch.sum``'s, with a note.
 
     python benchmarks/roofline.py [--model DIR] [--backend inductor]
         [--prompt-len 64] [--new-tokens 64] [--repetitions 3]
-        [--bandwidth-gib 1] [--json PATH]
+        [--bandwidth-gib 1] [--json PATH] [--engines E1,E2,...]
+
+At a realistic size (``scripts/benchmark_checkpoints.py``), on the
+default backend, bfloat16 and the quantized formats side by side:
+
+    python benchmarks/roofline.py --model models/bench/granite-3.3-2b-bf16 \
+        --engines spyre-eager-bf16,spyre-eager-gptq-int8,spyre-eager-gptq-int4
 """
 from __future__ import annotations
 
@@ -129,6 +140,9 @@ def main() -> int:
     ap.add_argument("--bandwidth-gib", type=float, default=1.0,
                     help="size of the tensor read to measure bandwidth")
     ap.add_argument("--json", default=str(RESULTS / "roofline.json"))
+    ap.add_argument("--engines", default=None,
+                    help="offline.py engines to run instead of "
+                    "spyre-<backend> and hf")
     args = ap.parse_args()
     if args.new_tokens < 2 or args.repetitions < 1:
         ap.error("--new-tokens must be >= 2 and --repetitions >= 1")
@@ -143,25 +157,33 @@ def main() -> int:
 
     work = Workload.build(args.model, args.prompt_len, args.new_tokens, [1])
     ours = f"spyre-{args.backend}"
-    engines = [ours, "hf"]
+    engines = args.engines.split(",") if args.engines else [ours, "hf"]
     children = start_engines(engines, work)
     try:
         timings, ids = measure(children, work, args.repetitions)
     finally:
         stop_engines(children)
 
-    weight_bytes = children["hf"][1]["weight_bytes"]
+    # The model's weights, as transformers holds them, or else as the
+    # first of ours reads them.
+    reference = "hf" if "hf" in engines else engines[0]
+    weight_bytes = children[reference][1].get(
+        "weight_bytes", children[reference][1].get("step_bytes"))
     roofline_s = weight_bytes / bandwidth
-    same_ids = ids[ours, 1][-1] == ids["hf", 1][-1]
+    same_ids = (ids[ours, 1][-1] == ids["hf", 1][-1]
+                if {ours, "hf"} <= set(engines) else None)
     results, rows = {}, []
     for engine in engines:
         s = timings[engine, 1].summary()
-        percent = roofline_s / s["step_s"] * 100
+        read = children[engine][1].get("step_bytes", weight_bytes)
+        limit_s = read / bandwidth
+        percent = limit_s / s["step_s"] * 100
         results[engine] = dict(runs=timings[engine, 1].runs, median=s,
+                               step_bytes=read, roofline_step_s=limit_s,
                                percent_of_limit=percent)
-        rows.append([engine, f"{s['step_s'] * 1e3:.2f}",
-                     f"{roofline_s * 1e3:.2f}", f"{percent:.1f}%",
-                     f"{s['decode_tok_s']:.1f}", s["compiles"]])
+        rows.append([engine, f"{read / 1e6:.1f}", f"{s['step_s'] * 1e3:.2f}",
+                     f"{limit_s * 1e3:.2f}", f"{percent:.1f}%",
+                     f"{s['decode_tok_s']:.2f}", s["compiles"]])
     compiled = sum(r["median"]["compiles"] for r in results.values())
     write_json(args.json, dict(
         args=vars(args), machine=machine_info(),
@@ -176,13 +198,14 @@ def main() -> int:
     facts = [(f"read bandwidth, {name}", f"{rate / 1e9:.2f} GB/s")
              for name, rate in rates.items()]
     facts += [("weight bytes per step", f"{weight_bytes / 1e6:.1f} MB"),
-              ("roofline step", f"{roofline_s * 1e3:.2f} ms ({reader})"),
-              (f"ids {ours} == hf", str(same_ids))]
+              ("roofline step", f"{roofline_s * 1e3:.2f} ms ({reader})")]
+    if same_ids is not None:
+        facts.append((f"ids {ours} == hf", str(same_ids)))
     width = max(len(k) for k, _ in facts)
     for key, value in facts:
         print(f"{key.ljust(width)}  {value}")
-    print(table(["engine", "step ms", "roofline ms", "% of limit",
-                 "decode tok/s", "compiles"], rows))
+    print(table(["engine", "MB read per step", "step ms", "roofline ms",
+                 "% of limit", "decode tok/s", "compiles"], rows))
     if compiled:
         print(f"FAILED: {compiled} compilation(s) during timed runs")
         return 1

@@ -242,9 +242,17 @@ def test_unpack_int32_orders():
     packed = torch.zeros(2, 1, dtype=torch.int32)
     for j in range(8):
         packed[:, 0] |= codes[:, j] << (4 * j)
+    codes = codes.to(torch.uint8)
     assert torch.equal(spyre_quant_method._unpack_int32(packed, 4, 1), codes)
     assert torch.equal(spyre_quant_method._unpack_int32(packed.t(), 4, 0),
                        codes.t())
+    # 8-bit codes, negative int32 words included (a top code of 128+).
+    codes8 = torch.tensor([[0, 127, 128, 255], [1, 2, 254, 200]])
+    packed8 = torch.zeros(2, 1, dtype=torch.int32)
+    for j in range(4):
+        packed8[:, 0] |= (codes8[:, j] << (8 * j)).to(torch.int32)
+    assert torch.equal(spyre_quant_method._unpack_int32(packed8, 8, 1),
+                       codes8.to(torch.uint8))
 
 
 GPTQ = dict(quant_method="gptq", bits=4, group_size=128, desc_act=False,

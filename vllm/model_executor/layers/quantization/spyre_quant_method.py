@@ -39,16 +39,19 @@ logger = init_logger(__name__)
 
 def _unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Codes packed ``32 / bits`` to an int32 along ``dim``, the first in
-    the lowest bits, as unsigned integers (int32)."""
+    the lowest bits, as unsigned 8-bit integers (uint8).  One shift at a
+    time, so that the unpacking holds the codes' bytes and one int32 slice
+    of them at most, never every code widened to 32 bits (an output
+    head's are a gigabyte)."""
     per = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    x = packed.unsqueeze(dim + 1)
-    shape = [1] * x.dim()
-    shape[dim + 1] = per
-    codes = (x >> shifts.view(shape)) & ((1 << bits) - 1)
     sizes = list(packed.shape)
+    sizes.insert(dim + 1, per)
+    out = torch.empty(sizes, dtype=torch.uint8)
+    for i in range(per):
+        out.select(dim + 1, i).copy_((packed >> (bits * i)) & ((1 << bits) - 1))
+    sizes.pop(dim + 1)
     sizes[dim] *= per
-    return codes.reshape(sizes)
+    return out.view(sizes)
 
 
 def _free(layer: nn.Module, *names: str) -> None:
@@ -240,17 +243,19 @@ class SpyreQuantLinearMethod(LinearMethodBase):
     def _gptq_weight(self, layer: nn.Module) -> QuantWeight:
         bits = self.scheme.bits
         codes = _unpack_int32(layer.qweight.data, bits, 0).t()  # [N, K]
-        zeros = _unpack_int32(layer.qzeros.data, bits, 1).t()  # [N, G]
+        zeros = _unpack_int32(layer.qzeros.data, bits, 1).t().to(
+            torch.int32)  # [N, G]
         if self.scheme.zeros_minus_one:
             zeros = zeros + 1
         scales = layer.scales.data.t().float()
         group = self._group_size(codes.shape[1])
         if bits == 8:  # unsigned codes, shifted to int8
             zeros = zeros - 128
+            # code - 128 as int8: the code's top bit flipped.
             return QuantWeight(
-                "int8", (codes - 128).to(torch.int8), scales.contiguous(),
+                "int8", (codes ^ 128).view(torch.int8), scales.contiguous(),
                 zeros.float().contiguous() if zeros.any() else None, group)
-        return QuantWeight("int4", codes.to(torch.int8).contiguous(),
+        return QuantWeight("int4", codes.view(torch.int8).contiguous(),
                            scales.contiguous(), zeros.float().contiguous(),
                            group)
 
@@ -284,10 +289,10 @@ class SpyreQuantLinearMethod(LinearMethodBase):
         scales = layer.weight_scale.data.float().contiguous()
         offset = 1 << (bits - 1)
         group = self._group_size(codes.shape[1])
-        if bits == 8:
-            return QuantWeight("int8", (codes - offset).to(torch.int8),
+        if bits == 8:  # code - 128 as int8: the top bit flipped
+            return QuantWeight("int8", (codes ^ 128).view(torch.int8),
                                scales, None, group)
-        return QuantWeight("int4", codes.to(torch.int8), scales,
+        return QuantWeight("int4", codes.view(torch.int8), scales,
                            torch.full_like(scales, float(offset)), group)
 
     def finish(self, layer: nn.Module, native: bool,
