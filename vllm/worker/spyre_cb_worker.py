@@ -57,8 +57,7 @@ class SpyreCBWorker(SpyreWorkerBase):
         return spyre_memory.cb_estimate(
             spyre_memory.process_rss(), weights, geometry, blocks,
             CB_BLOCK_SIZE, max_model_len, self.scheduler_config.max_num_seqs,
-            backend, override is not None, on_kernel,
-            replaced=self.replaced_bytes(on_kernel))
+            backend, override is not None, on_kernel)
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """Blocks that fit this rank's share of the memory vLLM may use,

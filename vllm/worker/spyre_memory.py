@@ -53,8 +53,10 @@ _WHOLE = ("embed", "wte", "wpe", "tok_embeddings", ".mamba.",
 #: packed copies of weights and its compile-time peak, allocator slack.
 #: Measured by ``benchmarks/memory.py`` (docs/performance.md): ``eager``
 #: on SmolLM2 and on Granite-3.3-2B- and 8B-shaped checkpoints,
-#: ``inductor`` on SmolLM2.
-RUNTIME_OVERHEAD = {"eager": (GiB // 10, 0.04), "inductor": (0, 1.3),
+#: ``inductor`` on SmolLM2.  The weights a load replaces (read in float32,
+#: then packed) are not part of it: the load gives their memory back
+#: (``return_large_buffers``).
+RUNTIME_OVERHEAD = {"eager": (GiB // 10, 0.04), "inductor": (GiB // 10, 0.3),
                     "sendnn": (0, 0.25)}
 
 
@@ -219,21 +221,9 @@ class Estimate:
             f"{name} {size / GiB:.2f}" for name, size in parts) + ")"
 
 
-def runtime_bytes(weights: int, backend: str, kv: int, act: int,
-                  replaced: int = 0) -> int:
-    """What running costs beyond the counted tensors: ``RUNTIME_OVERHEAD``
-    of the weights and, on ``eager``, the ``replaced`` bytes of float32
-    linear weights that the packed kernels replaced (``replaced_bytes``),
-    which stay resident as free heap until caches and activations reuse
-    them (``inductor``'s measured fraction includes it)."""
-    slack = max(0, replaced - kv - act) if backend == "eager" else 0
-    return overhead_bytes(weights, backend) + slack
-
-
 def static_estimate(process: int, weights: int, geometry: Geometry,
-                    shapes, backend: str, replaced: int = 0) -> Estimate:
-    """Static batching: a cache per shape, the largest shape's prefill;
-    ``replaced``: bytes of float32 weights the packed kernels replaced."""
+                    shapes, backend: str) -> Estimate:
+    """Static batching: a cache per shape, the largest shape's prefill."""
     kv = sum(geometry.kv_bytes(s.batch_size, s.max_len) for s in shapes)
     # A hybrid model's Mamba-2 states: one slot per row, per batch size.
     kv += geometry.state_slot_bytes * sum({s.batch_size for s in shapes})
@@ -244,7 +234,7 @@ def static_estimate(process: int, weights: int, geometry: Geometry,
               geometry.prompt_logprobs_bytes(
                   max(s.prompt_len for s in shapes)))
     return Estimate(process, weights, kv, act,
-                    runtime_bytes(weights, backend, kv, act, replaced),
+                    overhead_bytes(weights, backend),
                     f"the largest shape {largest} and the caches of "
                     f"{len(shapes)} shape(s)")
 
@@ -268,14 +258,13 @@ def pooling_estimate(process: int, weights: int, geometry: Geometry,
 def cb_estimate(process: int, weights: int, geometry: Geometry,
                 blocks: int, block_size: int, max_model_len: int,
                 max_num_seqs: int, backend: str, override: bool,
-                on_kernel: bool, replaced: int = 0) -> Estimate:
+                on_kernel: bool) -> Estimate:
     """Continuous batching: ``blocks`` blocks of the pool, a prefill and a
     decode step of ``max_num_seqs`` sequences.  On the paged C++ kernel
     (``on_kernel``) a prefill is one pass over a whole ``max_model_len``
     sequence, which the kernel scores one query position at a time (no
     ``[heads, L, L]`` scores); elsewhere it runs in chunks of a block,
-    each holding its scores.  ``replaced``: bytes of float32 weights the
-    packed kernels replaced (``runtime_bytes``)."""
+    each holding its scores."""
     kv = geometry.kv_bytes(blocks, block_size)
     # A hybrid model's Mamba-2 states: a slot per sequence and a spare.
     from vllm.model_executor.layers.spyre_mamba import cb_state_slots
@@ -292,7 +281,7 @@ def cb_estimate(process: int, weights: int, geometry: Geometry,
             f"the {blocks} blocks of one sequence of max_model_len="
             f"{max_model_len}")
     return Estimate(process, weights, kv, act,
-                    runtime_bytes(weights, backend, kv, act, replaced),
+                    overhead_bytes(weights, backend),
                     f"a pool of {pool} ({block_size} tokens each)")
 
 
@@ -390,16 +379,6 @@ def weights_of(vllm_config, item: int,
         held += (model.get_vocab_size() * model.get_hidden_size() *
                  matrix_item)
     return held
-
-
-def replaced_bytes(vllm_config, item: int) -> int:
-    """This rank's floating-point linear weights at ``item`` bytes: what
-    packing replaces where they were read at the model's dtype."""
-    counts = read_checkpoint(vllm_config.model_config.model)
-    if counts is None:
-        return weights_of(vllm_config, item)
-    return counts.rank_matrices(
-        vllm_config.parallel_config.tensor_parallel_size) * item
 
 
 def ranks_on_this_machine(world_size: int) -> int:

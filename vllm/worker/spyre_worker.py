@@ -9,7 +9,6 @@ V0 Neuron worker does.
 """
 from __future__ import annotations
 
-from vllm.attention.ops import spyre_native as native
 from vllm.worker import spyre_memory
 from vllm.worker.spyre_model_runner import SpyreModelRunner
 from vllm.worker.spyre_worker_base import SpyreWorkerBase
@@ -24,12 +23,10 @@ class SpyreWorker(SpyreWorkerBase):
     def memory_estimate(self) -> spyre_memory.Estimate:
         """Static batching: a cache per warm-up shape."""
         weights, geometry = self._memory_parts()
-        backend = self.spyre_config.dynamo_backend
-        packed = native.in_use(backend, self.spyre_config.native_kernels)[0]
         return spyre_memory.static_estimate(
             spyre_memory.process_rss(), weights, geometry,
-            self.spyre_config.warmup_shapes, backend,
-            self.replaced_bytes(packed))
+            self.spyre_config.warmup_shapes,
+            self.spyre_config.dynamo_backend)
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """One block per sequence, ``max_num_seqs`` sequences, one spare."""

@@ -140,8 +140,8 @@ class SpyreWorkerBase(LocalOrDistributedWorkerBase):
         in bfloat16 and the rest in float32; the linear weights are
         counted at two bytes where they are read so (``spyre_dtypes.
         load_dtype``, FMS's model code), else at float32 (an upper bound:
-        the float32 copy is replaced by the packed one, whose freed memory
-        ``runtime_bytes`` counts)."""
+        the float32 copy is replaced by the packed one, and its memory
+        given back)."""
         precision = precision_of(self.model_config.dtype,
                                  self.spyre_config.dynamo_backend)
         item = torch.empty((), dtype=precision.model).element_size()
@@ -150,15 +150,6 @@ class SpyreWorkerBase(LocalOrDistributedWorkerBase):
                        if self.reads_linears_narrow() else None)
         return (spyre_memory.weights_of(self.vllm_config, item, matrix_item),
                 spyre_memory.geometry_of(self.vllm_config, item, kv_item))
-
-    def replaced_bytes(self, packed: bool) -> int:
-        """Bytes of float32 linear weights that packing (``packed``: the
-        packed kernels are in use) replaces: none where they are read
-        narrow."""
-        if not packed or self.reads_linears_narrow():
-            return 0
-        item = torch.empty((), dtype=self.held_dtype()).element_size()
-        return spyre_memory.replaced_bytes(self.vllm_config, item)
 
     def reads_linears_narrow(self) -> bool:
         """Whether the checkpoint's linear weights are read straight into
