@@ -235,3 +235,27 @@ def test_hybrid_split_benchmark_small(tmp_path):
         assert r["mamba_ms"] + r["attention_ms"] <= r["step_ms"]
     lines = proc.stdout.strip().splitlines()
     assert lines[-5].startswith("B ") and lines[-2].startswith("2 ")
+
+
+def test_prefill_benchmark_small(tmp_path):
+    """One prompt through our engine on a tiny bfloat16 model, against
+    the peak matrix throughput measured first."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from tiny_models import build_bf16_valued_llama
+    import torch
+    model = build_bf16_valued_llama(tmp_path / "bf16", torch.bfloat16)
+    out = tmp_path / "prefill.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "prefill.py"),
+         "--model", str(model), "--engines", "spyre-eager-bf16",
+         "--prompt-len", "64", "--repetitions", "1", "--matrix", "256",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["peak_flop_per_s"]) == {"bfloat16", "float32"}
+    ours = result["engines"]["spyre-eager-bf16"]
+    assert ours["median"]["compiles"] == 0
+    assert ours["flop_per_s"] == pytest.approx(
+        result["prompt_flops"] / ours["median"]["ttft_s"])
+    assert "of bf16 peak" in proc.stdout.strip().splitlines()[-3]

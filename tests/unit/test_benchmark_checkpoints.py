@@ -1,0 +1,64 @@
+"""``scripts/benchmark_checkpoints.py`` on a small shape: a bfloat16
+Hugging Face folder in several shards with their index, every tensor of
+the model's class and nothing else, the default model's tokenizer, and a
+quantized form written beside it through the quantization writer."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+import benchmark_checkpoints as bc  # noqa: E402
+
+SMALL = dict(bc.SHAPES["granite-3.3-2b"], hidden_size=128,
+             intermediate_size=256, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture
+def written(tmp_path, monkeypatch, smollm2):
+    monkeypatch.setitem(bc.SHAPES, "small", SMALL)
+    monkeypatch.setattr(bc, "SHARD_BYTES", 4 * 2**20)  # several shards
+    return bc.write_bf16("small", tmp_path)
+
+
+def test_writes_a_sharded_bf16_folder(written):
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vllm.model_executor.models.spyre_dtypes import stored_dtypes
+    assert written.name == "small-bf16"
+    index = json.loads((written / "model.safetensors.index.json").read_text())
+    files = sorted({f for f in index["weight_map"].values()})
+    assert len(files) > 1
+    names = set()
+    for f in files:
+        with safe_open(str(written / f), framework="pt") as st:
+            names |= set(st.keys())
+    assert names == set(index["weight_map"])
+    assert stored_dtypes(str(written)) == {torch.bfloat16}
+    config = AutoConfig.from_pretrained(written)
+    assert config.architectures == ["GraniteForCausalLM"]
+    assert config.vocab_size == bc.VOCAB and config.tie_word_embeddings
+    assert config.embedding_multiplier == 12.0
+    model, info = AutoModelForCausalLM.from_pretrained(
+        written, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert (written / "tokenizer.json").exists()
+    # Written once: a second call keeps the folder.
+    stamp = (written / "config.json").stat().st_mtime_ns
+    assert bc.write_bf16("small", written.parent) == written
+    assert (written / "config.json").stat().st_mtime_ns == stamp
+
+
+def test_quantized_form_beside_it(written):
+    folder = bc.write_quantized(written, "gptq-int8")
+    assert folder == written.with_name("small-gptq-int8")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["quantization_config"]["bits"] == 8
+    assert config["quantization_config"]["lm_head"] is True
