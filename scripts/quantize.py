@@ -156,15 +156,40 @@ def _read_config(folder: Path) -> dict:
     return json.loads((Path(folder) / "config.json").read_text())
 
 
+class _LazyTensors(dict):
+    """name -> tensor of a folder's safetensors files, each read when it is
+    asked for, so that quantizing a model larger than the machine's memory
+    never holds all of its float tensors at once.  A tensor set by hand
+    (an untied head) is held as given."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        super().__init__(files)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        value = super().__getitem__(name)
+        if not isinstance(value, Path):
+            return value
+        from safetensors import safe_open
+        with safe_open(str(value), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def items(self):
+        return ((name, self[name]) for name in self.keys())
+
+    def values(self):
+        return (self[name] for name in self.keys())
+
+
 def _load_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-    tensors: dict[str, torch.Tensor] = {}
+    from safetensors import safe_open
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors file in {folder}")
+    where: dict[str, Path] = {}
     for f in files:
-        tensors.update(load_file(f))
-    return tensors
+        with safe_open(str(f), framework="pt") as st:
+            where.update(dict.fromkeys(st.keys(), f))
+    return _LazyTensors(where)
 
 
 def _plain_config(folder: Path):

@@ -1,8 +1,9 @@
 """A bfloat16 checkpoint served with ``--dtype bfloat16`` is read as it is
 held (``spyre_dtypes.load_dtype``): the engine gives exactly the tokens and
 log-probabilities of the same values read through float32 from a float32
-checkpoint, in static and continuous batching, with a head tied to the
-embedding; and its memory check counts the linear weights at two bytes."""
+checkpoint, in static and continuous batching and over two
+tensor-parallel ranks, with a head tied to the embedding; and its memory
+check counts the linear weights at two bytes."""
 from __future__ import annotations
 
 import pytest
@@ -26,9 +27,9 @@ def twins(tmp_path_factory):
             for dtype in (torch.bfloat16, torch.float32)}
 
 
-def _serve(model, mode: str):
+def _serve(model, mode: str, **kwargs):
     with mode_llm(model, mode, "eager", [64], [16], [4], 128,
-                  dtype="bfloat16") as llm:
+                  dtype="bfloat16", **kwargs) as llm:
         before = compile_count()
         outs = llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
@@ -51,3 +52,14 @@ def test_bf16_checkpoint_serves_as_its_float32_twin(twins, mode):
     # Linear weights at 2 bytes (and the tied head's packed copy) against
     # every weight at 4.
     assert narrow < wide
+
+
+def test_bf16_checkpoint_serves_as_its_float32_twin_under_tp(twins):
+    """Each of two ranks reads its shard in bfloat16 (FMS's tensor-parallel
+    modules), with the same result as the float32 read."""
+    ids, logprobs, _ = _serve(twins[torch.bfloat16], "static",
+                              tensor_parallel_size=2)
+    want_ids, want_logprobs, _ = _serve(twins[torch.float32], "static",
+                                        tensor_parallel_size=2)
+    assert ids == want_ids
+    assert logprobs == want_logprobs
