@@ -38,6 +38,7 @@ line and JSON.
     python benchmarks/serving_load.py [--url http://127.0.0.1:8000]
         [--requests 200] [--concurrency 16] [--max-tokens 16] [--json FILE]
     python benchmarks/serving_load.py --workload mixed [--modes cb,static]
+        [--serve-args '--dtype bfloat16 --enable-prefix-caching']
         [--backend inductor] [--static-shapes 256:128:8,512:128:4]
         [--max-num-seqs 16[,8]] [--max-model-len 640] [--json FILE]
         [--plot PATH] [--start-timeout 3600]
@@ -55,6 +56,7 @@ import asyncio
 import json
 import random
 import re
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -212,20 +214,22 @@ def server_setup(mode: str, args,
     """Environment, extra ``vllm serve`` arguments and a description of
     the server of ``mode`` (``cb``: with ``max_num_seqs``, by default the
     first of ``--max-num-seqs``)."""
+    extra = tuple(shlex.split(args.serve_args))
     if mode == "cb":
         seqs = max_num_seqs or args.max_num_seqs[0]
         env = {**backend_env(args.backend), "VLLM_SPYRE_USE_CB": "1"}
         cli = ("--max-num-seqs", str(seqs),
-               "--max-model-len", str(args.max_model_len))
+               "--max-model-len", str(args.max_model_len)) + extra
         return env, cli, (f"continuous batching, --max-num-seqs {seqs} "
-                          f"--max-model-len {args.max_model_len}")
+                          f"--max-model-len {args.max_model_len} "
+                          f"{args.serve_args}").strip()
     shapes = parse_shapes(args.static_shapes)
     env = {**backend_env(args.backend), "VLLM_SPYRE_USE_CB": "0"}
     for i, name in enumerate(("PROMPT_LENS", "NEW_TOKENS", "BATCH_SIZES")):
         env[f"VLLM_SPYRE_WARMUP_{name}"] = ",".join(str(s[i]) for s in shapes)
-    return env, (), "static batching, warm-up shapes " + ", ".join(
+    return env, extra, ("static batching, warm-up shapes " + ", ".join(
         f"(prompt_len={p}, new_tokens={g}, batch_size={b})"
-        for p, g, b in shapes)
+        for p, g, b in shapes) + f" {args.serve_args}").strip()
 
 
 def misfits(mode: str, args, sizes: list[tuple[int, int]]) -> list:
@@ -332,6 +336,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--max-prompt", type=int, default=512,
                     help="the longest prompt drawn, in tokens (mixed)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--serve-args", default="",
+                    help="more `vllm serve` arguments for every server "
+                    "started, e.g. '--dtype bfloat16 --enable-prefix-caching'")
     ap.add_argument("--modes", help="servers to start, of cb,static "
                     "(default workload: static; mixed: cb,static)")
     ap.add_argument("--backend", choices=["eager", "inductor", TORCH_OPS],

@@ -54,12 +54,19 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     each output side by side."""
     n, k = weight.shape
     blocks = -(-n // BLOCK)
-    padded = weight.new_zeros(blocks * BLOCK, k)
-    padded[:n] = weight
+    if n % BLOCK:
+        padded = weight.new_zeros(blocks * BLOCK, k)
+        padded[:n] = weight
+    else:  # no padding: the layout's one copy is the permutation's
+        padded = weight.contiguous()
     if weight.dtype == torch.bfloat16:
-        return padded.view(blocks, BLOCK, k // 2, 2).permute(
+        packed = padded.view(blocks, BLOCK, k // 2, 2).permute(
             0, 2, 1, 3).reshape(blocks, k // 2, 2 * BLOCK)
-    return padded.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
+    else:
+        packed = padded.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
+    # Never a view of the weight (which a tied embedding may share).
+    return packed.clone() if packed.data_ptr() == weight.data_ptr() \
+        else packed
 
 
 def packable(linear: nn.Linear, dtype: torch.dtype) -> bool:
