@@ -177,7 +177,8 @@ def test_cb_static_ratios():
 
 def test_one_cb_server_per_max_num_seqs():
     args = SimpleNamespace(modes=["cb", "static"], max_num_seqs=[16],
-                           backend="inductor", max_model_len=640)
+                           backend="inductor", max_model_len=640,
+                           serve_args="", static_shapes="64:16:8")
     assert serving_load.runs(args) == [("cb", "cb", 16),
                                        ("static", "static", None)]
     args.max_num_seqs = [16, 8]
@@ -187,6 +188,11 @@ def test_one_cb_server_per_max_num_seqs():
     assert env["VLLM_SPYRE_USE_CB"] == "1"
     assert cli == ("--max-num-seqs", "8", "--max-model-len", "640")
     assert serving_load.server_setup("cb", args)[1][1] == "16"
+    # --serve-args reach every server started.
+    args.serve_args = "--dtype bfloat16 --enable-prefix-caching"
+    for mode in ("cb", "static"):
+        cli = serving_load.server_setup(mode, args)[1]
+        assert cli[-3:] == ("--dtype", "bfloat16", "--enable-prefix-caching")
 
 
 def test_offline_ratios_compare_equal_precisions():
