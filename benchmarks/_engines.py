@@ -66,8 +66,7 @@ class SpyreDriver:
     def step_bytes(self) -> int:
         """The bytes a batch-1 decode step reads: the weights held
         (``weight_bytes``) less the token embeddings, of which a step reads
-        one row per token, and the unpacked copies that only prompts
-        multiply (``PackedLinear.unpacked``)."""
+        one row per token."""
         worker = self.engine.model_executor.driver_worker.worker
         return decode_read_bytes(worker.model_runner.model)
 
@@ -252,13 +251,12 @@ def unique_parameter_bytes(model, buffers: bool = False) -> int:
 def decode_read_bytes(model) -> int:
     """Bytes of ``model``'s parameters and buffers, each storage once,
     that a batch-1 decode step reads: not the tables of its embedding
-    modules (unless a head shares one), nor buffers named ``unpacked``."""
+    modules (unless a head shares one)."""
     embedding, other = {}, {}
     for module in model.modules():
         is_embedding = "Embedding" in type(module).__name__
-        tensors = list(module.named_parameters(recurse=False)) + [
-            (n, b) for n, b in module.named_buffers(recurse=False)
-            if n != "unpacked"]
+        tensors = list(module.named_parameters(recurse=False)) + list(
+            module.named_buffers(recurse=False))
         for _, t in tensors:
             size = t.numel() * t.element_size()
             into = embedding if is_embedding else other

@@ -11,7 +11,7 @@ three kernels:
 * ``spyre-packed``: ``spyre_cpu::packed_linear`` (our kernel), one packed
   copy for every row count;
 * ``spyre-bf16``: the same kernel on bfloat16 weights (``--dtype
-  bfloat16``);
+  bfloat16``; from 16 rows on AMX tiles where the CPU has them);
 * ``spyre-int8``, ``spyre-fp8``, ``spyre-int4``: ``spyre_cpu::quant_linear``
   (docs/quantization.md) on the weights quantized here by round to
   nearest: int8 and FP8 per output channel, int4 per group of 64 (which
@@ -23,8 +23,8 @@ three kernels:
   ``spyre-<kind>-dense``: on oneDNN over the weight dequantized to
   bfloat16 per call (AMX where the CPU has it; what a prompt of
   ``DENSE_ROWS`` rows or more runs there), both where the CPU has
-  AVX512_BF16; ``onednn-bf16``: a bfloat16 weight on oneDNN, a bfloat16
-  layer's prompt there.  The dense kernels round their outputs to
+  AVX512_BF16; ``onednn-bf16``: a bfloat16 weight on oneDNN (AMX where
+  the CPU has it), the peer of ``spyre-bf16``'s AMX tiles.  The dense kernels round their outputs to
   bfloat16.
 
 Reports the best of N passes, the bytes each kernel's weights are held in
@@ -152,7 +152,7 @@ def kernels(rows: int):
                     lambda w, prepare=prepare: (*prepare(w), True, True),
                     lambda x, p: spyre_quant_linear.quant_linear(
                         x, p, None, round_inputs=True, dense=1))
-    # A bfloat16 layer's prompt where the CPU has AMX.
+    # oneDNN's own bfloat16 product, for the kernel's AMX tiles.
     ops["onednn-bf16"] = (
         lambda w: (w.to(torch.bfloat16), w.to(torch.bfloat16).float(),
                    w.numel() * 2, True, True),

@@ -66,14 +66,17 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t.bfloat16().float()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 12, 13, 16, 64])
+@pytest.mark.parametrize("rows", [1, 3, 12, 13, 15, 16, 17, 40, 64, 300])
 @pytest.mark.parametrize("out_features,in_features", [(100, 70), (64, 576),
-                                                      (33, 2)])
+                                                      (33, 2), (70, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_weights_match_rounded_product(rows, out_features, in_features,
                                             with_bias):
     """float32 inputs, bfloat16 weights: the product of the inputs and the
-    weights rounded to bfloat16, summed in float32."""
+    weights rounded to bfloat16, summed in float32.  On a CPU with AMX,
+    16 rows or more with input features in multiples of 32 run on AMX
+    tiles (a 16-row half tile at the end of 17, 40 and 300 rows, two
+    spans of rows at 300); the rest on the vector tiles."""
     g = torch.Generator().manual_seed(rows * 1000 + out_features + 1)
     w = torch.randn(out_features, in_features, generator=g)
     x = torch.randn(rows, in_features, generator=g)
@@ -106,22 +109,16 @@ def test_bf16_packed_linear_halves_the_bytes():
                                rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("onednn", [False, True])
-def test_bf16_prompts_on_onednn(onednn):
-    """With ``prompts_on_onednn`` a bfloat16 layer multiplies inputs of
-    several positions per row (prefills) with oneDNN on an unpacked copy,
-    its output rounded to bfloat16, and inputs of one position per row on
-    the kernel; a weight update reaches both copies."""
+def test_bf16_prompt_reads_the_one_packed_weight():
+    """A bfloat16 layer holds its weight once, packed: a prompt's many
+    rows (AMX tiles where the CPU has them) and a decode step's few read
+    the same buffer, and a weight update reaches both."""
     linear = nn.Linear(64, 96)
-    layer = spyre_linear.PackedLinear(linear, dtype=torch.bfloat16,
-                                          prompts_on_onednn=onednn)
-    assert (layer.unpacked is not None) == onednn
+    layer = spyre_linear.PackedLinear(linear, dtype=torch.bfloat16)
+    assert [n for n, _ in layer.named_buffers()] == ["packed", "bias"]
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randn(2, 7, 64, generator=gen)
+    prompt = torch.randn(2, 20, 64, generator=gen)
     step = torch.randn(3, 1, 64, generator=gen)
-
-    def onednn_product(x, w):
-        return F.linear(x.bfloat16(), w.bfloat16()).float() + linear.bias
 
     def kernel_product(x, w):
         return F.linear(_bf16(x), _bf16(w), linear.bias)
@@ -129,42 +126,19 @@ def test_bf16_prompts_on_onednn(onednn):
     for weight in (linear.weight.detach(), torch.randn(96, 64,
                                                        generator=gen)):
         layer.repack(weight)
-        if onednn:
-            assert torch.equal(layer(prompt), onednn_product(prompt, weight))
-        else:
-            torch.testing.assert_close(layer(prompt),
-                                       kernel_product(prompt, weight),
+        for x in (prompt, step):
+            torch.testing.assert_close(layer(x), kernel_product(x, weight),
                                        rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(layer(step), kernel_product(step, weight),
-                                   rtol=1e-4, atol=1e-4)
 
 
-def test_prompts_on_onednn_only_for_untied_bf16_on_amx():
-    linear = nn.Linear(64, 96)
-    amx = spyre_linear.has_amx_bf16()
-    assert (spyre_linear.PackedLinear(linear, dtype=torch.bfloat16)
-            .unpacked is not None) == amx
-    assert spyre_linear.PackedLinear(linear).unpacked is None
-    assert spyre_linear.PackedLinear(
-        linear, tied_to="emb.weight", dtype=torch.bfloat16).unpacked is None
-
-
-class _Step:
-    """What ``PackedLinearMethod`` reads of the step: its positions per
-    row."""
-    length = 1
-
-
-@pytest.mark.parametrize("onednn", [False, True])
-def test_vllm_layers_prompts_on_onednn(onednn):
-    """vLLM's linear layers (``use_spyre_linears``): with
-    ``prompts_on_onednn``, a step of several positions per row (its
-    ``[B * L, K]`` rows flattened, as vLLM's models pass them) multiplies
-    on oneDNN, its output rounded to bfloat16; a step of one position per
-    row, and the output head always, on the kernel."""
+def test_vllm_layers_on_the_packed_kernel():
+    """vLLM's linear layers (``use_spyre_linears``): the linear layer and
+    the output head hold only their packed bfloat16 weight, and any
+    number of rows (``[B * L, K]`` flattened, as vLLM's models pass them)
+    multiplies on the kernel."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.spyre_linear_method import (
-        PackedLinearMethod, use_spyre_linears)
+        PackedHeadMethod, PackedLinearMethod, use_spyre_linears)
     from vllm.model_executor.layers.vocab_parallel_embedding import \
         UnquantizedEmbeddingMethod
 
@@ -179,29 +153,22 @@ def test_vllm_layers_prompts_on_onednn(onednn):
     model.lm_head = Layer(UnquantizedEmbeddingMethod())
     weights = {n: m.weight.detach().clone()
                for n, m in (("proj", model.proj), ("lm_head", model.lm_head))}
-    step = _Step()
-    assert use_spyre_linears(model, torch.bfloat16, True, step=step,
-                             prompts_on_onednn=onednn) == 2
+    assert use_spyre_linears(model, torch.bfloat16, True) == 2
     assert type(model.proj.quant_method) is PackedLinearMethod
-    assert hasattr(model.proj, "spyre_bf16") == onednn
-    assert not hasattr(model.lm_head, "spyre_bf16")
-    x = torch.randn(14, 64, generator=torch.Generator().manual_seed(3))
+    assert type(model.lm_head.quant_method) is PackedHeadMethod
+    for name in weights:
+        layer = getattr(model, name)
+        assert layer.weight.numel() == 0
+        assert not hasattr(layer, "spyre_bf16")
     bias = torch.randn(96)
-
-    def kernel_product(w):
-        return F.linear(_bf16(x), _bf16(w), bias)
-
-    for step.length in (1, 7):
-        got = model.proj.quant_method.apply(model.proj, x, bias)
-        if onednn and step.length > 1:
-            assert torch.equal(got, F.linear(
-                x.bfloat16(), weights["proj"].bfloat16()).float() + bias)
-        else:
-            torch.testing.assert_close(got, kernel_product(weights["proj"]),
-                                       rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(
-            model.lm_head.quant_method.apply(model.lm_head, x, bias),
-            kernel_product(weights["lm_head"]), rtol=1e-4, atol=1e-4)
+    for rows in (3, 14, 40):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(3))
+        for name, b in (("proj", bias), ("lm_head", None)):
+            layer = getattr(model, name)
+            torch.testing.assert_close(
+                layer.quant_method.apply(layer, x, b),
+                F.linear(_bf16(x), _bf16(weights[name]), b),
+                rtol=1e-4, atol=1e-4)
 
 
 def test_bf16_packs_only_even_input_widths():

@@ -108,7 +108,8 @@ def key_parts(*, model: str, hf_config: Any, backend: str,
         "vllm": vllm.__version__,
         "ibm-fms": _version("ibm-fms"),
         "project": _version("vllm-spyre-intree") + "+" + code_identity(),
-        # AMX decides which linear products a prompt's graph calls.
+        # AMX decides the quantized kernel's row thresholds, arguments of
+        # the graphs' calls.
         "cpu": torch.backends.cpu.get_cpu_capability() +
         ("+amx_bf16" if has_amx_bf16() else ""),
     }

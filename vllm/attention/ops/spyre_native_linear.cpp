@@ -17,6 +17,13 @@
 // and the output has the input's dtype: float32, or bfloat16 rounded once
 // with the bias added before rounding.
 //
+// Where the CPU has AMX (the build sees __AMX_BF16__), a bfloat16 product
+// of kAmxRows rows or more (a prompt, or a large batch) runs on AMX tiles
+// instead, straight from the same packed weight: a packed block of kBlock
+// columns is, for each group of 32 input features, two AMX weight tiles
+// of 16 pair rows by 16 columns, side by side (row stride 2 * kBlock
+// bfloat16).  The weight is never held twice.
+//
 // Written with GCC vector extensions, so the same source builds for AVX-512
 // or AVX2 (x86), VSX (Power) and the z/Architecture vector facility.
 
@@ -28,8 +35,13 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define SPYRE_AMX 1
 #endif
 
 namespace {
@@ -179,6 +191,119 @@ void tile_bf16(const uint32_t* x, int64_t ldx, const uint32_t* block,
   }
 }
 
+#if defined(SPYRE_AMX)
+// Rows from which a bfloat16 product runs on AMX tiles.  Below it the
+// vector tiles above read the weight as fast, one pass of up to kMaxRows
+// rows (benchmarks/linear.py, kernel spyre-bf16, on an AMX Xeon).
+constexpr int64_t kAmxRows = 16;
+// Rows of the input multiplied against one weight block while it stays in
+// L2: the weight is read from memory once per kAmxSpan rows.
+constexpr int64_t kAmxSpan = 256;
+
+// Linux hands a process the AMX tile registers only once asked
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA).
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr int kReqXcompPerm = 0x1023;
+    constexpr int kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: float32 sums, 16 rows by 16 columns (top-left, top-right,
+// bottom-left, bottom-right of a 32 x 32 output tile); 4-5: 16 input rows
+// by 32 features; 6-7: 16 feature pairs by 16 columns of a weight block.
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// The rows m0 .. m0 + 31 (16 when `half`) of a against one weight block
+// (K / 2 pair rows of 2 * kBlock bfloat16), over all K features, into
+// `sums` [32][kBlock].
+void amx_tile(const uint16_t* a, int64_t K, const uint16_t* block,
+              bool half, float* sums) {
+  constexpr int64_t ldb = 2 * kBlock * sizeof(uint16_t);
+  constexpr int64_t lds = kBlock * sizeof(float);
+  const int64_t lda = K * sizeof(uint16_t);
+  _tile_zero(0);
+  _tile_zero(1);
+  if (!half) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k = 0; k < K; k += 32) {
+    const uint16_t* w = block + (k / 2) * 2 * kBlock;
+    _tile_loadd(6, w, ldb);
+    _tile_loadd(7, w + kBlock, ldb);
+    _tile_loadd(4, a + k, lda);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (!half) {
+      _tile_loadd(5, a + 16 * K + k, lda);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums, lds);
+  _tile_stored(1, sums + 16, lds);
+  if (!half) {
+    _tile_stored(2, sums + 16 * kBlock, lds);
+    _tile_stored(3, sums + 16 * kBlock + 16, lds);
+  }
+}
+
+// y = x . W on AMX tiles.  x: M rows of K bfloat16 (K a multiple of 32),
+// copied with zero rows up to a multiple of 16; W: `blocks` packed blocks.
+template <typename Out>
+void run_amx(const at::Tensor& x, const uint16_t* wp, Out* yp, int64_t M,
+             int64_t K, int64_t blocks, int64_t out_features,
+             const float* bp) {
+  const int64_t padded = (M + 15) / 16 * 16;
+  at::Tensor a = at::zeros({padded, K}, x.options().dtype(at::kBFloat16));
+  a.narrow(0, 0, M).copy_(x.view({M, K}));
+  const auto* ap = static_cast<const uint16_t*>(a.data_ptr());
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) float sums[32 * kBlock];
+    for (int64_t s0 = 0; s0 < padded; s0 += kAmxSpan) {
+      const int64_t span_end = std::min(padded, s0 + kAmxSpan);
+      for (int64_t blk = begin; blk < end; ++blk) {
+        const int64_t c0 = blk * kBlock;
+        const int64_t cols = std::min(kBlock, out_features - c0);
+        const uint16_t* block = wp + blk * K * kBlock;
+        const float* bias = bp ? bp + c0 : nullptr;
+        for (int64_t m0 = s0; m0 < span_end; m0 += 32) {
+          const bool half = span_end - m0 <= 16;
+          amx_tile(ap + m0 * K, K, block, half, sums);
+          const int64_t rows = std::min<int64_t>(half ? 16 : 32, M - m0);
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* sr = sums + r * kBlock;
+            Out* yr = yp + (m0 + r) * out_features + c0;
+            for (int64_t c = 0; c < cols; ++c)
+              store(yr + c, bias ? sr[c] + bias[c] : sr[c]);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 template <typename Out>
 using TileBf16Fn = void (*)(const uint32_t*, int64_t, const uint32_t*,
                             int64_t, Out*, int64_t, int64_t, const float*);
@@ -255,6 +380,18 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed,
   }
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   if (bf16) {
+#if defined(SPYRE_AMX)
+    if (M >= kAmxRows && K % 32 == 0 && amx_permitted()) {
+      const auto* wp = static_cast<const uint16_t*>(packed.data_ptr());
+      if (float_input) {
+        run_amx(x, wp, y.data_ptr<float>(), M, K, blocks, out_features, bp);
+      } else {
+        run_amx(x, wp, static_cast<uint16_t*>(y.data_ptr()), M, K, blocks,
+                out_features, bp);
+      }
+      return y;
+    }
+#endif
     // The inputs as bfloat16 pairs, read 32 bits at a time.
     if (float_input) {
       x = x.to(at::kBFloat16);

@@ -14,11 +14,11 @@ attention kernels).  Inductor calls it like any other external kernel, so
 one packed copy of the weights serves the graphs of every warm-up shape.
 
 A prompt is another matter: its many rows make the product bound by
-arithmetic, not by reading.  Where the CPU has AMX (``amx_bf16``), a
-bfloat16 layer also keeps its weight unpacked and runs inputs of several
-positions per row (prefills) through oneDNN, whose AMX tiles multiply
-them 3-4 times faster than the kernel's ``vdpbf16ps``; decode steps (one
-position per row) stay on the kernel.
+arithmetic, not by reading.  Where the CPU has AMX (``amx_bf16``), the
+kernel multiplies a bfloat16 layer's inputs of 16 rows or more on AMX
+tiles, reading the same packed weight (its blocks are AMX weight tiles
+side by side), so a prompt gets the tiles' rate and the weight is held
+once.
 
 Where the extension cannot be built, ``bf16_linears`` gives bfloat16
 products on oneDNN instead (``Bf16Linear``).
@@ -29,8 +29,6 @@ from typing import Optional
 
 import torch
 from torch import nn
-
-from vllm.attention.ops.spyre_native import has_amx_bf16
 
 #: Output columns per packed block; must match kBlock in
 #: ``vllm/attention/ops/spyre_native_linear.cpp``.
@@ -86,38 +84,22 @@ class PackedLinear(nn.Module):
     inputs are rounded to bfloat16 and the products summed in float32, the
     output staying float32.  ``tied_to`` names the model parameter the
     weight was tied to (an embedding), if any: the packed copy is refreshed
-    from it when weights are updated in place (``spyre_weight_update``).
-
-    ``prompts_on_onednn`` (default: a bfloat16 weight on a CPU with AMX,
-    not tied) also keeps the weight unpacked, in bfloat16, for inputs of
-    several positions per row (``[B, L, K]``, ``L > 1``: prefills), which
-    oneDNN multiplies on AMX; their outputs are rounded to bfloat16 before
-    the bias, as ``Bf16Linear``'s are.  ``L`` is static in every graph
-    (1 in decode graphs), so the choice adds no guard."""
+    from it when weights are updated in place (``spyre_weight_update``)."""
 
     def __init__(self, linear: nn.Linear, tied_to: Optional[str] = None,
-                 dtype: torch.dtype = torch.float32,
-                 prompts_on_onednn: Optional[bool] = None) -> None:
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.tied_to = tied_to
-        if prompts_on_onednn is None:
-            prompts_on_onednn = (dtype == torch.bfloat16 and
-                                 tied_to is None and has_amx_bf16())
         with torch.no_grad():
             self.register_buffer(
                 "packed", pack_weight(linear.weight.detach().to(dtype)))
-            self.register_buffer(
-                "unpacked", linear.weight.detach().to(torch.bfloat16)
-                if prompts_on_onednn else None)
             bias = linear.bias
             self.register_buffer(
                 "bias", None if bias is None else bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.unpacked is not None and x.dim() == 3 and x.shape[1] > 1:
-            return onednn_bf16_linear(x, self.unpacked, self.bias)
         return torch.ops.spyre_cpu.packed_linear(x, self.packed,
                                                  self.out_features, self.bias)
 
@@ -130,14 +112,11 @@ class PackedLinear(nn.Module):
                 f"weight of shape {tuple(weight.shape)} for a packed layer "
                 f"of {self.out_features} x {self.in_features}")
         self.packed.copy_(pack_weight(weight.to(self.packed.dtype)))
-        if self.unpacked is not None:
-            self.unpacked.copy_(weight)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, "
                 f"out_features={self.out_features}, "
-                f"bias={self.bias is not None}, "
-                f"prompts_on_onednn={self.unpacked is not None}")
+                f"bias={self.bias is not None}")
 
 
 def plain_linear_types() -> tuple[type, ...]:

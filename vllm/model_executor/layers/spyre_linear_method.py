@@ -9,10 +9,8 @@ does (``spyre_linear``):
 
 * ``PackedLinearMethod``: the weight packed once for
   ``spyre_cpu::packed_linear``, in the precision's linear dtype (float32,
-  or bfloat16 under ``--dtype bfloat16``); a bfloat16 layer on a CPU with
-  AMX also keeps its weight unpacked, in bfloat16, for the steps of
-  several positions per row (prefills), which oneDNN multiplies on AMX
-  tiles, as the FMS path's ``PackedLinear`` does;
+  or bfloat16 under ``--dtype bfloat16``; the kernel multiplies prompts
+  on AMX tiles from the same packed weight where the CPU has them);
 * ``Bf16LinearMethod``: off the kernels (``VLLM_SPYRE_NATIVE_KERNELS=0``,
   no C++ compiler), bfloat16 products on oneDNN where the precision asks
   for them.
@@ -25,15 +23,14 @@ in.
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Optional
 
 import torch
 from torch import nn
 
 from vllm.model_executor.layers.linear import (LinearMethodBase,
                                                UnquantizedLinearMethod)
-from vllm.model_executor.layers.spyre_linear import (has_amx_bf16,
-                                                     onednn_bf16_linear,
+from vllm.model_executor.layers.spyre_linear import (onednn_bf16_linear,
                                                      pack_weight)
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead, UnquantizedEmbeddingMethod, VocabParallelEmbedding)
@@ -59,29 +56,12 @@ class _AfterLoading(LinearMethodBase):
             "loaded (use_spyre_linears), not at model construction")
 
 
-class Step(Protocol):
-    """The step the model is running: ``length`` positions per row."""
-
-    length: int
-
-
 class PackedLinearMethod(_AfterLoading):
     """The layer's weight packed for ``spyre_cpu::packed_linear``
-    (buffer ``spyre_packed``, ``spyre_out_features`` columns).  With a
-    ``step``, the steps of several positions per row multiply on oneDNN
-    (buffer ``spyre_bf16``), their outputs rounded to bfloat16 before the
-    bias, as ``PackedLinear``'s.  ``length`` is 1 in decode graphs, fixed
-    in static prefill graphs and at least ``MIN_PREFILL_LEN`` (2) in a
-    continuous-batching prefill graph's dynamic range, so the choice adds
-    no guard."""
-
-    def __init__(self, step: Optional[Step] = None) -> None:
-        self.step = step
+    (buffer ``spyre_packed``, ``spyre_out_features`` columns)."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.step is not None and self.step.length > 1:
-            return _bf16(layer, x, bias)
         return _packed(layer, x, bias)
 
 
@@ -119,23 +99,14 @@ def _heads(model: nn.Module) -> set[int]:
     return {id(head)} if head is not None else set()
 
 
-def use_spyre_linears(model: nn.Module, dtype: torch.dtype, native: bool,
-                      step: Optional[Step] = None,
-                      prompts_on_onednn: Optional[bool] = None) -> int:
+def use_spyre_linears(model: nn.Module, dtype: torch.dtype,
+                      native: bool) -> int:
     """Puts every unquantized float32 linear layer of ``model`` and its
     output head on the packed kernel (``native``) with weights held in
     ``dtype``, or, off the kernels, on oneDNN's bfloat16 products when
-    ``dtype`` is bfloat16.  ``prompts_on_onednn`` (default: bfloat16 on a
-    CPU with AMX, and a ``step`` to tell prompts by): the linear layers'
-    prompts (``step.length > 1``) on oneDNN; the head, which multiplies
-    each row's last position only, stays on the kernel.  Returns how many
-    layers moved."""
+    ``dtype`` is bfloat16.  Returns how many layers moved."""
     if not native and dtype != torch.bfloat16:
         return 0
-    if prompts_on_onednn is None:
-        prompts_on_onednn = dtype == torch.bfloat16 and has_amx_bf16()
-    prompts = step if native and prompts_on_onednn and step is not None \
-        else None
     heads = _heads(model)
     looked_up = _embedding_weights(model)
     moved = 0
@@ -155,7 +126,7 @@ def use_spyre_linears(model: nn.Module, dtype: torch.dtype, native: bool,
                                        pack_weight(weight.detach().to(dtype)),
                                        persistent=False)
                 module.spyre_out_features = weight.shape[0]
-            if not native or (prompts is not None and not is_head):
+            if not native:
                 module.register_buffer("spyre_bf16",
                                        weight.detach().to(torch.bfloat16),
                                        persistent=False)
@@ -163,7 +134,7 @@ def use_spyre_linears(model: nn.Module, dtype: torch.dtype, native: bool,
             module.quant_method = (PackedHeadMethod()
                                    if native else Bf16HeadMethod())
         else:
-            module.quant_method = (PackedLinearMethod(prompts)
+            module.quant_method = (PackedLinearMethod()
                                    if native else Bf16LinearMethod())
         if weight.data_ptr() not in looked_up:
             module.weight = nn.Parameter(weight.new_empty(0),

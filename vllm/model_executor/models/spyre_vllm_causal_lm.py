@@ -106,7 +106,7 @@ class SpyreVllmCausalLM(SpyreCausalLM):
         self.step = AttentionStep(on_kernel=self.native)
         start = time.perf_counter()
         moved = use_spyre_linears(self.vllm_model, self.precision.linear,
-                                  self.native, step=self.step)
+                                  self.native)
         if moved:
             logger.info("Moved %d linear layers to the %s in %.1f s", moved,
                         "packed CPU kernel" if self.native else
