@@ -205,6 +205,14 @@ def compile_count() -> int:
     return sum(counters["frames"].values()) + sum(counters["stats"].values())
 
 
+def compiled_in_timed_runs(compiled: int) -> bool:
+    """Says so, and returns True, if anything compiled during the timed
+    runs (none is expected after warm-up)."""
+    if compiled:
+        print(f"FAILED: {compiled} compilation(s) during timed runs")
+    return bool(compiled)
+
+
 # ---- our engine's settings -------------------------------------------------
 
 def padded_prompt_len(prompt_len: int) -> int:

@@ -76,9 +76,9 @@ import sys
 from pathlib import Path
 
 from _common import (STRIDE, TEXT, Workload, add_json_option,
-                     add_shape_options, benchmark_parser, cores,
-                     leading_matches, machine_info, parse_ints, table,
-                     write_json)
+                     add_shape_options, benchmark_parser,
+                     compiled_in_timed_runs, cores, leading_matches,
+                     machine_info, parse_ints, table, write_json)
 from _engines import (ENGINES, is_cb, is_ours, measure, start_engines,
                       stop_engines)
 
@@ -264,8 +264,7 @@ def main() -> int:
         plot(args.plot, engines, work, summaries)
     print_memory(engines, children)
     print_table(engines, work, summaries, found, args.repetitions)
-    if compiled:
-        print(f"FAILED: {compiled} compilation(s) during timed runs")
+    if compiled_in_timed_runs(compiled):
         return 1
     if mismatched and not args.allow_mismatch:
         print(f"FAILED: {len(mismatched)} id mismatch(es); "
