@@ -2,7 +2,7 @@
 # Both set everything up on first use (scripts/setup.sh).
 PYTEST_ARGS ?=
 
-.PHONY: run embed test serve image setup freeze clean
+.PHONY: run embed test test-unit serve image setup freeze clean
 
 run: setup
 	.venv/bin/python examples/offline_demo.py
@@ -13,6 +13,10 @@ embed: setup
 
 test:
 	bash scripts/run_tests.sh $(PYTEST_ARGS)
+
+# The fast part: every test not marked e2e (no engine, no server).
+test-unit:
+	bash scripts/run_tests.sh -m "not e2e" $(PYTEST_ARGS)
 
 # OpenAI-compatible server on the default model, loopback only.  Spyre
 # settings come from the environment; scripts/serve.sh's defaults keep

@@ -6,7 +6,7 @@ by hand, under static batching (``SpyreDriver``) or continuous batching
 precisions (``_peers.LlamaCppDriver``), and ours on the default model
 quantized by ``scripts/quantize.py`` (``QUANT_FORMATS``, ``quantized_model``);
 ``ENGINES`` names them.
-``start_engines`` starts one per child process (``_common.Child``),
+``start_engines`` starts one per child process (``spyre_support.bench.Child``),
 ``measure`` alternates their timed runs.
 
 Nothing here imports torch, transformers or vLLM at module level: a child
@@ -24,8 +24,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from _common import (REPO, TORCH_OPS, Child, Run, Timings, Workload,
-                     cb_max_model_len, compile_count, spyre_cb_env, spyre_env)
+from spyre_support.bench import Child, Run, Timings, Workload
+from spyre_support.engines import compile_count
+from spyre_support.envs import TORCH_OPS, cb_env, cb_max_model_len, warmup_env
+from spyre_support.paths import REPO
 from _peers import LlamaCppDriver
 
 
@@ -48,7 +50,7 @@ class SpyreDriver:
     @staticmethod
     def env(work: Workload, backend: str) -> dict[str, str]:
         # Static batching even if the caller's environment says otherwise.
-        return dict(spyre_env(backend, [(work.prompt_len, work.new_tokens, b)
+        return dict(warmup_env(backend, [(work.prompt_len, work.new_tokens, b)
                                         for b in work.batch_sizes]),
                     VLLM_SPYRE_USE_CB="0")
 
@@ -110,7 +112,7 @@ class SpyreCBDriver(SpyreDriver):
 
     @staticmethod
     def env(work: Workload, backend: str) -> dict[str, str]:
-        return spyre_cb_env(backend)
+        return cb_env(backend)
 
     @staticmethod
     def engine_args(work: Workload) -> dict[str, Any]:
@@ -384,11 +386,13 @@ def quantized_model(model: str, fmt: str, head: bool = True,
         return str(written)
     out = Path(root or REPO / ".quantized") / name
     if not (out / "config.json").exists():
-        sys.path.insert(0, str(REPO / "scripts"))
-        from quantize import quantize
+        from spyre_support.tiny_quantized import CALIBRATION
+        from vllm.model_executor.layers.quantization.spyre_quant_writer \
+            import quantize
         print(f"quantizing {model} to {fmt} in {out} ...", flush=True)
         quantize(model, out, fmt, lm_head=head,
-                 group_size=QUANT_GROUP_SIZES.get(fmt))
+                 group_size=QUANT_GROUP_SIZES.get(fmt),
+                 calibration=str(CALIBRATION))
     return str(out)
 
 

@@ -24,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from _common import REPO, Run, Workload, cores
+from spyre_support.bench import Run, Workload, cores
+from spyre_support.paths import REPO
 
 PEERS = REPO / ".peers"
 SETUP = "bash benchmarks/peers/setup_llamacpp.sh"
@@ -53,7 +54,13 @@ def _import_llamacpp():
         raise FileNotFoundError(
             f"llama.cpp is not set up ({package}/llama_cpp/lib/libllama.so "
             f"is missing); run: {SETUP}")
-    sys.path.insert(0, str(package))
+    # The package is loaded from its folder by name, leaving sys.path alone.
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "llama_cpp", package / "llama_cpp" / "__init__.py",
+        submodule_search_locations=[str(package / "llama_cpp")])
+    sys.modules["llama_cpp"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules["llama_cpp"])
     import llama_cpp.llama_cpp as ll
     return ll
 

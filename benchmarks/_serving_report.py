@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from _common import table
+from spyre_support.bench import table
 
 
 def ratios(modes: dict) -> dict[str, dict[str, float]]:

@@ -34,8 +34,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from _common import (add_json_option, benchmark_parser, cores, machine_info,
-                     native_kernels_available, parse_ints, table, write_json)
+from spyre_support.bench import (add_json_option, benchmark_parser, cores,
+                                 machine_info, native_kernels_available,
+                                 parse_ints, table, write_json)
 
 BLOCK = 64  # continuous batching's block size (CB_BLOCK_SIZE)
 CHUNK = 64  # positions of a prefill chunk

@@ -25,16 +25,18 @@ import os
 import sys
 from dataclasses import dataclass
 
-from _common import (add_json_option, add_shape_options, benchmark_parser,
-                     build_prompts, compile_count, machine_info, spyre_env,
-                     table, text_ids, write_json)
+from spyre_support.bench import (add_json_option, add_shape_options,
+                                 benchmark_parser, build_prompts, machine_info,
+                                 table, text_ids, write_json)
+from spyre_support.engines import compile_count
+from spyre_support.envs import warmup_env
 
 
 def generate(model: str, backend: str, prompts: list[list[int]],
              new_tokens: int, batch: int) -> tuple[list[list[int]], int]:
     """Our greedy ids in bfloat16, and the compilations while serving."""
     prompt_len = max(len(p) for p in prompts)
-    os.environ.update(spyre_env(backend, [(prompt_len, new_tokens, batch)]),
+    os.environ.update(warmup_env(backend, [(prompt_len, new_tokens, batch)]),
                       VLLM_SPYRE_USE_CB="0")
     from vllm import LLM, SamplingParams, TokensPrompt
     llm = LLM(model=model, dtype="bfloat16", max_num_seqs=batch,

@@ -33,8 +33,10 @@ import statistics
 import time
 from pathlib import Path
 
-from _common import (REPO, RESULTS, TEXT, Child, compile_count, cores,
-                     machine_info, parse_ints, table, write_json)
+from spyre_support.bench import (Child, RESULTS, TEXT, cores, machine_info,
+                                 parse_ints, table, write_json)
+from spyre_support.engines import compile_count
+from spyre_support.paths import REPO
 
 DEFAULT_EMBEDDER = str(REPO / "models" / "all-MiniLM-L6-v2")
 ENGINES = ("st", "spyre")

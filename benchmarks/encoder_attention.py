@@ -24,9 +24,10 @@ import json
 import sys
 from pathlib import Path
 
-from _common import (REPO, add_json_option, benchmark_parser, cores,
-                     machine_info, native_kernels_available, table,
-                     write_json)
+from spyre_support.bench import (add_json_option, benchmark_parser, cores,
+                                 machine_info, native_kernels_available, table,
+                                 write_json)
+from spyre_support.paths import REPO
 
 from attention import best_pass
 

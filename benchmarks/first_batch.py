@@ -24,9 +24,11 @@ import statistics
 import sys
 import time
 
-from _common import (Child, add_json_option, add_shape_options,
-                     benchmark_parser, build_prompts, compile_count,
-                     machine_info, spyre_env, table, text_ids, write_json)
+from spyre_support.bench import (Child, add_json_option, add_shape_options,
+                                 benchmark_parser, build_prompts, machine_info,
+                                 table, text_ids, write_json)
+from spyre_support.engines import compile_count
+from spyre_support.envs import warmup_env
 
 USAGE_SWITCHES = ("VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK", "DO_NOT_TRACK")
 SETTINGS = {"default": {}, "usage stats on": {"VLLM_NO_USAGE_STATS": "0"}}
@@ -78,7 +80,7 @@ def main() -> int:
         ap.error("--batches must be at least 2: the first against the rest")
     work = dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                 batch_size=args.batch_size, batches=args.batches)
-    env = spyre_env(args.backend, [(args.prompt_len, args.new_tokens,
+    env = warmup_env(args.backend, [(args.prompt_len, args.new_tokens,
                                     args.batch_size)])
     tokens = args.batch_size * args.new_tokens
     results, rows, compiled = {}, [], 0

@@ -12,8 +12,8 @@ layer a faster kernel would pay off in.
         [--prompt-len 64] [--new-tokens 32]
 
 A tiny random Bamba to run it on is built with
-``python -c "import sys; sys.path.insert(0, 'tests'); from pathlib import
-Path; from tiny_models import build_tiny_family;
+``.venv/bin/python -c "from pathlib import Path; from
+spyre_support.tiny_models import build_tiny_family;
 build_tiny_family('bamba', Path('/tmp/bamba'))"``.
 """
 from __future__ import annotations
@@ -23,9 +23,10 @@ import time
 from collections import defaultdict
 from unittest import mock
 
-from _common import (add_json_option, benchmark_parser, build_prompts,
-                     machine_info, parse_ints, spyre_env, table, text_ids,
-                     write_json)
+from spyre_support.bench import (add_json_option, benchmark_parser,
+                                 build_prompts, machine_info, parse_ints,
+                                 table, text_ids, write_json)
+from spyre_support.envs import warmup_env
 
 
 def _timed_layers(model, is_ssm: list[bool], times: dict) -> list:
@@ -58,7 +59,7 @@ def _timed_layers(model, is_ssm: list[bool], times: dict) -> list:
 def measure(model_dir: str, batch: int, prompt_len: int,
             new_tokens: int) -> dict:
     from vllm import LLM, SamplingParams, TokensPrompt
-    env = spyre_env("eager", [(prompt_len, new_tokens, batch)])
+    env = warmup_env("eager", [(prompt_len, new_tokens, batch)])
     with mock.patch.dict(os.environ, env):
         llm = LLM(model=model_dir)
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner

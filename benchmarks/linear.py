@@ -46,8 +46,9 @@ import sys
 import time
 from pathlib import Path
 
-from _common import (DEFAULT_MODEL, RESULTS, compile_count, cores,
-                     machine_info, parse_ints, table, write_json)
+from spyre_support.bench import (DEFAULT_MODEL, RESULTS, cores, machine_info,
+                                 parse_ints, table, write_json)
+from spyre_support.engines import compile_count
 from _engines import load_fms_model
 from roofline import read_bandwidth
 

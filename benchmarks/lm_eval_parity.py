@@ -31,8 +31,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from _common import (DEFAULT_MODEL, REPO, spyre_cb_env, spyre_env, table,
-                     write_json)
+from spyre_support.bench import DEFAULT_MODEL, table, write_json
+from spyre_support.envs import cb_env, warmup_env
+from spyre_support.paths import REPO
 
 TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
 TASKS = ("spyre_facts", "spyre_arith", "spyre_text")
@@ -151,14 +152,12 @@ def mode_server(mode: str, backend: str) -> tuple[dict, tuple]:
     ``mode``."""
     if mode == "static":
         p, n, b = STATIC_SHAPE
-        return spyre_env(backend, [(p, n, b)]), ()
-    return spyre_cb_env(backend), CB_ARGS
+        return warmup_env(backend, [(p, n, b)]), ()
+    return cb_env(backend), CB_ARGS
 
 
 def run_mode(mode: str, args) -> dict:
-    if str(REPO / "tests") not in sys.path:
-        sys.path.insert(0, str(REPO / "tests"))
-    from server import Server
+    from spyre_support.server import Server
     env, cli = mode_server(mode, args.backend)
     print(f"[{mode}] starting vllm serve {args.model}, backend "
           f"{args.backend}", flush=True)

@@ -25,25 +25,26 @@ import resource
 import sys
 from pathlib import Path
 
-from _common import (DEFAULT_MODEL, RESULTS, Child, machine_info,
-                     spyre_cb_env, spyre_env, table, write_json)
+from spyre_support.bench import (Child, DEFAULT_MODEL, RESULTS, machine_info,
+                                 table, write_json)
+from spyre_support.envs import cb_env, warmup_env
 
 GiB = 2**30
 
 #: name -> (environment, engine arguments, (requests, prompt, new tokens))
 CONFIGS = {
-    "small": (spyre_env("eager", [(64, 24, 4)]), {}, (4, 60, 24)),
-    "large": (spyre_env("eager", [(1024, 64, 8), (64, 24, 4)]), {},
+    "small": (warmup_env("eager", [(64, 24, 4)]), {}, (4, 60, 24)),
+    "large": (warmup_env("eager", [(1024, 64, 8), (64, 24, 4)]), {},
               (8, 1000, 64)),
-    "cb": (spyre_cb_env("eager"),
+    "cb": (cb_env("eager"),
            dict(max_model_len=2048, max_num_seqs=16), (16, 1800, 32)),
-    "small-inductor": (spyre_env("inductor", [(64, 24, 4)]), {},
+    "small-inductor": (warmup_env("inductor", [(64, 24, 4)]), {},
                        (4, 60, 24)),
     # Sized for the realistic-size checkpoints (``--model`` one of
     # scripts/benchmark_checkpoints.py's), whose steps are slow on a CPU.
-    "bf16": (spyre_env("eager", [(64, 24, 4)]), dict(dtype="bfloat16"),
+    "bf16": (warmup_env("eager", [(64, 24, 4)]), dict(dtype="bfloat16"),
              (4, 60, 24)),
-    "bf16-cb": (spyre_cb_env("eager"),
+    "bf16-cb": (cb_env("eager"),
                 dict(dtype="bfloat16", max_model_len=512, max_num_seqs=4),
                 (4, 200, 16)),
 }

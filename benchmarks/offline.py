@@ -75,10 +75,11 @@ import itertools
 import sys
 from pathlib import Path
 
-from _common import (STRIDE, TEXT, Workload, add_json_option,
-                     add_shape_options, benchmark_parser,
-                     compiled_in_timed_runs, cores, leading_matches,
-                     machine_info, parse_ints, table, write_json)
+from spyre_support.bench import (STRIDE, TEXT, Workload, add_json_option,
+                                 add_shape_options, benchmark_parser,
+                                 compiled_in_timed_runs, cores,
+                                 leading_matches, machine_info, parse_ints,
+                                 table, write_json)
 from _engines import (ENGINES, is_cb, is_ours, measure, start_engines,
                       stop_engines)
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import sys
 import time
 
-from _common import (Workload, add_json_option, benchmark_parser,
-                     compiled_in_timed_runs, cores, machine_info, table,
-                     write_json)
+from spyre_support.bench import (Workload, add_json_option, benchmark_parser,
+                                 compiled_in_timed_runs, cores, machine_info,
+                                 table, write_json)
 from _engines import measure, start_engines, stop_engines
 
 

@@ -32,8 +32,10 @@ from typing import Optional
 
 import httpx
 
-from _common import (DEFAULT_MODEL, REPO, RESULTS, backend_env, table,
-                     text_ids, write_json)
+from spyre_support.bench import (DEFAULT_MODEL, RESULTS, table, text_ids,
+                                 write_json)
+from spyre_support.envs import backend_env
+from spyre_support.paths import REPO
 from serving_load import _body, _one, _pct, served
 
 WORKLOADS = ("shared-prefix", "long-join")
@@ -117,9 +119,7 @@ def servers(workload: str, args) -> list[tuple[str, tuple]]:
 
 
 def run(workload: str, args, ids: list[int]) -> dict:
-    if str(REPO / "tests") not in sys.path:
-        sys.path.insert(0, str(REPO / "tests"))
-    from server import Server
+    from spyre_support.server import Server
     env = {**backend_env(args.backend), "VLLM_SPYRE_USE_CB": "1"}
     out = {}
     for name, cli in servers(workload, args):

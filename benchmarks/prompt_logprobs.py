@@ -25,10 +25,11 @@ import sys
 import threading
 import time
 
-from _common import (Child, add_json_option, benchmark_parser,
-                     build_prompts, cb_max_model_len, compile_count,
-                     machine_info, spyre_cb_env, spyre_env, table, text_ids,
-                     write_json)
+from spyre_support.bench import (Child, add_json_option, benchmark_parser,
+                                 build_prompts, machine_info, table, text_ids,
+                                 write_json)
+from spyre_support.engines import compile_count
+from spyre_support.envs import cb_env, cb_max_model_len, warmup_env
 
 KINDS = ("plain", "prompt_logprobs=1")
 
@@ -97,7 +98,7 @@ def main() -> int:
     args = ap.parse_args()
     work = dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                 cb=args.cb)
-    env = (spyre_cb_env(args.backend) if args.cb else spyre_env(
+    env = (cb_env(args.backend) if args.cb else warmup_env(
         args.backend, [(args.prompt_len, args.new_tokens, 1)]))
     mode = "continuous batching" if args.cb else "static batching"
     print(f"starting our engine ({args.backend}, {mode}) ...", flush=True)

@@ -25,9 +25,10 @@ import os
 import shutil
 import sys
 
-from _common import (Child, add_json_option, benchmark_parser,
-                     build_prompts, machine_info, spyre_env, table, text_ids,
-                     write_json)
+from spyre_support.bench import (Child, add_json_option, benchmark_parser,
+                                 build_prompts, machine_info, table, text_ids,
+                                 write_json)
+from spyre_support.envs import warmup_env
 from _engines import QUANT_FORMATS, quantized_model
 
 #: The bar the 8-bit formats must clear (docs/quantization.md).
@@ -41,7 +42,7 @@ class Engine:
     def __init__(self, model: str, backend: str, prompt_len: int,
                  new_tokens: int, batch: int, dtype: str) -> None:
         os.environ.update(
-            spyre_env(backend, [(prompt_len, new_tokens, batch)]),
+            warmup_env(backend, [(prompt_len, new_tokens, batch)]),
             VLLM_SPYRE_USE_CB="0")
         from vllm import LLM
         self.llm = LLM(model=model, dtype=dtype, max_num_seqs=batch,

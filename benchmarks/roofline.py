@@ -49,9 +49,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from _common import (DEFAULT_MODEL, RESULTS, Workload,
-                     compiled_in_timed_runs, cores, machine_info, table,
-                     write_json)
+from spyre_support.bench import (DEFAULT_MODEL, RESULTS, Workload,
+                                 compiled_in_timed_runs, cores, machine_info,
+                                 table, write_json)
 from _engines import measure, start_engines, stop_engines
 
 

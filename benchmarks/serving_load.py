@@ -65,12 +65,13 @@ from typing import Optional
 
 import httpx
 
-from _common import (RESULTS, TORCH_OPS, backend_env, cb_max_model_len,
-                     machine_info, mixed_requests, parse_ints, text_ids,
-                     write_json)
+from spyre_support.bench import (RESULTS, machine_info, mixed_requests,
+                                 parse_ints, text_ids, write_json)
+from spyre_support.envs import TORCH_OPS, backend_env, cb_max_model_len
+from spyre_support.paths import SMOLLM2_DIR
+
 from _serving_report import plot, print_comparison, ratios
 
-REPO = Path(__file__).resolve().parent.parent
 MIXED_SHAPES = "256:128:8,512:128:4"
 MODES = ("cb", "static")
 
@@ -276,9 +277,7 @@ def runs(args) -> list[tuple[str, str, Optional[int]]]:
 def run_mode(mode: str, args, make_bodies, max_num_seqs: Optional[int] = None,
              name: Optional[str] = None) -> dict:
     """Starts the server of ``mode``, sends the workload, stops it."""
-    if str(REPO / "tests") not in sys.path:
-        sys.path.insert(0, str(REPO / "tests"))
-    from server import Server, metric
+    from spyre_support.server import Server, metric
     env, cli, what = server_setup(mode, args, max_num_seqs)
     mode = name or mode
     print(f"[{mode}] starting vllm serve {args.model}: {what}, backend "
@@ -320,8 +319,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", help="a running server; default: start one "
                     "per mode")
-    ap.add_argument("--model", default=str(REPO / "models" /
-                                           "SmolLM2-135M-Instruct"))
+    ap.add_argument("--model", default=str(SMOLLM2_DIR))
     ap.add_argument("--workload", choices=["default", "mixed"],
                     default="default")
     ap.add_argument("--requests", type=int, default=200)

@@ -32,9 +32,11 @@ import sys
 import time
 from typing import Optional
 
-from _common import (Child, add_json_option, benchmark_parser,
-                     build_prompts, compile_count, machine_info,
-                     spyre_cb_env, table, text_ids, write_json)
+from spyre_support.bench import (Child, add_json_option, benchmark_parser,
+                                 build_prompts, machine_info, table, text_ids,
+                                 write_json)
+from spyre_support.engines import compile_count
+from spyre_support.envs import cb_env
 
 SCHEMA = {
     "type": "object",
@@ -162,7 +164,7 @@ def main() -> int:
     print(f"starting our engine ({args.backend}, continuous batching) ...",
           flush=True)
     child = Child("engine", Engine, args.model, work,
-                  env=spyre_cb_env(args.backend))
+                  env=cb_env(args.backend))
     kinds = ("plain", "json")
     try:
         child.result()

@@ -48,9 +48,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from _common import (DEFAULT_MODEL, RESULTS, Child, cores, machine_info,
-                     padded_prompt_len, parse_ints, spyre_cb_env, spyre_env,
-                     table, write_json)
+from spyre_support.bench import (Child, DEFAULT_MODEL, RESULTS, cores,
+                                 machine_info, parse_ints, table, write_json)
+from spyre_support.envs import cb_env, padded_prompt_len, warmup_env
 
 
 class StartupProbe:
@@ -131,7 +131,7 @@ def shapes_cold_warm(args) -> int:
                                     parse_ints(args.new_tokens),
                                     parse_ints(args.batch_sizes)))
     cache = tempfile.mkdtemp(prefix="warmup-inductor-cache-")
-    env = dict(spyre_env(args.backend, shapes),
+    env = dict(warmup_env(args.backend, shapes),
                TORCHINDUCTOR_CACHE_DIR=cache,
                TORCH_EXTENSIONS_DIR=str(Path(cache) / "extensions"))
     try:
@@ -172,10 +172,10 @@ def cb_against_static(args) -> int:
     runs = {
         "cb": (f"continuous batching (max_model_len={args.max_model_len}, "
                f"max_num_seqs={args.max_num_seqs})",
-               spyre_cb_env(args.backend), cb_args),
+               cb_env(args.backend), cb_args),
         "static": ("static, one shape (prompt_len={}, new_tokens={}, "
                    "batch_size={})".format(*shape),
-                   dict(spyre_env(args.backend, [shape]),
+                   dict(warmup_env(args.backend, [shape]),
                         VLLM_SPYRE_USE_CB="0"), None),
     }
     found = {}
@@ -228,11 +228,11 @@ def graph_cache_cold_warm(args) -> int:
                    "batch sizes {}".format(len(shapes), args.prompt_lens,
                                            args.new_tokens,
                                            args.batch_sizes),
-                   dict(spyre_env(args.backend, shapes),
+                   dict(warmup_env(args.backend, shapes),
                         VLLM_SPYRE_USE_CB="0"), None),
         "cb": (f"continuous batching (max_model_len={args.max_model_len}, "
                f"max_num_seqs={args.max_num_seqs})",
-               spyre_cb_env(args.backend), cb_args),
+               cb_env(args.backend), cb_args),
     }
     found: dict = {}
     for label, (what, env, engine_args) in engines.items():

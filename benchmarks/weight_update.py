@@ -30,9 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import (Child, add_json_option, add_shape_options,
-                     benchmark_parser, compile_count, cores, machine_info,
-                     parse_ints, spyre_env, table, text_ids, write_json)
+from spyre_support.bench import (Child, add_json_option, add_shape_options,
+                                 benchmark_parser, cores, machine_info,
+                                 parse_ints, table, text_ids, write_json)
+from spyre_support.engines import compile_count
+from spyre_support.envs import warmup_env
 
 
 class Pusher:
@@ -113,7 +115,7 @@ def main() -> int:
     shapes = [(args.prompt_len, args.new_tokens, b)
               for b in parse_ints(args.batch_sizes)]
     graphs = tempfile.mkdtemp(prefix="weight-update-graph-cache-")
-    env = dict(spyre_env(args.backend, shapes), VLLM_SPYRE_USE_CB="0",
+    env = dict(warmup_env(args.backend, shapes), VLLM_SPYRE_USE_CB="0",
                TORCH_SENDNN_CACHE_ENABLE="1", TORCH_SENDNN_CACHE_DIR=graphs)
     prompt = text_ids(args.model)[:args.prompt_len]
     try:

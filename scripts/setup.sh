@@ -44,4 +44,9 @@ fi
 # installed again from there.
 rm -rf build
 "$PIP" install -q --no-deps --no-build-isolation --force-reinstall .
+# The tests' and benchmarks' support package (support/), in place, with
+# the development extra.
+if [ "${SPYRE_SETUP_DEV:-1}" != 0 ]; then
+  "$PIP" install -q --no-deps --no-build-isolation -e support
+fi
 "$VENV/bin/python" scripts/provision_model.py

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.smollm2]
+from spyre_support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.smollm2
 
 
 def test_offline_benchmark_small(smollm2, tmp_path):
@@ -169,7 +169,7 @@ def test_embeddings_benchmark_small(tmp_path):
     bfloat16 and our engine in both, alternated; nothing compiled, our
     vectors agree with the reference, both ratios reported, JSON, plot
     and table."""
-    from conftest import MINILM_DIR
+    from spyre_support.paths import MINILM_DIR
     out, png = tmp_path / "embeddings.json", tmp_path / "embeddings.png"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "embeddings.py"),
@@ -196,7 +196,7 @@ def test_encoder_attention_benchmark_small(tmp_path):
     """benchmarks/encoder_attention.py: SDPA and the kernel, both
     precisions, on one small packing; the float32 kernel agrees, JSON and
     table."""
-    from conftest import MINILM_DIR
+    from spyre_support.paths import MINILM_DIR
     out = tmp_path / "encoder-attention.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "encoder_attention.py"),
@@ -217,7 +217,7 @@ def test_encoder_attention_benchmark_small(tmp_path):
 def test_hybrid_split_benchmark_small(tmp_path):
     """benchmarks/hybrid_split.py on a tiny Bamba: the decode step split
     between its 2 Mamba-2 layers and its attention layer, both timed."""
-    from conftest import build_tiny_family
+    from spyre_support.tiny_models import build_tiny_family
     model = build_tiny_family("bamba", tmp_path / "bamba")
     out = tmp_path / "split.json"
     proc = subprocess.run(
@@ -240,8 +240,7 @@ def test_hybrid_split_benchmark_small(tmp_path):
 def test_prefill_benchmark_small(tmp_path):
     """One prompt through our engine on a tiny bfloat16 model, against
     the peak matrix throughput measured first."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from tiny_models import build_bf16_valued_llama
+    from spyre_support.tiny_models import build_bf16_valued_llama
     import torch
     model = build_bf16_valued_llama(tmp_path / "bf16", torch.bfloat16)
     out = tmp_path / "prefill.json"

@@ -26,12 +26,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, compile_count, spyre_env, spyre_llm
+from spyre_support.engines import compile_count, spyre_llm
+from spyre_support.envs import spyre_env
+from spyre_support.paths import REPO
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-from bf16_quality import TeacherForced  # noqa: E402
-
-pytestmark = pytest.mark.e2e
+from bf16_quality import TeacherForced
 
 SHAPES = dict(prompt_lens=[64], new_tokens=[24], batch_sizes=[4])
 NEW_TOKENS = 24

@@ -12,11 +12,9 @@ import httpx
 import pytest
 import requests
 
-from server import (Server, abort_storm, check_burst, check_echo_logprobs,
-                    check_soak, metric,
-                    wait_until_zero)
-
-pytestmark = pytest.mark.e2e
+from spyre_support.server import (abort_storm, check_burst,
+                                  check_echo_logprobs, check_soak, metric,
+                                  Server, wait_until_zero)
 
 ENV = {"VLLM_SPYRE_USE_CB": "1", "VLLM_SPYRE_DYNAMO_BACKEND": "eager"}
 # 4 sequences at once, 512 tokens each at most, and a pool of 6 blocks

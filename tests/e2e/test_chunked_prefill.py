@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import (HFReference, backend_env, compile_count,
-                      greedy_tokens, model_runner, spyre_llm)
-
-pytestmark = pytest.mark.e2e
+from spyre_support.engines import (compile_count, greedy_tokens, model_runner,
+                                   spyre_llm)
+from spyre_support.envs import backend_env
+from spyre_support.reference import HFReference
 
 MAX_MODEL_LEN = 1600
 LENGTHS = [1, 63, 64, 65, 1500]

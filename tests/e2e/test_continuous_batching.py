@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import (TORCH_OPS, HFReference, backend_env, compile_count,
-                      first_logprob, spyre_engine, spyre_llm)
-
-pytestmark = pytest.mark.e2e
+from spyre_support.engines import (compile_count, first_logprob, spyre_engine,
+                                   spyre_llm)
+from spyre_support.envs import backend_env, TORCH_OPS
+from spyre_support.reference import HFReference
 
 MAX_NUM_SEQS = 3
 MAX_MODEL_LEN = 576  # 9 blocks of 64

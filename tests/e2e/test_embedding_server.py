@@ -14,11 +14,9 @@ import pytest
 import requests
 import torch
 
-from conftest import MINILM_DIR, REPO
-from server import Server
-from tiny_encoders import build_tiny_encoder, hf_scores
-
-pytestmark = pytest.mark.e2e
+from spyre_support.paths import MINILM_DIR, REPO
+from spyre_support.server import Server
+from spyre_support.tiny_encoders import build_tiny_encoder, hf_scores
 
 SHAPES = {"VLLM_SPYRE_DYNAMO_BACKEND": "eager",
           "VLLM_SPYRE_WARMUP_PROMPT_LENS": "64,256",

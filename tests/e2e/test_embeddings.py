@@ -11,12 +11,11 @@ from unittest import mock
 import pytest
 import torch
 
-from conftest import MINILM_DIR, compile_count, spyre_llm
+from spyre_support.engines import compile_count, spyre_llm
+from spyre_support.paths import MINILM_DIR
 from vllm.attention.ops import spyre_encoder_attention as encoder_attention
-from tiny_encoders import (build_tiny_encoder, hf_embeddings, hf_scores,
-                           random_texts)
-
-pytestmark = pytest.mark.e2e
+from spyre_support.tiny_encoders import (build_tiny_encoder, hf_embeddings,
+                                         hf_scores, random_texts)
 
 #: Two shapes: eight rows of 64 slots (short texts several to a row) and
 #: two rows of 256.
@@ -209,7 +208,7 @@ def test_step_table_packs_texts_into_one_shape(encoders):
     ``select_texts`` plans for two rows of 64 slots: first-fit in arrival
     order, a text that does not fit waiting for the next step."""
     from vllm import PoolingParams, TokensPrompt
-    from conftest import spyre_engine
+    from spyre_support.engines import spyre_engine
     path, pooling = encoders["bert"]
     lengths = {"a": 50, "b": 40, "c": 30, "d": 10, "e": 64, "f": 5}
     gen = torch.Generator().manual_seed(4)

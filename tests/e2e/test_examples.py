@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, spyre_env
-from server import Server
+from spyre_support.envs import spyre_env
+from spyre_support.paths import REPO
+from spyre_support.server import Server
 
-pytestmark = [pytest.mark.e2e, pytest.mark.smollm2]
+pytestmark = pytest.mark.smollm2
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, HFReference, spyre_env
-from tiny_models import build_retrained
-
-pytestmark = pytest.mark.e2e
+from spyre_support.envs import spyre_env
+from spyre_support.paths import REPO
+from spyre_support.reference import HFReference
+from spyre_support.tiny_models import build_retrained
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [16]]
 MAX_TOKENS = 8

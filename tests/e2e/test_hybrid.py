@@ -20,12 +20,12 @@ import json
 import pytest
 import torch
 
-from conftest import (HFReference, backend_env, build_tiny_family,
-                      compile_count, greedy_requests, model_runner,
-                      prompt_logprobs_match_transformers, spyre_engine,
-                      spyre_env, spyre_llm)
-
-pytestmark = pytest.mark.e2e
+from spyre_support.engines import (compile_count, greedy_requests,
+                                   model_runner, spyre_engine, spyre_llm)
+from spyre_support.envs import backend_env, spyre_env
+from spyre_support.reference import (HFReference,
+                                     prompt_logprobs_match_transformers)
+from spyre_support.tiny_models import build_tiny_family
 
 STATIC = dict(prompt_lens=[64, 128], new_tokens=[16, 32], batch_sizes=[4, 2])
 ONE_SHAPE = dict(prompt_lens=[128], new_tokens=[32], batch_sizes=[3])

@@ -6,18 +6,14 @@ results of lm-eval's own ``hf`` model on the same checkpoint, under static
 and continuous batching."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-from server import Server
+# benchmarks/ (pytest's pythonpath)
+from lm_eval_parity import (TASKS, compare, evaluate, hf_args, mode_server,
+                            server_args)
+from spyre_support.server import Server
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from lm_eval_parity import (TASKS, compare, evaluate, hf_args,  # noqa: E402
-                            mode_server, server_args)
-
-pytestmark = [pytest.mark.e2e, pytest.mark.smollm2]
+pytestmark = pytest.mark.smollm2
 
 #: Requests of the tasks: 20 questions of 4 answers, 4 paragraphs scored
 #: whole, 12 greedy answers.

@@ -10,10 +10,8 @@ import pytest
 import torch
 from vllm import SamplingParams, TokensPrompt
 
-from conftest import compile_count, mode_llm
-from tiny_models import build_bf16_valued_llama
-
-pytestmark = pytest.mark.e2e
+from spyre_support.engines import compile_count, mode_llm
+from spyre_support.tiny_models import build_bf16_valued_llama
 
 PROMPTS = [[5 + (7 * i + 3 * j) % 300 for j in range(n)]
            for i, n in enumerate((9, 30, 57, 64))]

@@ -14,12 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import (HFReference, build_tiny_family, compile_count,
-                      spyre_env, spyre_llm)
-from server import Server, served_ids
-from tiny_models import FAMILIES
-
-pytestmark = pytest.mark.e2e
+from spyre_support.engines import compile_count, spyre_llm
+from spyre_support.envs import spyre_env
+from spyre_support.reference import HFReference
+from spyre_support.tiny_models import build_tiny_family
+from spyre_support.server import Server, served_ids
+from spyre_support.tiny_models import FAMILIES
 
 # Short prompts four at a time, longer answers two at a time.
 STATIC = dict(prompt_lens=[64, 64], new_tokens=[8, 16], batch_sizes=[4, 2])
@@ -121,7 +121,7 @@ def test_vllm_serve_matches_transformers(family, tmp_path):
 def test_other_architectures_are_refused(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from tiny_models import build_tokenizer
+    from spyre_support.tiny_models import build_tokenizer
     tokenizer = build_tokenizer()
     GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32,
                                n_layer=1, n_head=2)).save_pretrained(tmp_path)

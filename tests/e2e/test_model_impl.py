@@ -25,12 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import (HFReference, build_tiny_family, compile_count,
-                      greedy_requests, mode_llm, model_runner, spyre_env,
-                      spyre_llm)
-from server import Server, served_ids
-
-pytestmark = pytest.mark.e2e
+from spyre_support.engines import (compile_count, greedy_requests, mode_llm,
+                                   model_runner, spyre_llm)
+from spyre_support.envs import spyre_env
+from spyre_support.reference import HFReference
+from spyre_support.tiny_models import build_tiny_family
+from spyre_support.server import Server, served_ids
 
 #: (prompt ids, new tokens): rows of different lengths finishing apart.
 REQUESTS = [(list(range(5, 5 + n)), m)

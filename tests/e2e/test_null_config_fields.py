@@ -11,10 +11,10 @@ import json
 import pytest
 import torch
 
-from conftest import (HFReference, build_tiny_family, greedy_requests,
-                      spyre_env, spyre_llm)
-
-pytestmark = pytest.mark.e2e
+from spyre_support.engines import greedy_requests, spyre_llm
+from spyre_support.envs import spyre_env
+from spyre_support.reference import HFReference
+from spyre_support.tiny_models import build_tiny_family
 
 ONE_SHAPE = spyre_env("eager", [64], [8], [2])
 

@@ -14,10 +14,9 @@ import psutil
 import pytest
 import requests
 
-from conftest import spyre_env, spyre_llm
-from server import Server, check_echo_logprobs, metric, metric_in
-
-pytestmark = pytest.mark.e2e
+from spyre_support.engines import spyre_llm
+from spyre_support.envs import spyre_env
+from spyre_support.server import check_echo_logprobs, metric, metric_in, Server
 
 SHAPES = dict(prompt_lens=[64, 128], new_tokens=[16, 8], batch_sizes=[4, 2])
 ENV = spyre_env("eager", **SHAPES)
@@ -146,7 +145,7 @@ def test_vllm_sampling_fields_over_http(server, client):
     """vLLM's own fields (``extra_body``) and OpenAI's ``logit_bias`` reach
     the engine with their offline meaning (``test_sampling.py`` checks
     each offline, static and CB)."""
-    from tiny_models import EOS_ID
+    from spyre_support.tiny_models import EOS_ID
 
     def ids(**fields):
         extra = dict(return_tokens_as_token_ids=True, ignore_eos=True)

@@ -11,10 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import (backend_env, compile_count, greedy_tokens,
-                      model_runner, spyre_llm)
-
-pytestmark = pytest.mark.e2e
+from spyre_support.engines import (compile_count, greedy_tokens, model_runner,
+                                   spyre_llm)
+from spyre_support.envs import backend_env
 
 BLOCK = 64
 MAX_MODEL_LEN = 640
@@ -244,7 +243,7 @@ def test_the_server_with_prefix_caching_and_chunked_prefill(tiny_llama,
     reports the cached tokens of its prompt (256 after the first)."""
     import openai
 
-    from server import Server
+    from spyre_support.server import Server
     system = ids(300, 13)
     prompts = [system + ids(10, 600 + i) for i in range(3)]
     with Server(tiny_llama, cb_caching_env(),

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import HFReference, compile_count, mode_llm
-
-pytestmark = pytest.mark.e2e
+from spyre_support.engines import compile_count, mode_llm
+from spyre_support.reference import HFReference
 
 NEW = 4
 SHORT = [11, 42, 99, 7, 250, 31, 8]

@@ -28,12 +28,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import (compile_count, greedy_requests, mode_llm, spyre_env,
-                      spyre_llm)
-from server import Server, served_ids
-from tiny_quantized import build_tiny_quant_base, build_tiny_quantized
-
-pytestmark = pytest.mark.e2e
+from spyre_support.engines import (compile_count, greedy_requests, mode_llm,
+                                   spyre_llm)
+from spyre_support.envs import spyre_env
+from spyre_support.server import Server, served_ids
+from spyre_support.quantized_reference import reference_model
+from spyre_support.tiny_quantized import (build_tiny_quant_base,
+                                          build_tiny_quantized)
 
 #: (prompt ids, new tokens): rows of different lengths finishing apart.
 REQUESTS = [(list(range(5, 5 + n)), m)
@@ -55,7 +56,6 @@ SEEDS = {"fp8": 6, "fp8-dynamic": 3}
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
     """Every format's tiny checkpoint and its reference ids, built once."""
-    import sys
     root = tmp_path_factory.mktemp("quantized")
     bases = {}
     out = {}
@@ -64,11 +64,9 @@ def quantized(tmp_path_factory):
         if seed not in bases:
             bases[seed] = build_tiny_quant_base(root / f"base-{seed}", seed)
         path = build_tiny_quantized(bases[seed], root / fmt, fmt)
-        from quantize import reference_model  # on sys.path after the build
         model = reference_model(path)
         out[fmt] = (path, [_greedy(model, p, m) for p, m in REQUESTS])
         del model
-    assert "quantize" in sys.modules
     return out
 
 
@@ -210,9 +208,6 @@ def test_smollm2_eight_bit_formats_agree_with_bfloat16(smollm2, tmp_path):
     kind here; every format's greedy ids equal its reference's on the
     tiny models above, and benchmarks/quant_quality.py prints the
     agreement of all six."""
-    import sys
-    from conftest import REPO
-    sys.path.insert(0, str(REPO / "benchmarks"))
     from quant_quality import EIGHT_BIT_MIN, measure, real_prompts
     bars = {"gptq-int8": EIGHT_BIT_MIN, "fp8": 0.93}
     found = measure(str(smollm2), list(bars),
@@ -231,7 +226,6 @@ def test_tied_head_is_the_float_embedding(tmp_path):
     base = build_tiny_quant_base(tmp_path / "base")
     path = build_tiny_quantized(base, tmp_path / "tied", "gptq-int4",
                                 lm_head=True)
-    from quantize import reference_model  # on sys.path after the build
     config = json.loads((path / "config.json").read_text())
     assert config["quantization_config"]["lm_head"] is True
     config["tie_word_embeddings"] = True
@@ -244,7 +238,7 @@ def test_tied_head_is_the_float_embedding(tmp_path):
 
 
 def test_quantized_pooling_model_refused(tmp_path):
-    from tiny_encoders import build_tiny_encoder
+    from spyre_support.tiny_encoders import build_tiny_encoder
     path = build_tiny_encoder("bert", tmp_path / "bert")
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = dict(quant_method="gptq", bits=4,

@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import spyre_env, spyre_llm
-
-pytestmark = pytest.mark.e2e
+from spyre_support.engines import spyre_llm
+from spyre_support.envs import spyre_env
 
 # Largest batch size 2.
 STATIC_ENV = spyre_env("eager", prompt_lens=[64, 128], new_tokens=[16, 8],

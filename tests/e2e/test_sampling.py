@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import mode_llm
-from tiny_models import BOS_ID, EOS_ID
-
-pytestmark = pytest.mark.e2e
+from spyre_support.engines import mode_llm
+from spyre_support.tiny_models import BOS_ID, EOS_ID
 
 MAX_NEW = 10
 PROMPT = [11, 42, 99, 7, 250, 31, 8]

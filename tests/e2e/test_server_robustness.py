@@ -16,14 +16,12 @@ import time
 import pytest
 import requests
 
-from conftest import REPO, spyre_env
-from server import (Server, abort_storm, check_burst, check_soak,
-                    wait_until_zero)
+from spyre_support.envs import spyre_env
+from spyre_support.paths import REPO
+from spyre_support.server import (abort_storm, check_burst, check_soak, Server,
+                                  wait_until_zero)
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-from serving_load import run_load  # noqa: E402
-
-pytestmark = pytest.mark.e2e
+from serving_load import run_load
 
 ENV = spyre_env("eager", [64], [16], [4])
 

@@ -15,11 +15,10 @@ import json
 import pytest
 import torch
 
-from conftest import (backend_env, build_tiny_family, compile_count,
-                      greedy_requests, prompt_logprobs_match_transformers,
-                      spyre_env, spyre_llm)
-
-pytestmark = pytest.mark.e2e
+from spyre_support.engines import compile_count, greedy_requests, spyre_llm
+from spyre_support.envs import backend_env, spyre_env
+from spyre_support.reference import prompt_logprobs_match_transformers
+from spyre_support.tiny_models import build_tiny_family
 
 WINDOW = 16
 STATIC = dict(prompt_lens=[64, 64], new_tokens=[8, 24], batch_sizes=[4, 2])

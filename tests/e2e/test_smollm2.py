@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import HFReference, spyre_env, spyre_llm
+from spyre_support.engines import spyre_llm
+from spyre_support.envs import spyre_env
+from spyre_support.reference import HFReference
 
-pytestmark = [pytest.mark.e2e, pytest.mark.smollm2]
+pytestmark = pytest.mark.smollm2
 
 MAX_NEW = 16
 PROMPTS = [

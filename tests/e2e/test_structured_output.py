@@ -22,10 +22,9 @@ import weakref
 
 import pytest
 
-from conftest import mode_llm, spyre_env
-from server import Server
-
-pytestmark = pytest.mark.e2e
+from spyre_support.engines import mode_llm
+from spyre_support.envs import spyre_env
+from spyre_support.server import Server
 
 REGEX = r"[a-c]{3}-\d{2}"
 CHOICES = ["spyre", "card", "batch"]

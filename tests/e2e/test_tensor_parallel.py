@@ -17,10 +17,10 @@ import pytest
 import requests
 import torch
 
-from conftest import REPO, spyre_env, spyre_llm
-from server import Server
-
-pytestmark = pytest.mark.e2e
+from spyre_support.engines import spyre_llm
+from spyre_support.envs import spyre_env
+from spyre_support.paths import REPO
+from spyre_support.server import Server
 
 SHAPES = dict(prompt_lens=[64, 128], new_tokens=[8, 4], batch_sizes=[2, 1])
 REQUESTS = [([5, 6, 7, 8, 9, 10], 8), ([11] * 20, 5), ([3] * 7, 8),

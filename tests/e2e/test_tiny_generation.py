@@ -10,10 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import (TORCH_OPS, HFReference, compile_count, first_logprob,
-                      spyre_env, spyre_llm)
-
-pytestmark = pytest.mark.e2e
+from spyre_support.engines import compile_count, first_logprob, spyre_llm
+from spyre_support.envs import spyre_env, TORCH_OPS
+from spyre_support.reference import HFReference
 
 # Two shapes: short prompts in batches of 3, long prompts one at a time.
 SHAPES = dict(prompt_lens=[64, 128], new_tokens=[12, 6], batch_sizes=[3, 1])
@@ -135,7 +134,7 @@ def test_two_engines_of_one_family_in_one_process(tiny_llama, tmp_path,
     from unittest import mock
 
     from vllm import LLM, SamplingParams, TokensPrompt
-    from tiny_models import build_tiny_llama
+    from spyre_support.tiny_models import build_tiny_llama
     other = build_tiny_llama(tmp_path / "other", seed=1)
     env = spyre_env(backend, prompt_lens=[64], new_tokens=[6],
                     batch_sizes=[2])

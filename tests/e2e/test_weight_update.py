@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import (HFReference, build_tiny_family, build_tiny_llama,
-                      compile_count, spyre_env, spyre_llm)
-from tiny_models import build_retrained
-
-pytestmark = pytest.mark.e2e
+from spyre_support.engines import compile_count, spyre_llm
+from spyre_support.envs import spyre_env
+from spyre_support.reference import HFReference
+from spyre_support.tiny_models import build_tiny_family, build_tiny_llama
+from spyre_support.tiny_models import build_retrained
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]
 MAX_TOKENS = 8

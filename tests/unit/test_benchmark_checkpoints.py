@@ -5,15 +5,14 @@ quantized form written beside it through the quantization writer."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-import benchmark_checkpoints as bc  # noqa: E402
+import benchmark_checkpoints as bc  # scripts/ (pytest's pythonpath)
+
+from spyre_support.paths import REPO
 
 SMALL = dict(bc.SHAPES["granite-3.3-2b"], hidden_size=128,
              intermediate_size=256, num_hidden_layers=2,

@@ -1,4 +1,5 @@
-"""The arithmetic and workloads of the benchmarks (benchmarks/_common.py,
+"""The arithmetic and workloads of the benchmarks (``spyre_support.bench``
+and ``spyre_support.envs``,
 the pure parts of benchmarks/serving_load.py) and roofline.py's read of
 the memory bandwidth: what the printed tables are computed from; the
 command line the benchmarks share, and that none writes a plot unasked."""
@@ -11,35 +12,33 @@ from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import _common  # noqa: E402
-import roofline  # noqa: E402
-import serving_load  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
+import roofline  # benchmarks/ (pytest's pythonpath)
+import serving_load
+from spyre_support import bench, envs
+from spyre_support.paths import REPO
 
 
 def test_prompts_are_fixed_windows_of_exactly_p_tokens():
     ids = list(range(100))
-    rows = _common.build_prompts(ids, batch=3, prompt_len=5, stride=13)
+    rows = bench.build_prompts(ids, batch=3, prompt_len=5, stride=13)
     assert rows == [[0, 1, 2, 3, 4], [13, 14, 15, 16, 17],
                     [26, 27, 28, 29, 30]]
     with pytest.raises(ValueError, match="need 105"):
-        _common.build_prompts(ids, batch=8, prompt_len=14, stride=13)
+        bench.build_prompts(ids, batch=8, prompt_len=14, stride=13)
 
 
 def test_benchmark_text_holds_the_default_workload():
-    words = _common.TEXT.read_text().split()
+    words = bench.TEXT.read_text().split()
     # 16 rows of 64 tokens at stride 13 need 259 tokens; a word is at
     # least one token.
-    assert len(words) >= (16 - 1) * _common.STRIDE + 64
+    assert len(words) >= (16 - 1) * bench.STRIDE + 64
     # The mixed serving workload's longest prompt: 512 tokens.
     assert len(words) >= 512
 
 
 def test_mixed_requests_are_exact_windows_within_bounds():
     ids = list(range(1000, 1600))  # distinct: a window has one place
-    reqs = _common.mixed_requests(ids, 300, (16, 40), (8, 12), seed=3)
+    reqs = bench.mixed_requests(ids, 300, (16, 40), (8, 12), seed=3)
     assert len(reqs) == 300
     for prompt, max_tokens in reqs:
         assert 16 <= len(prompt) <= 40
@@ -53,26 +52,26 @@ def test_mixed_requests_are_exact_windows_within_bounds():
 
 def test_mixed_requests_are_deterministic():
     ids = list(range(600))
-    a = _common.mixed_requests(ids, 50, (16, 512), (8, 128), seed=0)
-    assert a == _common.mixed_requests(ids, 50, (16, 512), (8, 128), seed=0)
-    assert a != _common.mixed_requests(ids, 50, (16, 512), (8, 128), seed=1)
+    a = bench.mixed_requests(ids, 50, (16, 512), (8, 128), seed=0)
+    assert a == bench.mixed_requests(ids, 50, (16, 512), (8, 128), seed=0)
+    assert a != bench.mixed_requests(ids, 50, (16, 512), (8, 128), seed=1)
     # The first requests do not depend on how many are drawn.
-    assert a[:10] == _common.mixed_requests(ids, 10, (16, 512), (8, 128))
+    assert a[:10] == bench.mixed_requests(ids, 10, (16, 512), (8, 128))
     with pytest.raises(ValueError, match="<= 600"):
-        _common.mixed_requests(ids, 1, (16, 601), (8, 128))
+        bench.mixed_requests(ids, 1, (16, 601), (8, 128))
     with pytest.raises(ValueError, match="max_tokens 9..8"):
-        _common.mixed_requests(ids, 1, (16, 32), (9, 8))
+        bench.mixed_requests(ids, 1, (16, 32), (9, 8))
 
 
 def test_cb_max_model_len_is_whole_blocks():
-    assert _common.cb_max_model_len(64, 64) == 128
-    assert _common.cb_max_model_len(61, 4) == 128
-    assert _common.cb_max_model_len(512, 128) == 640
-    assert _common.cb_max_model_len(16, 4) == 64
+    assert envs.cb_max_model_len(64, 64) == 128
+    assert envs.cb_max_model_len(61, 4) == 128
+    assert envs.cb_max_model_len(512, 128) == 640
+    assert envs.cb_max_model_len(16, 4) == 64
 
 
 def test_summary_medians_and_rates():
-    t = _common.Timings(batch=4, new_tokens=11)
+    t = bench.Timings(batch=4, new_tokens=11)
     for ttft, total in [(0.5, 2.5), (0.4, 2.4), (0.9, 4.9)]:
         t.runs.append(dict(ttft=ttft, total=total, compiles=0))
     s = t.summary()
@@ -88,16 +87,16 @@ def test_summary_medians_and_rates():
 
 
 def test_leading_matches_and_table():
-    assert _common.leading_matches([1, 2, 3], [1, 2, 4]) == 2
-    assert _common.leading_matches([1, 2], [1, 2]) == 2
-    assert _common.leading_matches([5], [1]) == 0
-    text = _common.table(["engine", "B"], [["hf", 1], ["spyre", 16]])
+    assert bench.leading_matches([1, 2, 3], [1, 2, 4]) == 2
+    assert bench.leading_matches([1, 2], [1, 2]) == 2
+    assert bench.leading_matches([5], [1]) == 0
+    text = bench.table(["engine", "B"], [["hf", 1], ["spyre", 16]])
     assert text.splitlines() == ["engine   B", "------  --",
                                  "hf       1", "spyre   16"]
 
 
 def test_spyre_env_one_shape_per_batch_size():
-    env = _common.spyre_env("inductor", [(16, 4, 1), (64, 4, 8)])
+    env = envs.warmup_env("inductor", [(16, 4, 1), (64, 4, 8)])
     assert env == {
         "VLLM_SPYRE_DYNAMO_BACKEND": "inductor",
         "VLLM_SPYRE_NATIVE_KERNELS": "1",
@@ -110,13 +109,13 @@ def test_spyre_env_one_shape_per_batch_size():
 def test_the_torch_op_engines_turn_the_kernels_off():
     """``eager-torch-ops`` is eager on PyTorch's own ops, for comparison
     with the C++ kernels; every other label keeps them on."""
-    assert _common.backend_env(_common.TORCH_OPS) == {
+    assert envs.backend_env(envs.TORCH_OPS) == {
         "VLLM_SPYRE_DYNAMO_BACKEND": "eager",
         "VLLM_SPYRE_NATIVE_KERNELS": "0"}
-    assert _common.spyre_cb_env(_common.TORCH_OPS) == {
+    assert envs.cb_env(envs.TORCH_OPS) == {
         "VLLM_SPYRE_DYNAMO_BACKEND": "eager",
         "VLLM_SPYRE_NATIVE_KERNELS": "0", "VLLM_SPYRE_USE_CB": "1"}
-    assert _common.backend_env("eager")["VLLM_SPYRE_NATIVE_KERNELS"] == "1"
+    assert envs.backend_env("eager")["VLLM_SPYRE_NATIVE_KERNELS"] == "1"
 
 
 def test_static_shapes_and_requests_they_hold():
@@ -248,19 +247,19 @@ def test_read_bandwidth_is_stream_reads_or_else_torch_sums(monkeypatch):
 
 
 def test_benchmark_parser_shared_options_and_defaults():
-    ap = _common.benchmark_parser("What it measures.\n\nThe details.")
+    ap = bench.benchmark_parser("What it measures.\n\nThe details.")
     assert ap.description == "What it measures."
-    assert vars(ap.parse_args([])) == {"model": _common.DEFAULT_MODEL}
+    assert vars(ap.parse_args([])) == {"model": bench.DEFAULT_MODEL}
     with pytest.raises(SystemExit):
         ap.parse_args(["--backend", "eager"])  # only with backend=True
 
-    ap = _common.benchmark_parser("Doc.", model="/m/a", backend=True)
-    _common.add_shape_options(ap)
+    ap = bench.benchmark_parser("Doc.", model="/m/a", backend=True)
+    bench.add_shape_options(ap)
     ap.add_argument("--batch", type=int, default=8)
-    _common.add_json_option(ap, "x.json")
+    bench.add_json_option(ap, "x.json")
     assert vars(ap.parse_args([])) == dict(
         model="/m/a", backend="inductor", prompt_len=64, new_tokens=64,
-        batch=8, json=str(_common.RESULTS / "x.json"))
+        batch=8, json=str(bench.RESULTS / "x.json"))
     assert vars(ap.parse_args([
         "--model", "/m/b", "--backend", "eager", "--prompt-len", "16",
         "--new-tokens", "4", "--json", "/tmp/r.json"])) == dict(
@@ -287,7 +286,7 @@ def _fake_kernels(monkeypatch, built: bool) -> None:
 @pytest.mark.parametrize("built", [True, False])
 def test_native_kernels_available_says_why_not(monkeypatch, capsys, built):
     _fake_kernels(monkeypatch, built)
-    assert _common.native_kernels_available() is built
+    assert bench.native_kernels_available() is built
     out = capsys.readouterr().out
     assert out == ("" if built else
                    "the C++ kernels could not be built; nothing to compare\n")
@@ -319,7 +318,7 @@ def test_offline_writes_no_plot_unless_asked():
     args = offline.build_parser().parse_args([])
     assert args.plot is None
     assert _docs_defaults(args) == []
-    assert args.json == str(_common.RESULTS / "offline.json")
+    assert args.json == str(bench.RESULTS / "offline.json")
     png = "docs/images/offline-throughput.png"
     assert offline.build_parser().parse_args(["--plot", png]).plot == png
 
@@ -329,7 +328,7 @@ def test_serving_load_writes_no_plot_unless_asked():
         args = serving_load.parse_args(["--workload", workload])
         assert args.plot is None
         assert _docs_defaults(args) == []
-    assert args.json == str(_common.RESULTS / "serving-cb-vs-static.json")
+    assert args.json == str(bench.RESULTS / "serving-cb-vs-static.json")
     png = "docs/images/continuous-batching.png"
     assert serving_load.parse_args(["--workload", "mixed", "--plot",
                                     png]).plot == png

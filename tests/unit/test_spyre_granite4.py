@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import build_tiny_family
+from spyre_support.tiny_models import build_tiny_family
 from vllm.model_executor.layers.spyre_mamba import SpyreSSM, use_spyre_ssm
 from vllm.model_executor.models import spyre_families as sf
 

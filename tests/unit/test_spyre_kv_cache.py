@@ -17,7 +17,7 @@ from vllm.attention.ops import spyre_static_cache as static_cache
 from vllm.platforms.spyre_config import WarmupShape
 from vllm.worker.spyre_inputs import decode_inputs, prefill_inputs
 
-from conftest import build_tiny_fms
+from spyre_support.tiny_models import build_tiny_fms
 
 
 @pytest.fixture(scope="module")

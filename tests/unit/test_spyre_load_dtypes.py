@@ -37,7 +37,7 @@ def test_load_dtype_reads_narrow_only_where_nothing_is_rounded():
 
 
 def _checkpoint(out: Path, dtype: torch.dtype, **kwargs) -> Path:
-    from tiny_models import build_bf16_valued_llama
+    from spyre_support.tiny_models import build_bf16_valued_llama
     return build_bf16_valued_llama(out, dtype, **kwargs)
 
 

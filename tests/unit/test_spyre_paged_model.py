@@ -19,7 +19,7 @@ from vllm.worker.spyre_cb_inputs import (decode_batch,
                                          prefill_chunks,
                                          whole_prefill_len)
 
-from conftest import build_tiny_fms
+from spyre_support.tiny_models import build_tiny_fms
 
 BS = CB_BLOCK_SIZE
 needs_kernel = pytest.mark.skipif(not native.available(),

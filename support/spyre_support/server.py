@@ -1,7 +1,7 @@
-"""A real ``vllm serve`` process on loopback, for the online tests, and
-client helpers: a Prometheus metric's value, a streamed completion, an
-abort storm, and small runs of the burst and soak of
-``benchmarks/serving_soak.py``."""
+"""A real ``vllm serve`` process on loopback, for the online tests and the
+serving benchmarks, and client helpers: a Prometheus metric's value, a
+streamed completion, an abort storm, and small runs of the burst and soak
+(``spyre_support.soak``)."""
 from __future__ import annotations
 
 import asyncio
@@ -19,10 +19,9 @@ from typing import Optional
 import httpx
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from serving_soak import metric as url_metric  # noqa: E402
-from serving_soak import (burst, metric_in, random_requests,  # noqa: E402
-                          soak, soak_plan, tree_rss)
+from spyre_support.soak import metric as url_metric
+from spyre_support.soak import (burst, metric_in, random_requests, soak,
+                                soak_plan, tree_rss)
 
 
 def free_port() -> int:

@@ -1,13 +1,13 @@
-"""Shared pieces of the benchmarks: of the offline ones (offline.py,
-roofline.py, warmup.py), of the mixed workload of serving_load.py, and the
-command line and kernel check the single-engine and kernel benchmarks
-share.
+"""Shared pieces of the benchmarks (``benchmarks/``): of the offline ones
+(offline.py, roofline.py, warmup.py), of the mixed workload of
+serving_load.py, and the command line and kernel check the single-engine
+and kernel benchmarks share.
 
 * the workload: prompts of exactly P tokens cut from ``data/text.txt``;
   for the server, requests of random but exact prompt lengths and
   ``max_tokens`` (``mixed_requests``);
-* the environment of our engine's settings (``spyre_env``,
-  ``spyre_cb_env``); the engine drivers themselves are in ``_engines.py``;
+* our engine's settings are ``spyre_support.envs``'s; the engine drivers
+  are ``benchmarks/_engines.py``;
 * ``Child``: one engine per process (multiprocessing 'spawn' and a Pipe),
   so that engines never share threads, compiled graphs or dynamo state;
 * the zero-compilation check, medians, fixed-width tables, JSON output;
@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = str(REPO / "models" / "SmolLM2-135M-Instruct")
-TEXT = Path(__file__).resolve().parent / "data" / "text.txt"
+from spyre_support.paths import REPO, SMOLLM2_DIR
+
+DEFAULT_MODEL = str(SMOLLM2_DIR)
+TEXT = REPO / "benchmarks" / "data" / "text.txt"
 RESULTS = REPO / "benchmarks" / "results"
 STRIDE = 13  # row i of a batch starts at token i * STRIDE of the text
-PROMPT_LEN_MULTIPLE = 64  # Spyre warm-up prompt lengths are multiples of 64
 
 
 # ---- command line ----------------------------------------------------------
@@ -199,68 +199,12 @@ class Timings:
             preemptions=sum(r.get("preemptions", 0) for r in self.runs))
 
 
-def compile_count() -> int:
-    """Frames dynamo has compiled so far in this process."""
-    from torch._dynamo.utils import counters
-    return sum(counters["frames"].values()) + sum(counters["stats"].values())
-
-
 def compiled_in_timed_runs(compiled: int) -> bool:
     """Says so, and returns True, if anything compiled during the timed
     runs (none is expected after warm-up)."""
     if compiled:
         print(f"FAILED: {compiled} compilation(s) during timed runs")
     return bool(compiled)
-
-
-# ---- our engine's settings -------------------------------------------------
-
-def padded_prompt_len(prompt_len: int) -> int:
-    """The Spyre warm-up prompt length holding ``prompt_len`` tokens."""
-    return -(-prompt_len // PROMPT_LEN_MULTIPLE) * PROMPT_LEN_MULTIPLE
-
-
-def cb_max_model_len(prompt_len: int, new_tokens: int) -> int:
-    """``--max-model-len`` of a continuous-batching engine for prompts of
-    ``prompt_len`` tokens and ``new_tokens`` outputs: their sum, rounded up
-    to whole 64-token blocks."""
-    return padded_prompt_len(prompt_len + new_tokens)
-
-
-#: The backend label of our engine on PyTorch's own ops
-#: (``VLLM_SPYRE_NATIVE_KERNELS=0``), for comparison with the C++ kernels.
-TORCH_OPS = "eager-torch-ops"
-
-
-def backend_env(backend: str) -> dict[str, str]:
-    """Environment selecting a backend label: ``eager`` or ``inductor``
-    (on the C++ kernels where they build), or ``TORCH_OPS``."""
-    if backend == TORCH_OPS:
-        return {"VLLM_SPYRE_DYNAMO_BACKEND": "eager",
-                "VLLM_SPYRE_NATIVE_KERNELS": "0"}
-    return {"VLLM_SPYRE_DYNAMO_BACKEND": backend,
-            "VLLM_SPYRE_NATIVE_KERNELS": "1"}
-
-
-def spyre_env(backend: str,
-              shapes: Sequence[tuple[int, int, int]]) -> dict[str, str]:
-    """Environment selecting our engine's backend and warm-up shapes,
-    given as (prompt_len, new_tokens, batch_size); prompt lengths are
-    rounded up to the Spyre multiple of 64."""
-    def join(i: int) -> str:
-        return ",".join(str(s[i]) for s in shapes)
-    shapes = [(padded_prompt_len(p), g, b) for p, g, b in shapes]
-    return {
-        **backend_env(backend),
-        "VLLM_SPYRE_WARMUP_PROMPT_LENS": join(0),
-        "VLLM_SPYRE_WARMUP_NEW_TOKENS": join(1),
-        "VLLM_SPYRE_WARMUP_BATCH_SIZES": join(2),
-    }
-
-
-def spyre_cb_env(backend: str) -> dict[str, str]:
-    """Environment selecting continuous batching with ``backend``."""
-    return {**backend_env(backend), "VLLM_SPYRE_USE_CB": "1"}
 
 
 # ---- child processes -------------------------------------------------------

@@ -1,6 +1,6 @@
 """Tiny quantized checkpoints: a float Llama sized for weight groups of 128
 under tensor parallelism over 3 ranks, and its quantized copies written by
-``scripts/quantize.py`` (GPTQ int4/int8, compressed-tensors FP8, FP8
+the quantized-checkpoint writer (GPTQ int4/int8, compressed-tensors FP8, FP8
 dynamic, W8A16, W4A16).
 
 The base has hidden size 384 (6 query heads of 64, 3 key/value heads) and
@@ -10,13 +10,14 @@ shared tokenizer.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-from tiny_models import BOS_ID, EOS_ID, PAD_ID, _common, _save, \
+from spyre_support.paths import REPO
+from spyre_support.tiny_models import BOS_ID, EOS_ID, PAD_ID, _common, _save, \
     build_tokenizer
 
-_SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+#: The text the FP8 input scales are calibrated on (as scripts/quantize.py).
+CALIBRATION = REPO / "benchmarks" / "data" / "text.txt"
 
 #: The base's sizes.
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS = 384, 768, 6, 3
@@ -54,10 +55,10 @@ def build_tiny_quant_base(out_dir: Path, seed: int = 0) -> Path:
 
 
 def build_tiny_quantized(base: Path, out_dir: Path, fmt: str, **kw) -> Path:
-    """``base`` quantized to ``fmt`` (one of ``quantize.FORMATS``) in
-    ``out_dir``; ``kw`` go to ``quantize.quantize`` (``group_size``,
+    """``base`` quantized to ``fmt`` (one of the writer's ``FORMATS``) in
+    ``out_dir``; ``kw`` go to the writer's ``quantize`` (``group_size``,
     ``sym``, ``lm_head``, ``calibration``)."""
-    if str(_SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(_SCRIPTS))
-    from quantize import quantize
+    from vllm.model_executor.layers.quantization.spyre_quant_writer import (
+        quantize)
+    kw.setdefault("calibration", str(CALIBRATION))
     return quantize(Path(base), Path(out_dir), fmt, **kw)

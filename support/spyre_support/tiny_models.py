@@ -344,3 +344,17 @@ def build_tiny_family(family: str, out_dir: Path, seed: int = 0,
     factories = {**FAMILIES, **VLLM_ONLY, **HYBRID, "llama": _llama}
     model = factories[family](len(tokenizer), **options).eval()
     return _save(model, tokenizer, out_dir)
+
+
+def build_tiny_fms(max_len: int):
+    """A random 2-layer FMS LLaMA (hidden 64, GQA 4/2 heads, vocabulary
+    96), for tests of the attention ops without an engine."""
+    import torch
+    from fms.models.llama import LLaMA, LLaMAConfig
+    torch.manual_seed(0)
+    model = LLaMA(LLaMAConfig(src_vocab_size=96, emb_dim=64, nheads=4,
+                              kvheads=2, nlayers=2, hidden_grow_factor=2.0,
+                              max_expected_seq_len=max_len))
+    model.reset_parameters()
+    model.post_init()
+    return model.eval()

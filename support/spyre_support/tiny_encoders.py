@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from tiny_models import build_tokenizer
+from spyre_support.tiny_models import build_tokenizer
 
 #: Special tokens in RoBERTa's order: its padding id is 1.
 ROBERTA_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")

@@ -20,7 +20,7 @@ import json
 import os
 from pathlib import Path
 
-from engine_start import compile_count, greedy_ids
+from spyre_support.engine_start import compile_count, greedy_ids
 
 
 def main() -> None:

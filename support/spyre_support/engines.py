@@ -1,0 +1,179 @@
+"""``vllm.LLM`` engines on the Spyre backend, built under given settings,
+and the greedy helpers the tests run through them.
+
+Building an engine (load, warm-up compilation) is most of an end-to-end
+test's time, so ``shared_llm`` keeps the last engine it built alive for the
+next caller that asks for the same one: the same model, settings and
+engine arguments.  Only one engine lives in a process at a time (they
+share vLLM's process groups and dynamo's state): asking for another, or
+for a private one with ``spyre_llm``, tears the kept one down first.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from pathlib import Path
+from typing import Iterator, Optional
+from unittest import mock
+
+from spyre_support.envs import backend_env, cb_env, spyre_env
+
+
+def compile_count() -> int:
+    """Frames dynamo has compiled so far in this process (each recompile
+    counts once)."""
+    from torch._dynamo.utils import counters
+    return sum(counters["frames"].values()) + sum(
+        counters["stats"].values())
+
+
+def release_engine() -> None:
+    """Tears down what an engine left in this process, so the next one
+    starts clean: the process group and every compiled graph."""
+    import torch
+    from vllm.distributed import (destroy_distributed_environment,
+                                  destroy_model_parallel)
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    torch._dynamo.reset()
+    gc.collect()
+
+
+class _Kept:
+    """The engine ``shared_llm`` keeps, and what it was built from."""
+    key: Optional[tuple] = None
+    llm = None
+    built = 0
+    reused = 0
+
+
+def _key(model: Path, env: dict, kwargs: dict) -> tuple:
+    return (str(model), tuple(sorted(env.items())),
+            tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+
+
+def drop_shared() -> None:
+    """Tears down the kept engine, if any."""
+    if _Kept.llm is not None:
+        _Kept.llm = _Kept.key = None
+        release_engine()
+
+
+def shared_stats() -> dict[str, int]:
+    """How many engines ``shared_llm`` built, and how many times it handed
+    out a kept one instead."""
+    return dict(built=_Kept.built, reused=_Kept.reused)
+
+
+def _build(model: Path, env: dict, kwargs: dict):
+    from vllm import LLM
+    with mock.patch.dict(os.environ, env):
+        return LLM(model=str(model), **kwargs)
+
+
+@contextlib.contextmanager
+def shared_llm(model: Path, env: dict, **kwargs) -> Iterator:
+    """A ``vllm.LLM`` under ``env``, shared with every other caller asking
+    for the same (model, settings, arguments).  Callers must leave it as
+    they found it: no request left running, no setting changed.  An
+    exception inside the block tears it down, so the next caller never
+    gets an engine in an unknown state."""
+    key = _key(model, env, kwargs)
+    if _Kept.key == key:
+        _Kept.reused += 1
+    else:
+        drop_shared()
+        _Kept.llm = _build(model, env, kwargs)
+        _Kept.key = key
+        _Kept.built += 1
+    try:
+        yield _Kept.llm
+    except BaseException:
+        drop_shared()
+        raise
+
+
+@contextlib.contextmanager
+def spyre_llm(model: Path, env: dict, **kwargs) -> Iterator:
+    """A private ``vllm.LLM`` on the Spyre backend under ``env``, torn down
+    after the block: for tests that change the engine or count what it
+    does from its start."""
+    drop_shared()
+    llm = _build(model, env, kwargs)
+    try:
+        yield llm
+    finally:
+        del llm
+        release_engine()
+
+
+def mode_env(mode: str, backend: str, prompt_lens, new_tokens, batch_sizes,
+             max_model_len: int, kwargs: dict) -> tuple[dict, dict]:
+    """The settings and engine arguments of static batching (``mode``
+    ``"static"``: the warm-up shapes given) or continuous batching
+    (``"cb"``: ``--max-num-seqs`` the largest batch size,
+    ``max_model_len``)."""
+    if mode == "static":
+        return spyre_env(backend, prompt_lens, new_tokens, batch_sizes), kwargs
+    return cb_env(backend), dict(kwargs, max_num_seqs=max(batch_sizes),
+                                 max_model_len=max_model_len)
+
+
+def mode_llm(model: Path, mode: str, backend: str, prompt_lens, new_tokens,
+             batch_sizes, max_model_len: int, shared: bool = False,
+             **kwargs):
+    """``spyre_llm`` (or ``shared_llm``) in the mode ``mode_env`` sets."""
+    env, kwargs = mode_env(mode, backend, prompt_lens, new_tokens,
+                           batch_sizes, max_model_len, kwargs)
+    return (shared_llm if shared else spyre_llm)(model, env, **kwargs)
+
+
+@contextlib.contextmanager
+def spyre_engine(model: Path, env: dict, **kwargs) -> Iterator:
+    """A bare ``LLMEngine`` on the Spyre backend, for stepping by hand."""
+    from vllm import EngineArgs, LLMEngine
+    drop_shared()
+    with mock.patch.dict(os.environ, env):
+        engine = LLMEngine.from_engine_args(
+            EngineArgs(model=str(model), **kwargs))
+    try:
+        yield engine
+    finally:
+        del engine
+        release_engine()
+
+
+def model_runner(llm):
+    """The driver worker's model runner of an in-process ``LLM``."""
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
+def greedy_tokens(llm, prompts: list[list[int]], max_tokens: int):
+    """``llm.generate`` of token-id prompts, greedy, EOS ignored."""
+    from vllm import SamplingParams, TokensPrompt
+    return llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts],
+        SamplingParams(temperature=0, max_tokens=max_tokens,
+                       ignore_eos=True), use_tqdm=False)
+
+
+def greedy_requests(llm, requests) -> list[list[int]]:
+    """``llm.generate`` of ``(prompt ids, new tokens)`` requests, each with
+    its own ``max_tokens``, greedy, EOS ignored: the generated ids."""
+    from vllm import SamplingParams, TokensPrompt
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p, _ in requests],
+        [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+         for _, m in requests], use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def first_logprob(output) -> Optional[list[float]]:
+    """Log-probability vLLM reported for each sampled token."""
+    if output.logprobs is None:
+        return None
+    return [
+        step[tok].logprob for step, tok in zip(output.logprobs,
+                                               output.token_ids)
+    ]
