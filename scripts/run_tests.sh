@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Runs the whole test suite against the project as installed from the working
-# tree.  Extra arguments go to pytest.  pytest's exit code 5 ("no tests
-# collected", e.g. after a -k filter that matches nothing) is reported and
-# treated as a failure, since a run that tested nothing proves nothing.
+# tree, on two workers (SPYRE_TEST_WORKERS).  Extra arguments go to pytest.
+# pytest's exit code 5 ("no tests collected", e.g. after a -k filter that
+# matches nothing) is reported and treated as a failure, since a run that
+# tested nothing proves nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit $?
-.venv/bin/python -m pytest "$@"
+# Two workers (pytest-xdist), each taking a whole test file at a time, so
+# that a file's engines and module fixtures stay in one process; arguments
+# given after these win (`-n 0` runs in this process).
+.venv/bin/python -m pytest -n "${SPYRE_TEST_WORKERS:-2}" --dist loadfile "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests (exit code 5): nothing was tested" >&2
