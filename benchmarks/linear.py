@@ -49,7 +49,7 @@ from pathlib import Path
 from spyre_support.bench import (DEFAULT_MODEL, RESULTS, cores, machine_info,
                                  parse_ints, table, write_json)
 from spyre_support.engines import compile_count
-from _engines import load_fms_model
+from _drivers import load_fms_model
 from roofline import read_bandwidth
 
 

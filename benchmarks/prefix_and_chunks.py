@@ -35,8 +35,10 @@ import httpx
 from spyre_support.bench import (DEFAULT_MODEL, RESULTS, table, text_ids,
                                  write_json)
 from spyre_support.envs import backend_env
+from spyre_support.load import completion_body, percentile, stream_one
 from spyre_support.paths import REPO
-from serving_load import _body, _one, _pct, served
+
+from serving_load import served
 
 WORKLOADS = ("shared-prefix", "long-join")
 
@@ -47,14 +49,14 @@ def window(ids: list[int], start: int, n: int) -> list[int]:
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
-    return {"p50_ms": 1e3 * _pct(values, 0.5),
-            "p99_ms": 1e3 * _pct(values, 0.99),
+    return {"p50_ms": 1e3 * percentile(values, 0.5),
+            "p99_ms": 1e3 * percentile(values, 0.99),
             "max_ms": 1e3 * max(values, default=float("nan"))}
 
 
 async def shared_prefix(url: str, model: str, ids: list[int], args) -> dict:
     system = window(ids, 0, args.system)
-    bodies = [_body(model, system + window(ids, args.system + 997 * i,
+    bodies = [completion_body(model, system + window(ids, args.system + 997 * i,
                                            args.question), args.max_tokens)
               for i in range(args.requests)]
     ttfts, itls, counts, errors = [], [], [], []
@@ -63,7 +65,7 @@ async def shared_prefix(url: str, model: str, ids: list[int], args) -> dict:
 
         async def bounded(body):
             async with sem:
-                await _one(client, url + "/v1/completions", body, ttfts, itls,
+                await stream_one(client, url + "/v1/completions", body, ttfts, itls,
                            counts, errors)
 
         start = time.perf_counter()
@@ -75,9 +77,9 @@ async def shared_prefix(url: str, model: str, ids: list[int], args) -> dict:
 
 
 async def long_join(url: str, model: str, ids: list[int], args) -> dict:
-    shorts = [_body(model, window(ids, 5000 + 101 * i, 32),
+    shorts = [completion_body(model, window(ids, 5000 + 101 * i, 32),
                     args.short_tokens) for i in range(args.short)]
-    longs = [_body(model, window(ids, 20000 + 3001 * i, args.long_tokens),
+    longs = [completion_body(model, window(ids, 20000 + 3001 * i, args.long_tokens),
                    8) for i in range(args.long)]
     short_lists = ([], [], [], [])
     long_lists = ([], [], [], [])
@@ -87,11 +89,11 @@ async def long_join(url: str, model: str, ids: list[int], args) -> dict:
 
         async def late(i, body):
             await asyncio.sleep(0.5 + 0.5 * i)
-            await _one(client, target, body, *long_lists[:3], errors)
+            await stream_one(client, target, body, *long_lists[:3], errors)
 
         start = time.perf_counter()
         await asyncio.gather(
-            *(_one(client, target, b, *short_lists[:3], errors)
+            *(stream_one(client, target, b, *short_lists[:3], errors)
               for b in shorts),
             *(late(i, b) for i, b in enumerate(longs)))
         wall = time.perf_counter() - start

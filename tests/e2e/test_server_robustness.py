@@ -17,11 +17,11 @@ import pytest
 import requests
 
 from spyre_support.envs import spyre_env
+from spyre_support.load import run_load
 from spyre_support.paths import REPO
 from spyre_support.server import (abort_storm, check_burst, check_soak, Server,
                                   wait_until_zero)
 
-from serving_load import run_load
 
 ENV = spyre_env("eager", [64], [16], [4])
 
