@@ -17,7 +17,6 @@ def main() -> int:
     load(name="spyre_quant_portable", sources=[str(SOURCE)],
          extra_cflags=["-O2", "-march=x86-64-v3", "-fopenmp"],
          extra_ldflags=["-fopenmp"], is_python_module=False)
-    sys.path.insert(0, str(REPO))
     # The layer module only packs and calls the op: importable from the
     # working tree like any other file.
     import importlib.util
