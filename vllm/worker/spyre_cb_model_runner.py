@@ -39,7 +39,7 @@ from vllm.model_executor.sampling_metadata import SamplingMetadata
 from vllm.platforms import current_platform
 from vllm.platforms.spyre_cb_blocks import blocks_needed
 from vllm.platforms.spyre_config import CB_BLOCK_SIZE, SpyreConfig
-from vllm.sequence import IntermediateTensors, SequenceGroupMetadata
+from vllm.sequence import SequenceGroupMetadata
 from vllm.worker import spyre_prompt_logprobs as prompt_logprobs
 from vllm.worker.model_runner_base import ModelRunnerInputBase
 from vllm.worker.spyre_cb_inputs import (decode_batch, prefill_chunks,
@@ -120,6 +120,7 @@ class SpyreCBModelInput(ModelRunnerInputBase):
 class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
 
     model_cls = SpyrePagedCausalLM
+    input_cls = SpyreCBModelInput
     vllm_model_cls = SpyreVllmPagedCausalLM
     model: Optional[SpyrePagedCausalLM]  # type: ignore[assignment]
 
@@ -187,10 +188,6 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                     seconds, self.graph_source(before))
 
     # ---- per step -------------------------------------------------------
-    def make_model_input_from_broadcasted_tensor_dict(
-            self, tensor_dict: dict[str, Any]) -> SpyreCBModelInput:
-        return SpyreCBModelInput.from_broadcasted_tensor_dict(tensor_dict)
-
     def prepare_model_input(
         self,
         seq_group_metadata_list: list[SequenceGroupMetadata],
@@ -275,21 +272,11 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                                  prefill_states=prefill_states,
                                  decode_states=decode_states)
 
-    @current_platform.inference_mode()
-    def execute_model(
-        self,
-        model_input: SpyreCBModelInput,
-        kv_caches: Optional[list[torch.Tensor]] = None,
-        intermediate_tensors: Optional[IntermediateTensors] = None,
-        num_steps: int = 1,
-        **kwargs,
+    def run_step(
+        self, model_input: SpyreCBModelInput
     ) -> Optional[list[SamplerOutput]]:
-        """Runs the step on the block pool the model owns (vLLM's
-        ``kv_caches`` argument is unused): the prefill, then the decode
-        batch; samples the rows that sample."""
-        if num_steps > 1:
-            raise NotImplementedError(
-                "Multi-step scheduling is not supported on Spyre")
+        """Runs the step on the block pool the model owns: the prefill,
+        then the decode batch; samples the rows that sample."""
         rows = []
         if model_input.prefill is not None:
             logits = self._prefill(model_input.prefill,

@@ -26,7 +26,7 @@ from vllm.model_executor.sampling_metadata import SamplingMetadata
 from vllm.platforms import current_platform
 from vllm.platforms.spyre_config import SpyreConfig, WarmupShape
 from vllm.platforms.spyre_static_shapes import RequestSize, choose_shape
-from vllm.sequence import IntermediateTensors, SequenceGroupMetadata
+from vllm.sequence import SequenceGroupMetadata
 from vllm.worker import spyre_prompt_logprobs as prompt_logprobs
 from vllm.worker.model_runner_base import ModelRunnerInputBase
 from vllm.worker.spyre_inputs import DecodeSteps, StepInputs, prefill_inputs
@@ -89,6 +89,7 @@ class _Batch:
 class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
 
     model_cls = SpyreCausalLM
+    input_cls = SpyreModelInput
     vllm_model_cls = SpyreVllmCausalLM
 
     def __init__(self, vllm_config: VllmConfig,
@@ -143,10 +144,6 @@ class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
             logits = self._forward(False, decode.inputs(tokens, i))
 
     # ---- per step -------------------------------------------------------
-    def make_model_input_from_broadcasted_tensor_dict(
-            self, tensor_dict: dict[str, Any]) -> SpyreModelInput:
-        return SpyreModelInput.from_broadcasted_tensor_dict(tensor_dict)
-
     def prepare_model_input(
         self,
         seq_group_metadata_list: list[SequenceGroupMetadata],
@@ -221,18 +218,9 @@ class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
             rows.append(row)
         return batch.decode.inputs(batch.last_tokens, batch.step), rows
 
-    @current_platform.inference_mode()
-    def execute_model(
-        self,
-        model_input: SpyreModelInput,
-        kv_caches: Optional[list[torch.Tensor]] = None,
-        intermediate_tensors: Optional[IntermediateTensors] = None,
-        num_steps: int = 1,
-        **kwargs,
+    def run_step(
+        self, model_input: SpyreModelInput
     ) -> Optional[list[SamplerOutput]]:
-        if num_steps > 1:
-            raise NotImplementedError(
-                "Multi-step scheduling is not supported on Spyre")
         logits = self._forward(model_input.is_prompt, model_input.inputs)
         computed = self._prompt_logprobs(model_input)
         if model_input.sampling_metadata is None:

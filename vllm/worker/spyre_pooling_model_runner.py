@@ -22,8 +22,7 @@ from vllm.model_executor.models.spyre_encoder import SpyreEncoderModel
 from vllm.model_executor.pooling_metadata import PoolingMetadata
 from vllm.platforms import current_platform
 from vllm.platforms.spyre_config import WarmupShape
-from vllm.sequence import (IntermediateTensors, PoolerOutput,
-                           SequenceGroupMetadata)
+from vllm.sequence import PoolerOutput, SequenceGroupMetadata
 from vllm.worker.model_runner_base import ModelRunnerInputBase
 from vllm.worker.spyre_runner_base import SpyreRunnerBase, only_seq
 from vllm.worker.spyre_pooling_inputs import (EncoderInputs, Placement,
@@ -62,6 +61,7 @@ class SpyrePoolingModelInput(ModelRunnerInputBase):
 class SpyrePoolingModelRunner(SpyreRunnerBase[SpyrePoolingModelInput]):
 
     model_cls = SpyreEncoderModel
+    input_cls = SpyrePoolingModelInput
     model: Optional[SpyreEncoderModel]  # type: ignore[assignment]
 
     # ---- start-up -------------------------------------------------------
@@ -101,11 +101,6 @@ class SpyrePoolingModelRunner(SpyreRunnerBase[SpyrePoolingModelInput]):
                                   placements))
 
     # ---- per step -------------------------------------------------------
-    def make_model_input_from_broadcasted_tensor_dict(
-            self, tensor_dict: dict[str, Any]) -> SpyrePoolingModelInput:
-        return SpyrePoolingModelInput.from_broadcasted_tensor_dict(
-            tensor_dict)
-
     def prepare_model_input(
         self,
         seq_group_metadata_list: list[SequenceGroupMetadata],
@@ -151,18 +146,9 @@ class SpyrePoolingModelRunner(SpyreRunnerBase[SpyrePoolingModelInput]):
                                seq_data=seq_data,
                                prompt_lens=prompt_lens)
 
-    @current_platform.inference_mode()
-    def execute_model(
-        self,
-        model_input: SpyrePoolingModelInput,
-        kv_caches: Optional[list[torch.Tensor]] = None,
-        intermediate_tensors: Optional[IntermediateTensors] = None,
-        num_steps: int = 1,
-        **kwargs,
+    def run_step(
+        self, model_input: SpyrePoolingModelInput
     ) -> Optional[list[PoolerOutput]]:
-        if num_steps > 1:
-            raise NotImplementedError(
-                "Multi-step scheduling is not supported on Spyre")
         # Passes hold consecutive runs of the step's texts, in order.
         hidden = torch.cat([self._encode(p) for p in model_input.passes])
         if model_input.pooling_metadata is None:

@@ -4,14 +4,15 @@ helpers of a step.
 The static-batching, continuous-batching and pooling runners each subclass
 ``SpyreRunnerBase``, which holds the settings, loads the runner's
 ``model_cls`` under the vLLM config, keeps per-request generators and the
-start-up timings, and says where the graphs came from (compiled or the
-graph cache).  ``pad_token_id``, ``sample`` (vLLM's logits processor and
+start-up timings, says where the graphs came from (compiled or the graph
+cache), and takes vLLM's ``execute_model`` call (one step, rebuilt from
+the broadcast on other ranks) to the runner's ``run_step``.  ``pad_token_id``, ``sample`` (vLLM's logits processor and
 sampler over the live rows) and ``only_seq`` serve their steps.
 """
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -21,8 +22,9 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.sampler import SamplerOutput
 from vllm.model_executor.models import spyre_model_impl
 from vllm.model_executor.sampling_metadata import SamplingMetadata
+from vllm.platforms import current_platform
 from vllm.platforms.spyre_config import SpyreConfig
-from vllm.sequence import SequenceGroupMetadata
+from vllm.sequence import IntermediateTensors, SequenceGroupMetadata
 from vllm.worker.model_runner_base import ModelRunnerBase, T
 
 logger = init_logger(__name__)
@@ -37,6 +39,9 @@ class SpyreRunnerBase(ModelRunnerBase[T]):
     #: Its twin on vLLM's own model code (``--model-impl vllm``), if the
     #: mode has one.
     vllm_model_cls: Optional[type] = None
+    #: The runner's model input, rebuilt on every other rank from the
+    #: driver's broadcast (``from_broadcasted_tensor_dict``).
+    input_cls: type
 
     def __init__(self, vllm_config: VllmConfig,
                  spyre_config: SpyreConfig) -> None:
@@ -71,6 +76,33 @@ class SpyreRunnerBase(ModelRunnerBase[T]):
     def get_model(self) -> nn.Module:
         assert self.model is not None
         return self.model
+
+    def make_model_input_from_broadcasted_tensor_dict(
+            self, tensor_dict: dict[str, Any]) -> T:
+        return self.input_cls.from_broadcasted_tensor_dict(tensor_dict)
+
+    @current_platform.inference_mode()
+    def execute_model(
+        self,
+        model_input: T,
+        kv_caches: Optional[list[torch.Tensor]] = None,
+        intermediate_tensors: Optional[IntermediateTensors] = None,
+        num_steps: int = 1,
+        **kwargs,
+    ) -> Optional[list]:
+        """vLLM's entry to a step.  A Spyre runner runs one step per call
+        (no multi-step scheduling) on the caches its model owns, so vLLM's
+        ``kv_caches`` and ``intermediate_tensors`` are unused; the step is
+        the runner's ``run_step``."""
+        if num_steps > 1:
+            raise NotImplementedError(
+                "Multi-step scheduling is not supported on Spyre")
+        return self.run_step(model_input)
+
+    def run_step(self, model_input: T) -> Optional[list]:
+        """One step of ``model_input``: the driver's outputs (sampled
+        tokens or pooled vectors), ``[]`` on every other rank."""
+        raise NotImplementedError
 
     def graph_source(self, before: dict[str, int]) -> str:
         """How the graphs run since ``before`` (the model's cache stats
