@@ -26,16 +26,17 @@ from __future__ import annotations
 
 from typing import Optional
 
-from vllm.core.scheduler import (Scheduler, SchedulerPrefillOutputs,
+from vllm.core.scheduler import (SchedulerPrefillOutputs,
                                  SchedulerRunningOutputs, SchedulingBudget)
-from vllm.core.spyre_scheduling import refuse_unsupported, waiting_only
+from vllm.core.spyre_scheduling import (RefusingScheduler, refuse_unsupported,
+                                        waiting_only)
 from vllm.platforms.spyre_cb_blocks import (parallel_samples_reason,
                                             rejection_reason)
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import SequenceGroup
 
 
-class SpyreCBScheduler(Scheduler):
+class SpyreCBScheduler(RefusingScheduler):
 
     def __init__(self, *args, prefill_chunk: Optional[int] = None,
                  **kwargs) -> None:
@@ -51,33 +52,26 @@ class SpyreCBScheduler(Scheduler):
             self.partial_prefill_budget_lookup_list = [prefill_chunk] * len(
                 self.partial_prefill_budget_lookup_list)
 
-    def add_seq_group(self, seq_group: SequenceGroup) -> None:
-        """Refuses requests that could never be scheduled, up front."""
+    def refusal(self, seq_group: SequenceGroup) -> Optional[str]:
+        """A request longer than the model or the block pool allows."""
         refuse_unsupported(seq_group)
         params = seq_group.sampling_params
         prompt_len = seq_group.first_seq.get_prompt_len()
         if params is not None and params.max_tokens is None:
             # "As many as the context allows", as upstream stops them.
             params.max_tokens = self._max_tokens(prompt_len, params)
-        reason = rejection_reason(
+        return rejection_reason(
             prompt_len, params.max_tokens if params else 1,
             self.scheduler_config.max_model_len,
             self.cache_config.block_size, self._usable_blocks())
-        if reason is not None:
-            raise ValueError(reason)
-        super().add_seq_group(seq_group)
 
-    def refuse_parallel_samples(self, prompt_len: int,
-                                params: SamplingParams) -> None:
-        """Refuses a request whose ``n`` samples could never decode side by
-        side.  Called by the engine before it fans the request out into
-        ``n`` groups of one sample (see ``vllm.engine.spyre_admission``)."""
-        reason = parallel_samples_reason(
+    def parallel_samples_refusal(self, prompt_len: int,
+                                 params: SamplingParams) -> Optional[str]:
+        """``n`` samples that could never decode side by side."""
+        return parallel_samples_reason(
             params.n, prompt_len, self._max_tokens(prompt_len, params),
             self.scheduler_config.max_num_seqs,
             self.cache_config.block_size, self._usable_blocks())
-        if reason is not None:
-            raise ValueError(reason)
 
     def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         if params.max_tokens is not None:

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 from typing import Optional
 
-from vllm.core.scheduler import (Scheduler, SchedulerPrefillOutputs,
-                                 SchedulingBudget)
-from vllm.core.spyre_scheduling import waiting_only
+from vllm.core.scheduler import SchedulerPrefillOutputs, SchedulingBudget
+from vllm.core.spyre_scheduling import RefusingScheduler, waiting_only
 from vllm.platforms.spyre_config import SpyreConfig, WarmupShape
 from vllm.platforms.spyre_pooling_shapes import rejection_reason, select_texts
 from vllm.sequence import SequenceGroup
 
 
-class SpyrePoolingScheduler(Scheduler):
+class SpyrePoolingScheduler(RefusingScheduler):
 
     def __init__(self, *args, spyre_config: Optional[SpyreConfig] = None,
                  **kwargs) -> None:
@@ -37,14 +36,12 @@ class SpyrePoolingScheduler(Scheduler):
         self.warmup_shapes: tuple[WarmupShape, ...] = (
             spyre_config.warmup_shapes if self.packing else ())
 
-    def add_seq_group(self, seq_group: SequenceGroup) -> None:
-        """Refuses, up front, a text that fits no compiled shape."""
-        if self.packing:
-            reason = rejection_reason(seq_group.first_seq.get_prompt_len(),
-                                      self.warmup_shapes)
-            if reason is not None:
-                raise ValueError(reason)
-        super().add_seq_group(seq_group)
+    def refusal(self, seq_group: SequenceGroup) -> Optional[str]:
+        """A text that fits no compiled shape."""
+        if not self.packing:
+            return None
+        return rejection_reason(seq_group.first_seq.get_prompt_len(),
+                                self.warmup_shapes)
 
     def _schedule_prefills(self, budget: SchedulingBudget, curr_loras,
                            enable_chunking: bool = False,

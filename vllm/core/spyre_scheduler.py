@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from vllm.core.scheduler import (Scheduler, SchedulerPrefillOutputs,
-                                 SchedulingBudget)
-from vllm.core.spyre_scheduling import refuse_unsupported, waiting_only
+from vllm.core.scheduler import SchedulerPrefillOutputs, SchedulingBudget
+from vllm.core.spyre_scheduling import (RefusingScheduler, refuse_unsupported,
+                                        waiting_only)
 from vllm.logger import init_logger
 from vllm.platforms.spyre_config import SpyreConfig, WarmupShape
 from vllm.platforms.spyre_static_shapes import (RequestSize,
@@ -32,7 +32,7 @@ from vllm.sequence import SequenceGroup
 logger = init_logger(__name__)
 
 
-class SpyreScheduler(Scheduler):
+class SpyreScheduler(RefusingScheduler):
 
     def __init__(self, *args, spyre_config: Optional[SpyreConfig] = None,
                  **kwargs) -> None:
@@ -46,27 +46,20 @@ class SpyreScheduler(Scheduler):
         #: The shape of the batch now running (None when idle).
         self.current_shape: Optional[WarmupShape] = None
 
-    def add_seq_group(self, seq_group: SequenceGroup) -> None:
-        """Rejects requests that fit no compiled shape, up front, instead of
-        leaving them to wait forever."""
-        if self.static_batching:
-            refuse_unsupported(seq_group)
-            self._resolve_max_tokens(seq_group)
-            reason = rejection_reason(self._size(seq_group),
-                                      self.warmup_shapes)
-            if reason is not None:
-                raise ValueError(reason)
-        super().add_seq_group(seq_group)
+    def refusal(self, seq_group: SequenceGroup) -> Optional[str]:
+        """A request that fits no compiled shape."""
+        if not self.static_batching:
+            return None
+        refuse_unsupported(seq_group)
+        self._resolve_max_tokens(seq_group)
+        return rejection_reason(self._size(seq_group), self.warmup_shapes)
 
-    def refuse_parallel_samples(self, prompt_len: int,
-                                params: SamplingParams) -> None:
-        """Refuses a request whose ``n`` samples could never share a batch.
-        Called by the engine before it fans the request out into ``n``
-        groups of one sample (see ``vllm.engine.spyre_admission``)."""
-        if self.static_batching:
-            reason = parallel_samples_reason(params.n, self.warmup_shapes)
-            if reason is not None:
-                raise ValueError(reason)
+    def parallel_samples_refusal(self, prompt_len: int,
+                                 params: SamplingParams) -> Optional[str]:
+        """``n`` samples that could never share a batch."""
+        if not self.static_batching:
+            return None
+        return parallel_samples_reason(params.n, self.warmup_shapes)
 
     def _schedule_prefills(self, budget: SchedulingBudget, curr_loras,
                            enable_chunking: bool = False,

@@ -1,19 +1,55 @@
-"""What the Spyre schedulers share: request checks and a view of the
-waiting queue.
+"""What the Spyre schedulers share: the refusal of requests up front,
+request checks and a view of the waiting queue.
 
 Each Spyre mode's scheduler (static batching, continuous batching, pooling)
-subclasses vLLM's V0 ``Scheduler`` and overrides the least it can.  The
-static and continuous-batching schedulers refuse the same unsupported
-sampling features (``refuse_unsupported``), and all three narrow upstream's
-prefill scheduling to the requests they picked (``waiting_only``).
+subclasses ``RefusingScheduler``, vLLM's V0 ``Scheduler`` that raises its
+mode's ``refusal`` before queueing a request, and overrides the least it
+can.  The static and continuous-batching schedulers refuse the same
+unsupported sampling features (``refuse_unsupported``), and all three
+narrow upstream's prefill scheduling to the requests they picked
+(``waiting_only``).
 """
 from __future__ import annotations
 
 import contextlib
 from collections import deque
+from typing import Optional
 
 from vllm.core.scheduler import Scheduler
+from vllm.sampling_params import SamplingParams
 from vllm.sequence import SequenceGroup
+
+
+class RefusingScheduler(Scheduler):
+    """vLLM's V0 scheduler refusing, before it queues them, the requests
+    its mode could never schedule: a ``ValueError`` naming the value and
+    the limit, which offline callers get directly and the OpenAI server
+    answers with HTTP 400, instead of a request that waits forever."""
+
+    def add_seq_group(self, seq_group: SequenceGroup) -> None:
+        """Upstream's, after ``refusal`` found nothing to refuse."""
+        reason = self.refusal(seq_group)
+        if reason is not None:
+            raise ValueError(reason)
+        super().add_seq_group(seq_group)
+
+    def refusal(self, seq_group: SequenceGroup) -> Optional[str]:
+        """Why the mode can never schedule ``seq_group``, or None."""
+        return None
+
+    def refuse_parallel_samples(self, prompt_len: int,
+                                params: SamplingParams) -> None:
+        """Refuses a request whose ``n`` samples could never run side by
+        side.  Called by the engine before it fans the request out into
+        ``n`` groups of one sample (see ``vllm.engine.spyre_admission``)."""
+        reason = self.parallel_samples_refusal(prompt_len, params)
+        if reason is not None:
+            raise ValueError(reason)
+
+    def parallel_samples_refusal(self, prompt_len: int,
+                                 params: SamplingParams) -> Optional[str]:
+        """Why ``params.n`` samples can never run side by side, or None."""
+        return None
 
 
 def refuse_unsupported(seq_group: SequenceGroup) -> None:
