@@ -9,11 +9,14 @@ backend (``sendnn`` on the card, ``eager`` or ``inductor`` on the CPU).
 * ``sendnn`` is registered by importing ``torch_sendnn``;
 * on the CPU backends dynamo guards on the inputs only: the model's
   modules and weights never change once loaded, and checking them before
-  every step costs about 1.2 ms (SmolLM2);
+  every step costs time on every step;
 * ``inductor`` emits a C++ wrapper (a decode step calls ~300 small
-  kernels: ~3.5 ms saved per SmolLM2 step for ~30-40 s more compile per
-  shape) and, when asked, freezes the weights into the graphs, which lets
-  it fold and pre-pack them for oneDNN/MKL.
+  kernels; it trades compile time per shape for step time) and, when
+  asked, freezes the weights into the graphs, which lets it fold and
+  pre-pack them for oneDNN/MKL.
+
+What each choice costs and saves, measured, is in docs/performance.md
+("Costs behind the design").
 
 The result is a ``spyre_graph_cache.DynamoGraphs`` (each graph compiled at
 its first call) or, with a graph cache entry, a ``PrecompiledGraphs`` (each

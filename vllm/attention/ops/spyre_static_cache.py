@@ -93,11 +93,9 @@ def compute_prefill(query: torch.Tensor, keys: torch.Tensor,
 def _attend_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                    mask: torch.Tensor, scale: float,
                    sinks=None) -> torch.Tensor:
-    """One C++ call per layer.  Through MKL and inductor the two small
-    matrix products and the softmax between them cost about 70 us per layer
-    at batch 1 (profiled in the graph); the kernel, with leaner linear-layer
-    calls added at the same time, made a SmolLM2 batch-1 step 1.7 ms
-    shorter."""
+    """One C++ call per layer, in place of two small matrix products and
+    the softmax between them through MKL and inductor (what that saved:
+    docs/performance.md, "Costs behind the design")."""
     return torch.ops.spyre_cpu.decode_attention(q, keys, values, mask, scale,
                                                 sinks)
 

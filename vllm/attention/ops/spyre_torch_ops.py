@@ -61,8 +61,8 @@ def attend_matmul(q: torch.Tensor, keys: torch.Tensor,
                   scale: float,
                   sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Written out so that inductor fuses it into the graph (the CPU
-    flash-attention kernel costs ~0.6 ms per layer at batch 8 for one
-    query row).  ``sinks``: none, or one attention-sink logit per query
+    flash-attention kernel is slow for one query row: docs/performance.md,
+    "Costs behind the design").  ``sinks``: none, or one attention-sink logit per query
     head ([kv_heads * group])."""
     B, kvheads, rows, _ = q.shape
     L, T = mask.shape[1], keys.shape[2]

@@ -4,8 +4,8 @@
 ``inductor`` fuses the small ops of every layer into generated loops.
 ``eager`` has no compiler: FMS's RMS norm runs as seven PyTorch ops, and
 its rotary embedding as a 6-dimensional broadcast multiply and a sum
-that PyTorch runs slowly (about 4 ms of a 30 ms profiled decode step of
-SmolLM2 at batch 8).  ``use_fused_ops`` gives those modules a forward on the
+that PyTorch runs slowly (measured: docs/performance.md, "Costs behind
+the design").  ``use_fused_ops`` gives those modules a forward on the
 project's kernels (``spyre_cpu::rms_norm`` and ``spyre_cpu::rotary_qk``, in
 ``vllm/attention/ops/spyre_native_elementwise.cpp``) by changing their
 class to a subclass, so their parameters, names and state stay as they

@@ -4,8 +4,8 @@ vLLM's ``Sampler`` builds its sampling tensors (temperatures, top-p/top-k,
 penalties, ...) on every step and computes softmax and log-softmax over the
 vocabulary before it looks at the sampling type.  For a decode step whose
 requests are all greedy, with nothing that changes the logits or asks for
-log-probabilities, that is about 1 ms of host work (SmolLM2, batch 1) for
-an argmax.
+log-probabilities, that is host work larger than the argmax it needs
+(measured: docs/performance.md, "Costs behind the design").
 
 ``SpyreSampler.forward`` takes such a step itself and returns exactly what
 vLLM's sampler returns for it: the argmax of the float32 log-softmax (the

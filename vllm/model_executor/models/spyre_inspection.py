@@ -1,13 +1,13 @@
-"""Model-class inspection in-process on Spyre: about 6 s off every start.
+"""Model-class inspection in-process on Spyre: seconds off every start.
 
 vLLM 0.10.1.1 learns what an architecture supports (generation, pooling,
 pipeline parallel, ...) by importing its model class in a fresh Python
 subprocess (``registry._run_in_subprocess``), so that the process building
 the config never initialises CUDA.  There is no CUDA on the Spyre
-platform, and the subprocess costs about 7 s of every engine start on a
-two-core machine (a new interpreter importing vLLM), against about 1 s for
-the same import in-process.  With the graph cache on, that subprocess was
-the largest part of a warm start.
+platform, and the subprocess (a new interpreter importing vLLM) costs
+several times the same import in-process; with the graph cache on, it was
+the largest part of a warm start (docs/performance.md, "Costs behind the
+design").
 
 ``install`` is the ``vllm.general_plugins`` entry point
 ``spyre_model_inspection``: vLLM calls it in every process before it builds

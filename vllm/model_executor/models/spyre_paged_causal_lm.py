@@ -57,9 +57,8 @@ class SpyrePagedCausalLM(SpyreCausalLM):
         self.max_model_len = vllm_config.scheduler_config.max_model_len
         #: Range of the dynamic prefill length on the paged C++ kernel, or
         #: None where a prefill runs in static chunks of ``CB_BLOCK_SIZE``.
-        #: A chunk pays for its padding and for the LM head, which a
-        #: prefill of SmolLM2 reads for 4 ms per chunk to keep one row of
-        #: logits; the kernel scores one query position at a time, so a
+        #: A chunk pays for its padding and for the LM head, read whole
+        #: per chunk to keep one row of logits; the kernel scores one query position at a time, so a
         #: whole prompt costs it no more memory than a chunk.  A hybrid
         #: model's Mamba-2 scan cuts its positions into chunks, which a
         #: dynamic length would specialise (one chunk or several): it
