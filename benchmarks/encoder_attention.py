@@ -45,8 +45,8 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
 
 def packed(texts: int, tokens: int):
     """The [B, L] packing of ``texts`` texts of ``tokens`` tokens."""
-    from vllm.platforms.spyre_config import WarmupShape
-    from vllm.platforms.spyre_pooling_shapes import first_fit
+    from vllm.config.spyre import WarmupShape
+    from vllm.core.spyre_pooling_shapes import first_fit
     from vllm.worker.spyre_pooling_inputs import packed_inputs
     row = -(-tokens // 64) * 64
     per_row = row // tokens

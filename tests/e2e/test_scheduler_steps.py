@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import spyre_engine, spyre_env
-from vllm.platforms.spyre_config import WarmupShape
+from vllm.config.spyre import WarmupShape
 
 pytestmark = pytest.mark.e2e
 

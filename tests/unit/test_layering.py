@@ -162,7 +162,7 @@ def test_the_contract_refuses_a_scheduler_importing_a_worker(tmp_path):
                         'source_modules = ["vllm.core.spyre_cb_scheduler"]\n'
                         f'forbidden_modules = ["{module}"]\n')
 
-    assert forbid("vllm.platforms.spyre_cb_blocks") != 0
+    assert forbid("vllm.core.spyre_cb_blocks") != 0
     # The same contract over a module it does not import is kept: the
     # failure above is the import, not the configuration.
     assert forbid("vllm.worker.spyre_cb_inputs") == 0

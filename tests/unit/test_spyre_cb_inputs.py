@@ -8,9 +8,9 @@ import torch
 from vllm.attention.ops.spyre_paged_inputs import (MIN_DECODE_BATCH,
                                                MIN_PREFILL_LEN,
                                                PagedInputs)
-from vllm.platforms.spyre_cb_blocks import (blocks_needed,
-                                            parallel_samples_reason,
-                                            rejection_reason)
+from vllm.core.spyre_cb_blocks import (blocks_needed,
+                                       parallel_samples_reason,
+                                       rejection_reason)
 from vllm.worker.spyre_cb_inputs import (decode_batch,
                                          prefill_chunks, prefill_span,
                                          whole_prefill_len)

@@ -12,7 +12,7 @@ import torch
 
 from vllm.attention.ops import spyre_native as native
 from vllm.attention.ops import spyre_static_cache as static_cache
-from vllm.platforms.spyre_config import WarmupShape
+from vllm.config.spyre import WarmupShape
 from vllm.worker.spyre_inputs import DecodeSteps
 
 pytestmark = pytest.mark.skipif(not native.available(),

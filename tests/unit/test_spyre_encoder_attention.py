@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from vllm.attention.ops import spyre_encoder_attention as encoder_attention
 from vllm.attention.ops import spyre_native as native
-from vllm.platforms.spyre_config import WarmupShape
-from vllm.platforms.spyre_pooling_shapes import first_fit
+from vllm.config.spyre import WarmupShape
+from vllm.core.spyre_pooling_shapes import first_fit
 from vllm.worker.spyre_pooling_inputs import packed_inputs
 
 pytestmark = pytest.mark.skipif(not native.available(),

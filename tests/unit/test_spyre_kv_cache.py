@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from vllm.attention.ops import spyre_kv_layout as kv_layout
 from vllm.attention.ops import spyre_static_cache as static_cache
-from vllm.platforms.spyre_config import WarmupShape
+from vllm.config.spyre import WarmupShape
 from vllm.worker.spyre_inputs import decode_inputs, prefill_inputs
 
 from conftest import build_tiny_fms

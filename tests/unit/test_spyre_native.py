@@ -4,7 +4,7 @@ build, unless VLLM_SPYRE_NATIVE_KERNELS=0; never on the card."""
 import pytest
 
 from vllm.attention.ops import spyre_native as native
-from vllm.platforms.spyre_config import SpyreConfig
+from vllm.config.spyre import SpyreConfig
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])

@@ -46,8 +46,8 @@ MAGIC = b"SPYRE-GRAPH 1\n"
 _CODE_SUFFIXES = (".py", ".cpp")
 #: Packages (under ``vllm``) holding the model code graphs are traced from
 #: and the settings built into them (``CB_BLOCK_SIZE``).
-_MODEL_CODE_DIRS = ("attention", "compilation", "model_executor",
-                    "platforms")
+_MODEL_CODE_DIRS = ("attention", "compilation", "config", "core",
+                    "model_executor", "platforms")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 

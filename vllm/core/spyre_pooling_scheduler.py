@@ -21,8 +21,8 @@ from typing import Optional
 from vllm.core.scheduler import (Scheduler, SchedulerPrefillOutputs,
                                  SchedulingBudget)
 from vllm.core.spyre_scheduling import waiting_only
-from vllm.platforms.spyre_config import SpyreConfig, WarmupShape
-from vllm.platforms.spyre_pooling_shapes import rejection_reason, select_texts
+from vllm.config.spyre import SpyreConfig, WarmupShape
+from vllm.core.spyre_pooling_shapes import rejection_reason, select_texts
 from vllm.sequence import SequenceGroup
 
 

@@ -20,7 +20,7 @@ from typing import Optional
 
 from vllm.executor.uniproc_executor import UniProcExecutor
 from vllm.logger import init_logger
-from vllm.platforms.spyre_config import SpyreConfig
+from vllm.config.spyre import SpyreConfig
 from vllm.utils import get_open_port
 
 logger = init_logger(__name__)

@@ -37,8 +37,8 @@ from vllm.model_executor.models.spyre_vllm_causal_lm import (
     SpyreVllmPagedCausalLM)
 from vllm.model_executor.sampling_metadata import SamplingMetadata
 from vllm.platforms import current_platform
-from vllm.platforms.spyre_cb_blocks import blocks_needed
-from vllm.platforms.spyre_config import CB_BLOCK_SIZE, SpyreConfig
+from vllm.core.spyre_cb_blocks import blocks_needed
+from vllm.config.spyre import CB_BLOCK_SIZE, SpyreConfig
 from vllm.sequence import IntermediateTensors, SequenceGroupMetadata
 from vllm.worker import spyre_prompt_logprobs as prompt_logprobs
 from vllm.worker.model_runner_base import ModelRunnerInputBase

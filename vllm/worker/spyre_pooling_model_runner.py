@@ -21,7 +21,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.spyre_encoder import SpyreEncoderModel
 from vllm.model_executor.pooling_metadata import PoolingMetadata
 from vllm.platforms import current_platform
-from vllm.platforms.spyre_config import WarmupShape
+from vllm.config.spyre import WarmupShape
 from vllm.sequence import (IntermediateTensors, PoolerOutput,
                            SequenceGroupMetadata)
 from vllm.worker.model_runner_base import ModelRunnerInputBase

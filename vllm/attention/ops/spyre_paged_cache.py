@@ -32,7 +32,7 @@ import torch
 from vllm.attention.ops.spyre_fms_registry import register_ops
 from vllm.attention.ops.spyre_torch_ops import (attend_matmul, decode_op,
                                                 sinks_of, window_of)
-from vllm.platforms.spyre_config import CB_BLOCK_SIZE
+from vllm.config.spyre import CB_BLOCK_SIZE
 
 #: Name under which the op is registered with FMS.
 ATTN_NAME = "spyre_paged"

@@ -40,7 +40,7 @@ from vllm.model_executor.models import spyre_families
 from vllm.model_executor.models.spyre_dtypes import (precision_of,
                                                      serving_dtype)
 from vllm.model_executor.sampling_metadata import SamplingMetadata
-from vllm.platforms.spyre_config import SpyreConfig
+from vllm.config.spyre import SpyreConfig
 
 logger = init_logger(__name__)
 

@@ -46,7 +46,7 @@ from vllm.model_executor.models.spyre_dtypes import encoder_dtype
 from vllm.model_executor.models.spyre_encoder_families import (
     HFEncoderFamily, check_parallel, encoder_family)
 from vllm.model_executor.models.spyre_hf_encoder import HFEncoder
-from vllm.platforms.spyre_config import SpyreConfig
+from vllm.config.spyre import SpyreConfig
 
 logger = init_logger(__name__)
 

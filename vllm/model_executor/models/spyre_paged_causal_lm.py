@@ -30,7 +30,7 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers import spyre_mamba
 from vllm.model_executor.models.spyre_causal_lm import SpyreCausalLM
-from vllm.platforms.spyre_config import CB_BLOCK_SIZE, SpyreConfig
+from vllm.config.spyre import CB_BLOCK_SIZE, SpyreConfig
 
 logger = init_logger(__name__)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from vllm.platforms.spyre_config import WarmupShape
+from vllm.config.spyre import WarmupShape
 
 
 @dataclass(frozen=True)
