@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.attention.ops import spyre_native as native
+from vllm.spyre_kernels import ops as native
 from vllm.attention.ops import spyre_paged_cache as paged_cache
 from vllm.attention.ops.spyre_paged_inputs import PagedInputs
 from vllm.core.spyre_cb_blocks import blocks_needed

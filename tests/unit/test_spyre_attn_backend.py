@@ -14,7 +14,7 @@ from vllm.attention.backends.spyre_attn import (SpyreAttentionBackend,
                                                 SpyreAttentionImpl,
                                                 SpyreAttentionMetadata,
                                                 SpyreAttentionMetadataBuilder)
-from vllm.attention.ops import spyre_native as native
+from vllm.spyre_kernels import ops as native
 from vllm.attention.ops.spyre_kv_layout import CacheLayout, PoolLayout
 from vllm.config.spyre import CB_BLOCK_SIZE
 from vllm.config.spyre_warmup_shapes import WarmupShape

@@ -66,7 +66,7 @@ def _static(model, prompts, shape, steps, cache, attn_name):
 
 
 def _attn_names():
-    from vllm.attention.ops import spyre_native as native
+    from vllm.spyre_kernels import ops as native
     kernel = pytest.param(
         static_cache.ATTN_NAME_CPU_KERNEL,
         marks=pytest.mark.skipif(not native.available(),

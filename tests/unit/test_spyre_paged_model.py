@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vllm.attention.ops import spyre_kv_layout as kv_layout
-from vllm.attention.ops import spyre_native as native
+from vllm.spyre_kernels import ops as native
 from vllm.attention.ops import spyre_paged_cache as paged_cache
 from vllm.attention.ops.spyre_kv_layout import CacheLayout
 from vllm.config.spyre import CB_BLOCK_SIZE

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm.attention.ops import spyre_native as native
+from vllm.spyre_kernels import ops as native
 from vllm.model_executor.layers import spyre_linear
 from vllm.model_executor.model_loader.spyre_weight_update import (
     CheckpointLayout, _layer_of, check_state_dict, load_in_place)

@@ -36,18 +36,18 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
-from vllm.attention.ops.spyre_native import has_amx_bf16
+from vllm.spyre_kernels.ops import has_amx_bf16
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
 MAGIC = b"SPYRE-GRAPH 1\n"
 #: Files whose bytes are the model code the graphs are traced from.
-_CODE_SUFFIXES = (".py", ".cpp")
+_CODE_SUFFIXES = (".py", ".cpp", ".h")
 #: Packages (under ``vllm``) holding the model code graphs are traced from
 #: and the settings built into them (``CB_BLOCK_SIZE``).
 _MODEL_CODE_DIRS = ("attention", "compilation", "config", "core",
-                    "model_executor", "platforms")
+                    "model_executor", "platforms", "spyre_kernels")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import psutil
 
-from vllm.attention.ops import spyre_native as native
+from vllm.spyre_kernels import ops as native
 from vllm.logger import init_logger
 from vllm.core.spyre_cb_blocks import blocks_needed
 from vllm.config.spyre import CB_BLOCK_SIZE

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from vllm.attention.ops import spyre_native as native
+from vllm.spyre_kernels import ops as native
 from vllm.attention.ops import spyre_static_cache as static_cache
 from vllm.attention.ops.spyre_kv_layout import CacheLayout
 from vllm.attention.ops.spyre_torch_ops import causal_mask

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from vllm.attention.ops import spyre_encoder_attention as encoder_attention
-from vllm.attention.ops import spyre_native as native
+from vllm.spyre_kernels import ops as native
 from vllm.attention.ops.spyre_encoder_attention import (ATTN_NAME, ATTN_NAME_BF16,
                                                     ATTN_NAME_CPU,
                                                     ATTN_NAME_CPU_BF16)
