@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from vllm.compilation import spyre_graph_cache as gc
+from vllm.compilation.spyre_compiled_graphs import PrecompiledGraphs
 from vllm.compilation.spyre_graph_cache import (GraphCache,
-                                                MAGIC,
-                                                PrecompiledGraphs)
+                                                MAGIC)
 from vllm.config import spyre as spyre_config
 from vllm.config.spyre import SpyreConfig
 

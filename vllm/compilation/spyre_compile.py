@@ -15,9 +15,9 @@ backend (``sendnn`` on the card, ``eager`` or ``inductor`` on the CPU).
   shape) and, when asked, freezes the weights into the graphs, which lets
   it fold and pre-pack them for oneDNN/MKL.
 
-The result is a ``spyre_graph_cache.DynamoGraphs`` (each graph compiled at
-its first call) or, with a graph cache entry, a ``PrecompiledGraphs`` (each
-graph loaded from the cache or precompiled and kept there).
+The result is a ``spyre_compiled_graphs.DynamoGraphs`` (each graph compiled
+at its first call) or, with a graph cache entry, a ``PrecompiledGraphs``
+(each graph loaded from the cache or precompiled and kept there).
 """
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from vllm.compilation.spyre_graph_cache import (DynamoGraphs, GraphCache,
-                                                PrecompiledGraphs)
+from vllm.compilation.spyre_compiled_graphs import (DynamoGraphs,
+                                                    PrecompiledGraphs)
+from vllm.compilation.spyre_graph_cache import GraphCache
 
 
 def compile_graphs(
