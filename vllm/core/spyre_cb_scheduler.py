@@ -28,9 +28,9 @@ from typing import Optional
 
 from vllm.core.scheduler import (Scheduler, SchedulerPrefillOutputs,
                                  SchedulerRunningOutputs, SchedulingBudget)
-from vllm.core.spyre_scheduling import refuse_unsupported, waiting_only
 from vllm.core.spyre_cb_blocks import (parallel_samples_reason,
                                        rejection_reason)
+from vllm.core.spyre_scheduling import refuse_unsupported, waiting_only
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import SequenceGroup
 

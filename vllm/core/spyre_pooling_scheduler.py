@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+from vllm.config.spyre import SpyreConfig, WarmupShape
 from vllm.core.scheduler import (Scheduler, SchedulerPrefillOutputs,
                                  SchedulingBudget)
-from vllm.core.spyre_scheduling import waiting_only
-from vllm.config.spyre import SpyreConfig, WarmupShape
 from vllm.core.spyre_pooling_shapes import rejection_reason, select_texts
+from vllm.core.spyre_scheduling import waiting_only
 from vllm.sequence import SequenceGroup
 
 

@@ -8,6 +8,9 @@ the next batch from its waiting queue (``select_batch``); the model runner
 finds the same shape again from the batch it receives (``choose_shape``).
 Every function takes plain values; nothing here touches a model, a
 scheduler or a tensor.
+
+The module sits beside the schedulers but at the bottom of the project's
+layers, above the settings only: the workers read it as well.
 """
 from __future__ import annotations
 
