@@ -30,7 +30,7 @@ SPYRE_POOLING_WORKER_CLS = \
 
 
 def configure_static_batching(vllm_config: "VllmConfig",
-                               spyre: SpyreConfig) -> None:
+                              spyre: SpyreConfig) -> None:
     """Engine limits from the warm-up shapes; one KV block per sequence."""
     model_config = vllm_config.model_config
     scheduler_config = vllm_config.scheduler_config
@@ -63,7 +63,7 @@ def configure_static_batching(vllm_config: "VllmConfig",
 
 
 def configure_continuous_batching(vllm_config: "VllmConfig",
-                                   spyre: SpyreConfig) -> None:
+                                  spyre: SpyreConfig) -> None:
     """vLLM's own limits (``--max-model-len``, ``--max-num-seqs``), blocks
     of ``CB_BLOCK_SIZE`` tokens, one prefill per step."""
     scheduler_config = vllm_config.scheduler_config
@@ -117,7 +117,7 @@ def prefill_chunk_size(max_num_batched_tokens: int) -> int:
 
 
 def configure_pooling(vllm_config: "VllmConfig",
-                       spyre: SpyreConfig) -> None:
+                      spyre: SpyreConfig) -> None:
     """A pooling model (embeddings, cross-encoder scores): one forward pass
     per request over the warm-up shapes, several short texts packed into a
     row, no key/value cache."""
