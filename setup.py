@@ -31,7 +31,7 @@ setup(
     extras_require={"dev": requirements("requirements-dev.txt")},
     packages=find_namespace_packages(include=["vllm", "vllm.*"]),
     # C++ sources built on first use (torch.utils.cpp_extension.load).
-    package_data={"vllm.attention.ops": ["spyre_*.cpp"]},
+    package_data={"vllm.spyre_kernels": ["*.cpp", "*.h"]},
     entry_points={
         "vllm.platform_plugins": ["spyre = vllm.platforms.spyre:register"],
         "vllm.general_plugins": [

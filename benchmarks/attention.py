@@ -16,7 +16,7 @@ random values, float32) and times one pass of attention over every layer:
 * ``static decode``: static batching's decode step over a cache of ``ctx``
   slots per sequence, all visible.
 
-For each, ``spyre_cpu::paged_attention`` / ``decode_attention`` (what the
+For each, ``spyre_kernels::paged_attention`` / ``decode_attention`` (what the
 ``inductor`` path runs) against the same attention in torch ops (what
 ``eager`` runs: gather the blocks, two matrix products and a softmax).
 Reports the best of N passes, the key/value bytes a decode step reads and

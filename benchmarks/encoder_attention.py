@@ -8,7 +8,7 @@ views of one fused projection as FMS hands them over):
 
 * ``SDPA fp32`` / ``SDPA bf16``: PyTorch's SDPA with the block-diagonal
   mask, in float32 and in bfloat16 (what ``eager`` runs);
-* ``kernel fp32`` / ``kernel bf16``: ``spyre_cpu::encoder_attention``
+* ``kernel fp32`` / ``kernel bf16``: ``spyre_kernels::encoder_attention``
   with ``text_starts``, float32 products and bfloat16 products (what
   ``inductor`` runs).
 
@@ -46,8 +46,8 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
 
 def packed(texts: int, tokens: int):
     """The [B, L] packing of ``texts`` texts of ``tokens`` tokens."""
-    from vllm.platforms.spyre_config import WarmupShape
-    from vllm.platforms.spyre_pooling_shapes import first_fit
+    from vllm.config.spyre import WarmupShape
+    from vllm.core.spyre_pooling_shapes import first_fit
     from vllm.worker.spyre_pooling_inputs import packed_inputs
     row = -(-tokens // 64) * 64
     per_row = row // tokens
@@ -95,7 +95,7 @@ def main() -> int:
 
         def kernel(bf16):
             def attend(qkv):
-                return torch.ops.spyre_cpu.encoder_attention(
+                return torch.ops.spyre_kernels.encoder_attention(
                     *qkv, inputs.text_starts, dim**-0.5, bf16)
             return attend
 

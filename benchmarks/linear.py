@@ -8,11 +8,11 @@ three kernels:
 * ``aten``: ``torch.nn.functional.linear`` on the plain weight (MKL);
 * ``mkl-packed``: ``mkl._mkl_linear`` on a weight packed for that row
   count, what inductor's ``freezing`` uses for float32;
-* ``spyre-packed``: ``spyre_cpu::packed_linear`` (our kernel), one packed
+* ``spyre-packed``: ``spyre_kernels::packed_linear`` (our kernel), one packed
   copy for every row count;
 * ``spyre-bf16``: the same kernel on bfloat16 weights (``--dtype
   bfloat16``; from 16 rows on AMX tiles where the CPU has them);
-* ``spyre-int8``, ``spyre-fp8``, ``spyre-int4``: ``spyre_cpu::quant_linear``
+* ``spyre-int8``, ``spyre-fp8``, ``spyre-int4``: ``spyre_kernels::quant_linear``
   (docs/quantization.md) on the weights quantized here by round to
   nearest: int8 and FP8 per output channel, int4 per group of 64 (which
   divides SmolLM2's features), symmetric; ``spyre-<kind>-bf16in``: the
@@ -94,7 +94,7 @@ def kernels(rows: int):
     import torch
     import torch.nn.functional as F
 
-    from vllm.attention.ops import spyre_native as native
+    from vllm.spyre_kernels import ops as native
     from vllm.model_executor.layers import spyre_linear, spyre_quant_linear
 
     def plain(w):
@@ -112,7 +112,7 @@ def kernels(rows: int):
         ops["spyre-packed"] = (
             lambda w: ((spyre_linear.pack_weight(w), w.shape[0]), w,
                        w.numel() * w.element_size()),
-            lambda x, p: torch.ops.spyre_cpu.packed_linear(x, p[0], p[1]))
+            lambda x, p: torch.ops.spyre_kernels.packed_linear(x, p[0], p[1]))
 
         def bf16(w):
             b = w.to(torch.bfloat16)
@@ -120,7 +120,7 @@ def kernels(rows: int):
                     b.float(), b.numel() * 2, True)
 
         ops["spyre-bf16"] = (
-            bf16, lambda x, p: torch.ops.spyre_cpu.packed_linear(
+            bf16, lambda x, p: torch.ops.spyre_kernels.packed_linear(
                 x, p[0], p[1]))
         for kind in ("int8", "fp8", "int4"):
             def prepare(w, kind=kind):

@@ -67,8 +67,8 @@ class MemoryProbe:
         cache = llm.llm_engine.cache_config
         extra = 0
         if engine_args.get("max_num_seqs"):  # continuous batching
-            from vllm.platforms.spyre_config import CB_BLOCK_SIZE
-            from vllm.platforms.spyre_cb_blocks import blocks_needed
+            from vllm.config.spyre import CB_BLOCK_SIZE
+            from vllm.core.spyre_cb_blocks import blocks_needed
             block = llm.collective_rpc("get_cache_block_size_bytes")[0]
             minimum = blocks_needed(engine_args["max_model_len"],
                                     CB_BLOCK_SIZE)

@@ -10,7 +10,7 @@ import torch
 from torch.utils.cpp_extension import load
 
 REPO = Path(__file__).resolve().parent.parent
-SOURCE = REPO / "vllm" / "attention" / "ops" / "spyre_native_quant.cpp"
+SOURCE = REPO / "vllm" / "spyre_kernels" / "quant.cpp"
 
 
 def main() -> int:

@@ -69,9 +69,9 @@ def add_json_option(ap: argparse.ArgumentParser, name: str) -> None:
 
 
 def native_kernels_available() -> bool:
-    """Whether the C++ kernels (``spyre_cpu``) are built; if not, prints
+    """Whether the C++ kernels (``spyre_kernels``) are built; if not, prints
     that a benchmark comparing them has nothing to compare."""
-    from vllm.attention.ops import spyre_native as native
+    from vllm.spyre_kernels import ops as native
     if not native.available():
         print("the C++ kernels could not be built; nothing to compare")
         return False

@@ -95,7 +95,7 @@ def test_linear_benchmark_small(smollm2, tmp_path):
     names = ["aten", "mkl-packed", "spyre-packed", "spyre-bf16",
              "spyre-int8", "spyre-fp8", "spyre-int4", "spyre-int8-bf16in",
              "spyre-fp8-bf16in", "spyre-int4-bf16in", "onednn-bf16"]
-    from vllm.attention.ops.spyre_native import cpu_has
+    from vllm.spyre_kernels.ops import cpu_has
     if cpu_has("avx512_bf16"):  # the kernel's dot and dense paths
         names += [f"spyre-{kind}-{path}" for path in ("dot", "dense")
                   for kind in ("int8", "fp8", "int4")]

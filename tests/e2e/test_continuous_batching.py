@@ -109,7 +109,7 @@ def test_no_compilation_after_warmup(cb_run):
 def test_prefill_runs_in_one_pass_on_the_paged_kernel(cb_run):
     """A 130-token prefill: one [1, 130] pass on the paged C++ kernel
     (eager and inductor), three 64-token chunks on the torch ops."""
-    from vllm.attention.ops import spyre_native as native
+    from vllm.spyre_kernels import ops as native
     whole = cb_run["backend"] != TORCH_OPS and native.available()
     assert cb_run["prefill_shape"] == ((1, 130) if whole else (3, 64))
 

@@ -82,7 +82,7 @@ def embed_checked(llm, model_dir, texts, pooling) -> None:
 @pytest.mark.parametrize("backend", ["eager", "inductor", "torch-ops"])
 @pytest.mark.parametrize("name", ["bert", "roberta"])
 def test_tiny_embeddings_match_transformers(encoders, name, backend):
-    from vllm.attention.ops import spyre_native as native
+    from vllm.spyre_kernels import ops as native
     path, pooling = encoders[name]
     texts = random_texts(50, 256, **TINY_TOKENS)
     settings = (env("eager", VLLM_SPYRE_NATIVE_KERNELS="0")

@@ -7,7 +7,7 @@ import pytest
 
 from spyre_support.engines import spyre_engine
 from spyre_support.envs import spyre_env
-from vllm.platforms.spyre_config import WarmupShape
+from vllm.config.spyre import WarmupShape
 
 SHORT = WarmupShape(prompt_len=64, new_tokens=4, batch_size=2)
 LONG = WarmupShape(prompt_len=128, new_tokens=3, batch_size=1)

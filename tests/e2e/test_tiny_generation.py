@@ -71,7 +71,7 @@ def test_both_backends_run_on_the_native_kernels(tiny_run):
     packed and decode attention is the C++ op on both CPU backends, and
     on eager the norms and rotary embedding too; the torch-op path keeps
     MKL and the attention in torch ops."""
-    from vllm.attention.ops import spyre_native as native
+    from vllm.spyre_kernels import ops as native
     from vllm.attention.ops import spyre_static_cache as static_cache
     on = tiny_run["backend"] != TORCH_OPS and native.available()
     kernels = tiny_run["kernels"]

@@ -3,7 +3,7 @@ tests: whether torch_sendnn (the card's compile backend) seems importable,
 whatever machine the tests run on, and warm-up shape variables."""
 import pytest
 
-from vllm.platforms import spyre_config
+from vllm.config import spyre as spyre_config
 
 
 @pytest.fixture

@@ -278,8 +278,8 @@ def test_benchmark_parser_shared_options_and_defaults():
 
 def _fake_kernels(monkeypatch, built: bool) -> None:
     """Makes the kernel module's ``available()`` answer ``built``."""
-    package = types.ModuleType("vllm.attention.ops")
-    package.spyre_native = SimpleNamespace(available=lambda: built)
+    package = types.ModuleType("vllm.spyre_kernels")
+    package.ops = SimpleNamespace(available=lambda: built)
     monkeypatch.setitem(sys.modules, package.__name__, package)
 
 

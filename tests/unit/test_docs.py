@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vllm.platforms.spyre_config import SPYRE_ENV_VARS
+from vllm.config.spyre import SPYRE_ENV_VARS
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gen_env_docs.py"

@@ -1,6 +1,6 @@
 """Attention sinks (GPT-OSS) in every Spyre attention path: the torch ops
 (``attend_matmul``), the static cache's decode kernel and the paged
-pool's kernel (``spyre_cpu::decode_attention`` / ``paged_attention``)
+pool's kernel (``spyre_kernels::decode_attention`` / ``paged_attention``)
 equal a float64 softmax with one more column per head, the sink's logit,
 whose probability is dropped; a query that sees no token gets zeros; the
 kernels name a wrong number of sinks."""
@@ -74,10 +74,10 @@ def test_a_query_that_sees_nothing_gets_zeros():
 def test_static_decode_kernel(dtype):
     q, k, v, mask, sinks = _case(L=1, T=40)
     k, v = k.to(dtype), v.to(dtype)
-    got = torch.ops.spyre_cpu.decode_attention(q, k, v, mask, 0.25, sinks)
+    got = torch.ops.spyre_kernels.decode_attention(q, k, v, mask, 0.25, sinks)
     ref = attend_matmul(q, k.float(), v.float(), mask, 0.25, sinks)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-    plain = torch.ops.spyre_cpu.decode_attention(q, k, v, mask, 0.25)
+    plain = torch.ops.spyre_kernels.decode_attention(q, k, v, mask, 0.25)
     assert not torch.allclose(plain, got, atol=1e-3)
 
 
@@ -95,8 +95,8 @@ def test_paged_kernel(window):
     table = torch.tensor([[3, 0, 5], [1, 4, 2]])
     ctx = torch.tensor([[9, 10], [11, 12]])
     sinks = torch.rand(kvh * group, generator=gen) * 6 - 2
-    got = torch.ops.spyre_cpu.paged_attention(q, key_pool, value_pool, table,
-                                              ctx, block, 0.25, window, sinks)
+    got = torch.ops.spyre_kernels.paged_attention(q, key_pool, value_pool, table,
+                                                  ctx, block, 0.25, window, sinks)
     slots = (table.unsqueeze(2) * block + torch.arange(block)).view(2, -1)
     keys = key_pool[slots].transpose(1, 2)
     values = value_pool[slots].transpose(1, 2)
@@ -113,4 +113,4 @@ def test_kernels_name_a_wrong_number_of_sinks():
     q, k, v, mask, sinks = _case(L=1)
     with pytest.raises(RuntimeError, match="5 attention sinks for 6 query "
                        "heads"):
-        torch.ops.spyre_cpu.decode_attention(q, k, v, mask, 0.25, sinks[:5])
+        torch.ops.spyre_kernels.decode_attention(q, k, v, mask, 0.25, sinks[:5])

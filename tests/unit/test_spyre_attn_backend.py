@@ -14,10 +14,10 @@ from vllm.attention.backends.spyre_attn import (SpyreAttentionBackend,
                                                 SpyreAttentionImpl,
                                                 SpyreAttentionMetadata,
                                                 SpyreAttentionMetadataBuilder)
-from vllm.attention.ops import spyre_native as native
+from vllm.spyre_kernels import ops as native
 from vllm.attention.ops.spyre_kv_layout import CacheLayout, PoolLayout
-from vllm.platforms.spyre_config import CB_BLOCK_SIZE
-from vllm.platforms.spyre_warmup_shapes import WarmupShape
+from vllm.config.spyre import CB_BLOCK_SIZE
+from vllm.config.spyre_warmup_shapes import WarmupShape
 from vllm.worker.spyre_cb_inputs import (decode_batch, prefill_chunks,
                                          whole_prefill_len)
 from vllm.worker.spyre_inputs import DecodeSteps, prefill_inputs

@@ -1,10 +1,10 @@
 """Unit tests of continuous batching's refusals
-(vllm/platforms/spyre_cb_blocks.py): the model length and the block pool,
+(vllm/core/spyre_cb_blocks.py): the model length and the block pool,
 for one sequence and for parallel samples."""
 import pytest
 
-from vllm.platforms.spyre_cb_blocks import (parallel_samples_reason,
-                                            rejection_reason)
+from vllm.core.spyre_cb_blocks import (parallel_samples_reason,
+                                       rejection_reason)
 
 
 # --------------------------------------------------------- rejection_reason

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from vllm.attention.ops.spyre_paged_inputs import MIN_DECODE_BATCH, PagedInputs
+from vllm.attention.ops.spyre_paged_inputs import (MIN_DECODE_BATCH,
+                                                   PagedInputs)
 from vllm.worker.spyre_cb_inputs import decode_batch, prefill_chunks
 
 PAD_ID = 0

@@ -8,7 +8,7 @@ import torch
 
 from vllm.attention.ops.spyre_paged_inputs import (MIN_PREFILL_LEN,
                                                    PagedInputs)
-from vllm.platforms.spyre_cb_blocks import blocks_needed
+from vllm.core.spyre_cb_blocks import blocks_needed
 from vllm.worker.spyre_cb_inputs import (decode_batch, prefill_chunks,
                                          prefill_span, whole_prefill_len)
 

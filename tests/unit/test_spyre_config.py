@@ -1,4 +1,4 @@
-"""Unit tests of vllm/platforms/spyre_config.py (no model, no engine).
+"""Unit tests of vllm/config/spyre.py (no model, no engine).
 Settings that are refused are in test_spyre_config_errors.py."""
 import json
 import pickle
@@ -6,12 +6,14 @@ import re
 
 import pytest
 
-from vllm.platforms import spyre_config
-from vllm.platforms.spyre_config import (ADDITIONAL_CONFIG_KEY,
-                                         DYNAMO_BACKENDS, SPYRE_ENV_VARS,
-                                         SpyreConfig, render_env_var_table)
-from vllm.platforms.spyre_warmup_shapes import (WarmupShape,
-                                                parse_warmup_shapes)
+from vllm.config import spyre as spyre_config
+from vllm.platforms import spyre as spyre_platform
+from vllm.config.spyre import (ADDITIONAL_CONFIG_KEY,
+                               DYNAMO_BACKENDS, SPYRE_ENV_VARS,
+                               SpyreConfig, render_env_var_table)
+from vllm.worker import spyre_heap
+from vllm.config.spyre_warmup_shapes import (WarmupShape,
+                                             parse_warmup_shapes)
 
 from spyre_env import (no_sendnn, shapes_env,  # noqa: F401 (fixtures)
                        with_sendnn)
@@ -385,7 +387,7 @@ def test_tensor_parallel_reconciliation(no_sendnn):
     ({"DO_NOT_TRACK": "1"}, False),
 ])
 def test_usage_stats_unset_only_without_any_switch(env, unset):
-    assert spyre_config.usage_stats_unset(env) is unset
+    assert spyre_platform.usage_stats_unset(env) is unset
 
 
 @pytest.mark.parametrize("env, unset", [
@@ -395,4 +397,4 @@ def test_usage_stats_unset_only_without_any_switch(env, unset):
     ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1048576"}, False),
 ])
 def test_malloc_threshold_unset_unless_the_user_tuned_it(env, unset):
-    assert spyre_config.malloc_threshold_unset(env) is unset
+    assert spyre_heap.malloc_threshold_unset(env) is unset

@@ -1,8 +1,8 @@
-"""Settings that vllm/platforms/spyre_config.py refuses, each with a
+"""Settings that vllm/config/spyre.py refuses, each with a
 message naming the value and what to change (no model, no engine)."""
 import pytest
 
-from vllm.platforms.spyre_config import SpyreConfig, WarmupShape
+from vllm.config.spyre import SpyreConfig, WarmupShape
 
 from spyre_env import no_sendnn, shapes_env  # noqa: F401 (fixtures)
 

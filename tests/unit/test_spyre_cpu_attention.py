@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.attention.ops import spyre_native as native
+from vllm.spyre_kernels import ops as native
 from vllm.attention.ops import spyre_static_cache as static_cache
-from vllm.platforms.spyre_config import WarmupShape
+from vllm.config.spyre import WarmupShape
 from vllm.worker.spyre_inputs import DecodeSteps
 
 pytestmark = pytest.mark.skipif(not native.available(),
@@ -137,5 +137,5 @@ def test_bad_inputs_are_named(change, message):
     args = dict(q=q.view(2, 2, 2, 16), k=k, v=v, mask=mask)
     change(args)
     with pytest.raises(RuntimeError, match=message):
-        torch.ops.spyre_cpu.decode_attention(args["q"], args["k"], args["v"],
-                                             args["mask"], 0.25)
+        torch.ops.spyre_kernels.decode_attention(args["q"], args["k"], args["v"],
+                                                 args["mask"], 0.25)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.attention.ops import spyre_native as native
+from vllm.spyre_kernels import ops as native
 from vllm.model_executor.layers import spyre_linear
 
 pytestmark = pytest.mark.skipif(not native.available(),
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not native.available(),
 
 
 def _op(x, packed, n, bias=None):
-    return torch.ops.spyre_cpu.packed_linear(x, packed, n, bias)
+    return torch.ops.spyre_kernels.packed_linear(x, packed, n, bias)
 
 
 def test_pack_weight_layout():

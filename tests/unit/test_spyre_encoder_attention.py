@@ -1,4 +1,4 @@
-"""The C++ encoder attention kernel (``spyre_cpu::encoder_attention``)
+"""The C++ encoder attention kernel (``spyre_kernels::encoder_attention``)
 against SDPA with the block-diagonal mask, on texts packed as
 ``packed_inputs`` packs them: float32 to rounding, bfloat16 products as
 close as PyTorch's own bfloat16 SDPA, head sizes that do not fill a vector,
@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from vllm.attention.ops import spyre_encoder_attention as encoder_attention
-from vllm.attention.ops import spyre_native as native
-from vllm.platforms.spyre_config import WarmupShape
-from vllm.platforms.spyre_pooling_shapes import first_fit
+from vllm.spyre_kernels import ops as native
+from vllm.config.spyre import WarmupShape
+from vllm.core.spyre_pooling_shapes import first_fit
 from vllm.worker.spyre_pooling_inputs import packed_inputs
 
 pytestmark = pytest.mark.skipif(not native.available(),
@@ -135,13 +135,13 @@ def test_kernel_traced_by_dynamo():
 def test_bad_text_layout_is_named(starts, message):
     q, k, v = _qkv(1, 4, 2, 16, seed=7)
     with pytest.raises(RuntimeError, match=message):
-        torch.ops.spyre_cpu.encoder_attention(q, k, v, torch.tensor([starts]),
-                                              0.25, False)
+        torch.ops.spyre_kernels.encoder_attention(q, k, v, torch.tensor([starts]),
+                                                  0.25, False)
 
 
 def test_mismatched_shapes_are_named():
     q, k, v = _qkv(1, 4, 2, 16, seed=8)
     with pytest.raises(RuntimeError, match="do not match"):
-        torch.ops.spyre_cpu.encoder_attention(
+        torch.ops.spyre_kernels.encoder_attention(
             q, k[:, :3], v[:, :3], torch.zeros(1, 4, dtype=torch.long), 0.25,
             False)

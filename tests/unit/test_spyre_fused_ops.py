@@ -1,5 +1,5 @@
 """The norm and rotary kernels of ``eager``
-(vllm/attention/ops/spyre_native_elementwise.cpp) against FMS's own
+(vllm/spyre_kernels/elementwise.cpp) against FMS's own
 modules, and ``spyre_fused_ops.use_fused_ops`` on a tiny FMS LLaMA.
 
 The rotary embedding must equal FMS's bit for bit (same products, same
@@ -15,7 +15,7 @@ import torch
 from fms.modules.layernorm import LayerNormParameterized
 from fms.modules.positions import RotaryEmbedding
 
-from vllm.attention.ops import spyre_native as native
+from vllm.spyre_kernels import ops as native
 from vllm.model_executor.layers import spyre_fused_ops
 from vllm.model_executor.layers.spyre_fused_ops import (
     KernelRMSNorm, KernelRotaryEmbedding, use_fused_ops)
@@ -65,7 +65,7 @@ def test_rotary_names_a_position_outside_its_table():
     table = _rotary().cached_freqs[None][1]
     with pytest.raises(RuntimeError, match="position 300 outside the table "
                        "of 256"):
-        torch.ops.spyre_cpu.rotary_qk(q, k, table, torch.tensor([[300]]))
+        torch.ops.spyre_kernels.rotary_qk(q, k, table, torch.tensor([[300]]))
 
 
 def test_rotary_falls_back_to_fms_off_float32():

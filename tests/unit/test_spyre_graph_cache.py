@@ -1,7 +1,7 @@
 """Unit tests of vllm/compilation/spyre_graph_cache.py: the
 entry key, the graph file checks, atomic locked writes, what a miss names,
 and precompiled graphs saved and loaded on a small module (no engine); and
-the graph cache's settings in vllm/platforms/spyre_config.py."""
+the graph cache's settings in vllm/config/spyre.py."""
 from __future__ import annotations
 
 import json
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from vllm.compilation import spyre_graph_cache as gc
+from vllm.compilation.spyre_compiled_graphs import PrecompiledGraphs
 from vllm.compilation.spyre_graph_cache import (GraphCache,
-                                                MAGIC,
-                                                PrecompiledGraphs)
-from vllm.platforms import spyre_config
-from vllm.platforms.spyre_config import SpyreConfig
+                                                MAGIC)
+from vllm.config import spyre as spyre_config
+from vllm.config.spyre import SpyreConfig
 
 PARTS = {"model": "/m", "weights": "w1", "backend": "inductor", "dtype": "f"}
 

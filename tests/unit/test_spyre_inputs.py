@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm.platforms.spyre_config import WarmupShape
+from vllm.config.spyre import WarmupShape
 from vllm.worker.spyre_inputs import DecodeSteps, decode_inputs, prefill_inputs
 
 T, F_ = True, False

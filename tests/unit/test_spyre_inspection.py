@@ -41,6 +41,6 @@ def test_inspection_result_without_a_subprocess(installed, monkeypatch):
 def test_nothing_changes_off_spyre(monkeypatch):
     original = registry._run_in_subprocess
     monkeypatch.setattr(registry, "_run_in_subprocess", original)
-    monkeypatch.setattr("vllm.platforms.spyre_config.is_spyre", lambda: False)
+    monkeypatch.setattr("vllm.config.spyre.is_spyre", lambda: False)
     spyre_inspection.install()
     assert registry._run_in_subprocess is original

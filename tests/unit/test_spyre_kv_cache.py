@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from vllm.attention.ops import spyre_kv_layout as kv_layout
 from vllm.attention.ops import spyre_static_cache as static_cache
-from vllm.platforms.spyre_config import WarmupShape
+from vllm.config.spyre import WarmupShape
 from vllm.worker.spyre_inputs import decode_inputs, prefill_inputs
 
 from spyre_support.tiny_models import build_tiny_fms
@@ -66,7 +66,7 @@ def _static(model, prompts, shape, steps, cache, attn_name):
 
 
 def _attn_names():
-    from vllm.attention.ops import spyre_native as native
+    from vllm.spyre_kernels import ops as native
     kernel = pytest.param(
         static_cache.ATTN_NAME_CPU_KERNEL,
         marks=pytest.mark.skipif(not native.available(),

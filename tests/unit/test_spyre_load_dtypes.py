@@ -106,7 +106,7 @@ _PEAK = textwrap.dedent("""
     from vllm.model_executor.layers.spyre_linear import pack_linears
     from vllm.model_executor.model_loader.spyre import load_fms_decoder
     from vllm.model_executor.models.spyre_dtypes import precision_of
-    from vllm.worker.spyre_memory import return_large_buffers
+    from vllm.worker.spyre_heap import return_large_buffers
 
     def status(key):
         for line in open("/proc/self/status"):

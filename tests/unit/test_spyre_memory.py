@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from vllm.attention.ops.spyre_kv_layout import CacheLayout
-from vllm.platforms.spyre_config import WarmupShape
+from vllm.config.spyre import WarmupShape
+from vllm.worker import spyre_heap
 from vllm.worker import spyre_memory as sm
 
 GEOMETRY = sm.Geometry(layers=3, kv_heads=2, heads=4, head_size=16,
@@ -191,7 +192,7 @@ def test_check_names_the_parts_and_what_is_available():
 
 _FAULTS = """
 import resource, sys, torch
-from vllm.worker import spyre_memory
+from vllm.worker import spyre_heap as spyre_memory
 if sys.argv[1] == "keep":
     assert spyre_memory.keep_large_buffers(True)
 def faults():
@@ -229,7 +230,7 @@ def test_large_buffers_are_reused_instead_of_faulted_in_again():
 
 
 def test_large_buffers_left_alone_when_the_user_tuned_malloc():
-    assert sm.keep_large_buffers(False) is False
+    assert spyre_heap.keep_large_buffers(False) is False
 
 
 def test_hybrid_geometry_counts_attention_layers_only():

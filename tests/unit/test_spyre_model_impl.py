@@ -70,7 +70,7 @@ def test_the_platform_records_the_choice_and_refuses_the_card():
     process reads; vLLM's model code is refused on the card (sendnn),
     where its attention, run outside the graphs, would not be."""
     from vllm.platforms import spyre
-    from vllm.platforms.spyre_config import SpyreConfig
+    from vllm.config.spyre import SpyreConfig
     model = SimpleNamespace(model_impl="auto", quantization=None,
                             hf_config=config("Qwen2ForCausalLM"))
     cpu = SpyreConfig(dynamo_backend="inductor", warmup_shapes=())
@@ -90,7 +90,7 @@ def test_quantized_checkpoints_take_vllm_model_code():
     architecture vLLM's code does not run here is refused, and so is the
     card."""
     from vllm.platforms import spyre
-    from vllm.platforms.spyre_config import SpyreConfig
+    from vllm.config.spyre import SpyreConfig
     model = SimpleNamespace(model_impl="auto", quantization="spyre",
                             hf_config=config("LlamaForCausalLM"))
     cpu = SpyreConfig(dynamo_backend="inductor", warmup_shapes=())

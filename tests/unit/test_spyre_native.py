@@ -1,10 +1,10 @@
 """When a model runs on the project's C++ kernels
-(vllm/attention/ops/spyre_native.py): on both CPU backends wherever they
+(vllm/spyre_kernels/ops.py): on both CPU backends wherever they
 build, unless VLLM_SPYRE_NATIVE_KERNELS=0; never on the card."""
 import pytest
 
-from vllm.attention.ops import spyre_native as native
-from vllm.platforms.spyre_config import SpyreConfig
+from vllm.spyre_kernels import ops as native
+from vllm.config.spyre import SpyreConfig
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])

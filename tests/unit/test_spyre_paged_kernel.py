@@ -1,4 +1,4 @@
-"""The C++ kernel of the paged pool (``spyre_cpu::paged_attention``):
+"""The C++ kernel of the paged pool (``spyre_kernels::paged_attention``):
 it equals the torch-op path, also for head sizes that do not fill a
 16-float vector and for bfloat16 pools, never reads a slot outside a
 row's context or before its sliding window (those hold NaN here), shares
@@ -12,7 +12,7 @@ import torch
 from paged_cases import (BS, HEADS, _attend, _decode_case, _poison_unread,
                          _poison_unseen, _prefill_case, _reference, _store,
                          needs_kernel)
-from vllm.attention.ops import spyre_native as native
+from vllm.spyre_kernels import ops as native
 from vllm.attention.ops import spyre_paged_cache as paged_cache
 
 
@@ -173,7 +173,7 @@ def _raw_args(B=2, kvh=2, group=2, D=16, blocks=3, block_size=4, MB=2):
 
 
 def _paged(args):
-    return torch.ops.spyre_cpu.paged_attention(
+    return torch.ops.spyre_kernels.paged_attention(
         args["query"], args["key_pool"], args["value_pool"],
         args["block_table"], args["ctx_lens"], args["block_size"],
         args["scale"])

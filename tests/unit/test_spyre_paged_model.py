@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from vllm.attention.ops import spyre_kv_layout as kv_layout
-from vllm.attention.ops import spyre_native as native
+from vllm.spyre_kernels import ops as native
 from vllm.attention.ops import spyre_paged_cache as paged_cache
 from vllm.attention.ops.spyre_kv_layout import CacheLayout
-from vllm.platforms.spyre_config import CB_BLOCK_SIZE
+from vllm.config.spyre import CB_BLOCK_SIZE
 from vllm.attention.ops.spyre_paged_inputs import PagedInputs
-from vllm.platforms.spyre_cb_blocks import blocks_needed
+from vllm.core.spyre_cb_blocks import blocks_needed
 from vllm.worker.spyre_cb_inputs import (decode_batch,
                                          prefill_chunks,
                                          whole_prefill_len)

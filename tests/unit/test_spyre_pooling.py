@@ -1,4 +1,4 @@
-"""Unit tests of the pooling settings (vllm/platforms/spyre_config.py),
+"""Unit tests of the pooling settings (vllm/config/spyre.py),
 the packing of texts into shapes (vllm/worker/spyre_pooling_inputs.py) and
 the pooling memory estimate: no model, no engine."""
 import random
@@ -6,13 +6,13 @@ import random
 import pytest
 import torch
 
-from vllm.platforms.spyre_config import SpyreConfig, WarmupShape
+from vllm.config.spyre import SpyreConfig, WarmupShape
 from vllm.worker import spyre_memory
-from vllm.platforms.spyre_pooling_shapes import (choose_pooling_shape,
-                                                 first_fit,
-                                                 Placement,
-                                                 rejection_reason,
-                                                 select_texts)
+from vllm.core.spyre_pooling_shapes import (choose_pooling_shape,
+                                            first_fit,
+                                            Placement,
+                                            rejection_reason,
+                                            select_texts)
 from vllm.worker.spyre_pooling_inputs import packed_inputs, plan_passes
 
 P = Placement

@@ -1,6 +1,6 @@
 """Quantized linear layers: the kernel, the packing, the config reader.
 
-* ``spyre_cpu::quant_linear`` against ``x @ dequantize(weight).T`` in
+* ``spyre_kernels::quant_linear`` against ``x @ dequantize(weight).T`` in
   float64 for every code kind (int8, FP8, int4), one group or several,
   with zero points or without, row counts below, at and above the 12-row
   tile, a partial last column block, a bias, bfloat16 inputs, and under
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm.attention.ops import spyre_native as native
+from vllm.spyre_kernels import ops as native
 from vllm.model_executor.layers.quantization import (spyre_quant,
                                                       spyre_quant_method)
 from vllm.model_executor.layers.spyre_quant_linear import (QuantWeight,

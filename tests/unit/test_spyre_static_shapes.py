@@ -1,16 +1,16 @@
-"""Unit tests of vllm/platforms/spyre_static_shapes.py: which requests fit
+"""Unit tests of vllm/core/spyre_static_shapes.py: which requests fit
 which compiled shapes, the rules the static scheduler and model runner
 share (no model, no engine)."""
 import random
 
 import pytest
 
-from vllm.platforms.spyre_config import WarmupShape
-from vllm.platforms.spyre_static_shapes import (RequestSize, choose_shape,
-                                                fits,
-                                                parallel_samples_reason,
-                                                rejection_reason,
-                                                select_batch)
+from vllm.config.spyre import WarmupShape
+from vllm.core.spyre_static_shapes import (RequestSize, choose_shape,
+                                           fits,
+                                           parallel_samples_reason,
+                                           rejection_reason,
+                                           select_batch)
 
 
 def R(prompt_len, max_tokens=10):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm.attention.ops import spyre_native as native
+from vllm.spyre_kernels import ops as native
 from vllm.model_executor.layers import spyre_linear
 from vllm.model_executor.model_loader.spyre_weight_update import (
     CheckpointLayout, _layer_of, check_state_dict, load_in_place)
@@ -141,7 +141,7 @@ def test_packed_fms_model_takes_new_weights_in_place():
 @pytest.mark.parametrize("value, freezing", [(None, True), ("1", True),
                                              ("0", False)])
 def test_freezing_setting(value, freezing):
-    from vllm.platforms.spyre_config import SpyreConfig
+    from vllm.config.spyre import SpyreConfig
     env = {"VLLM_SPYRE_DYNAMO_BACKEND": "inductor"}
     if value is not None:
         env["VLLM_SPYRE_INDUCTOR_FREEZING"] = value
@@ -152,7 +152,7 @@ def test_freezing_setting(value, freezing):
 
 
 def test_a_bad_freezing_value_is_refused():
-    from vllm.platforms.spyre_config import SpyreConfig
+    from vllm.config.spyre import SpyreConfig
     with pytest.raises(ValueError,
                        match="VLLM_SPYRE_INDUCTOR_FREEZING='yes' is invalid"):
         SpyreConfig.from_env(environ={"VLLM_SPYRE_INDUCTOR_FREEZING": "yes"})

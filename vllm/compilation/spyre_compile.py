@@ -18,9 +18,9 @@ backend (``sendnn`` on the card, ``eager`` or ``inductor`` on the CPU).
 What each choice costs and saves, measured, is in docs/performance.md
 ("Costs behind the design").
 
-The result is a ``spyre_graph_cache.DynamoGraphs`` (each graph compiled at
-its first call) or, with a graph cache entry, a ``PrecompiledGraphs`` (each
-graph loaded from the cache or precompiled and kept there).
+The result is a ``spyre_compiled_graphs.DynamoGraphs`` (each graph compiled
+at its first call) or, with a graph cache entry, a ``PrecompiledGraphs``
+(each graph loaded from the cache or precompiled and kept there).
 """
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from vllm.compilation.spyre_graph_cache import (DynamoGraphs, GraphCache,
-                                                PrecompiledGraphs)
+from vllm.compilation.spyre_compiled_graphs import (DynamoGraphs,
+                                                    PrecompiledGraphs)
+from vllm.compilation.spyre_graph_cache import GraphCache
 
 
 def compile_graphs(

@@ -20,6 +20,10 @@ graph, payload size and SHA-256) and the payload; a file that fails any
 check is reported and compiled again, never run.  Files are written to a
 temporary name and renamed, under a lock on the entry, so ranks and servers
 may share one directory.
+
+This module is the store: the key, its digests and the files.  The
+callables that load, compile and run the graphs are in
+``spyre_compiled_graphs``.
 """
 from __future__ import annotations
 
@@ -29,25 +33,93 @@ import hashlib
 import json
 import os
 import tempfile
-import types
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
-from vllm.attention.ops.spyre_native import has_amx_bf16
 from vllm.logger import init_logger
+from vllm.spyre_kernels.ops import has_amx_bf16
 
 logger = init_logger(__name__)
 
 MAGIC = b"SPYRE-GRAPH 1\n"
-#: Files whose bytes are the model code the graphs are traced from.
-_CODE_SUFFIXES = (".py", ".cpp")
-#: Packages (under ``vllm``) holding the model code graphs are traced from
-#: and the settings built into them (``CB_BLOCK_SIZE``).
-_MODEL_CODE_DIRS = ("attention", "compilation", "model_executor",
-                    "platforms")
+#: The files (under ``vllm/``) whose code changes a compiled graph: the
+#: model code graphs are traced from, the kernels they call, the compile
+#: set-up, and the settings and platform choices built into them
+#: (``CB_BLOCK_SIZE``, the sliding window).  A new module of that kind must
+#: be added here (``tests/unit/test_spyre_graph_code.py`` checks that every
+#: listed file exists, and that the model code and kernel folders hold no
+#: file this list does not name); schedulers, workers and the server's
+#: plumbing are not listed: they choose which graph runs, not what it
+#: computes.
+GRAPH_CODE = (
+    # The settings the graphs are built with, and the platform that
+    # derives them.
+    "config/spyre.py",
+    "platforms/spyre.py",
+    "platforms/spyre_modes.py",
+    # The compile set-up.
+    "compilation/spyre_compile.py",
+    "compilation/spyre_compiled_graphs.py",
+    "compilation/spyre_graph_cache.py",
+    # The C++ kernels and their fake (tracing) implementations.
+    "spyre_kernels/ops.py",
+    "spyre_kernels/simd.h",
+    "spyre_kernels/linear.cpp",
+    "spyre_kernels/quant.cpp",
+    "spyre_kernels/attention.cpp",
+    "spyre_kernels/elementwise.cpp",
+    # Attention.
+    "attention/backends/spyre_attn.py",
+    "attention/ops/spyre_encoder_attention.py",
+    "attention/ops/spyre_fms_registry.py",
+    "attention/ops/spyre_kv_layout.py",
+    "attention/ops/spyre_paged_cache.py",
+    "attention/ops/spyre_paged_inputs.py",
+    "attention/ops/spyre_static_cache.py",
+    "attention/ops/spyre_torch_ops.py",
+    # Layers.
+    "model_executor/layers/quantization/spyre_quant.py",
+    "model_executor/layers/quantization/spyre_quant_method.py",
+    "model_executor/layers/quantization/spyre_quant_schemes.py",
+    "model_executor/layers/spyre_fused_ops.py",
+    "model_executor/layers/spyre_linear.py",
+    "model_executor/layers/spyre_linear_method.py",
+    "model_executor/layers/spyre_mamba.py",
+    "model_executor/layers/spyre_moe.py",
+    "model_executor/layers/spyre_quant_linear.py",
+    # Loading (the model's structure, sharding and packed weights).
+    "model_executor/model_loader/spyre.py",
+    "model_executor/model_loader/spyre_encoder_loader.py",
+    "model_executor/model_loader/spyre_vllm.py",
+    # Models.
+    "model_executor/models/spyre_causal_lm.py",
+    "model_executor/models/spyre_dtypes.py",
+    "model_executor/models/spyre_encoder.py",
+    "model_executor/models/spyre_encoder_families.py",
+    "model_executor/models/spyre_families.py",
+    "model_executor/models/spyre_fms_decoder.py",
+    "model_executor/models/spyre_gpt_oss.py",
+    "model_executor/models/spyre_granite4.py",
+    "model_executor/models/spyre_hf_config.py",
+    "model_executor/models/spyre_hf_encoder.py",
+    "model_executor/models/spyre_model_impl.py",
+    "model_executor/models/spyre_paged_causal_lm.py",
+    "model_executor/models/spyre_vllm_causal_lm.py",
+)
+#: Files of the model code folders that do not change a graph: the
+#: sampler runs on the graphs' logits, weight updates copy new values into
+#: a compiled model, the inspection plugin shortens vLLM's start-up, and
+#: the ``torch_sendnn`` probe picks a default backend (a part of the key of
+#: its own).
+NOT_GRAPH_CODE = (
+    "compilation/spyre_sendnn.py",
+    "model_executor/layers/spyre_sampler.py",
+    "model_executor/model_loader/spyre_weight_update.py",
+    "model_executor/models/spyre_inspection.py",
+)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
@@ -66,18 +138,13 @@ def weights_identity(model_dir: str) -> str:
 
 
 def code_identity() -> str:
-    """Digest of this project's model code: the Spyre modules and kernels
-    under ``vllm/attention``, ``vllm/compilation`` and
-    ``vllm/model_executor`` (loader, models, layers, attention ops), and
-    the settings under ``vllm/platforms``."""
+    """Digest of this project's code that changes a compiled graph: the
+    files of ``GRAPH_CODE``, names and contents."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for part in _MODEL_CODE_DIRS:
-        for p in sorted((root / part).rglob("*")):
-            rel = p.relative_to(root).as_posix()
-            if p.suffix in _CODE_SUFFIXES and "spyre" in rel:
-                h.update(rel.encode())
-                h.update(p.read_bytes())
+    for rel in GRAPH_CODE:
+        h.update(rel.encode())
+        h.update((root / rel).read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -299,147 +366,3 @@ class GraphCache:
                 yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
-
-
-class PrecompiledGraphs:
-    """The compiled model when the graph cache is on: one precompiled
-    function per graph name, loaded from the cache or compiled (and
-    kept) at its first call.
-
-    A loaded graph's guards are checked against its first inputs; a graph
-    whose guards fail is compiled again.  Later calls skip the check: the
-    graph's name already fixes every shape it guards, and checking the
-    guards of every weight costs ~1 ms a step (SmolLM2).
-    """
-
-    def __init__(self, model: torch.nn.Module, backend: str,
-                 options: Optional[dict], cache: GraphCache) -> None:
-        self.model = model
-        self.backend = backend
-        self.options = options
-        self.cache = cache
-        self.graphs: dict[str, Callable] = {}
-
-    def __call__(self, graph: str, *args, **kwargs):
-        fn = self.graphs.get(graph)
-        if fn is not None:
-            return fn(self.model, *args, **kwargs)
-        # The first call too: kernels may be loaded when first run.
-        with self.cache.kernels():
-            fn = self._load(graph, args, kwargs)
-            if fn is None:
-                fn = self._compile(graph, args, kwargs)
-            fn.disable_guard_check()
-            self.graphs[graph] = fn
-            return fn(self.model, *args, **kwargs)
-
-    def _load(self, graph: str, args: tuple, kwargs: dict):
-        payload = self.cache.read(graph)
-        if payload is None:
-            return None
-        try:
-            from torch._dynamo.aot_compile import AOTCompiledFunction
-            fn = AOTCompiledFunction.deserialize(payload)
-            # A saved graph does not remember which inputs were marked
-            # dynamic; its shape guards (the batch range) still apply.
-            args, kwargs = _unmarked((args, kwargs))
-            matches = fn.guard_check(self.model, *args, **kwargs)
-        except Exception as e:  # a foreign or stale artifact
-            return self.cache.reject(graph, f"cannot be loaded ({e!r})")
-        if not matches:
-            return self.cache.reject(
-                graph, "does not match the inputs it serves "
-                f"({_guard_failure(fn, self.model, args, kwargs)})")
-        self.cache.stats["loaded"] += 1
-        return fn
-
-    def _compile(self, graph: str, args: tuple, kwargs: dict):
-        from torch._dynamo.aot_compile import AOTCompiledFunction
-        options = dict(self.options or {}, guard_filter_fn=_keep_guard)
-        # prepare_freezing (set by an engine without the cache earlier in
-        # this process) would keep the parameters out of the saved graph's
-        # inputs, and the loaded graph could not be called.
-        with torch._dynamo.config.patch(enable_aot_compile=True,
-                                        prepare_freezing=False):
-            compiled = torch.compile(self.model.forward,
-                                     backend=self.backend,
-                                     fullgraph=True,
-                                     dynamic=False,
-                                     options=options)
-            fn = compiled.aot_compile((args, kwargs))
-        self.cache.stats["compiled"] += 1
-        try:
-            payload = AOTCompiledFunction.serialize(fn).serialized_data
-        except Exception as e:
-            logger.warning("Spyre graph cache: graph %s cannot be saved "
-                           "(%r); it is compiled at every start", graph, e)
-        else:
-            self.cache.write(graph, payload)
-        return fn
-
-
-def _unmarked(value):
-    """``value`` with every tensor marked dynamic (``mark_dynamic``)
-    replaced by an unmarked alias of the same data."""
-    if isinstance(value, torch.Tensor):
-        if hasattr(value, "_dynamo_dynamic_indices"):
-            return value.detach()
-        return value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_unmarked(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _unmarked(v) for k, v in value.items()}
-    return value
-
-
-def _guard_failure(fn, model, args: tuple, kwargs: dict) -> str:
-    """The first failing guard of a precompiled function, in words."""
-    f_locals = fn.prepare_f_locals(model, *args, **kwargs)
-    reason = fn._artifacts.guard_manager.check_verbose(f_locals)
-    return "; ".join(getattr(reason, "verbose_code_parts", [str(reason)]))
-
-
-def _keep_guard(entries) -> list[bool]:
-    """Every guard that can be saved: not those on globals, nor the kinds
-    dynamo cannot serialise, nor those on a tensor-parallel process group
-    (a live object; the group is fixed by the entry's tensor parallel
-    size, and vLLM creates its groups in the same order at every start)."""
-    from torch._dynamo.guards import CheckFunctionManager
-    from torch.distributed import ProcessGroup
-    unsaved = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
-    groups = tuple(e.name for e in entries
-                   if e.has_value and isinstance(e.value, ProcessGroup))
-    return [
-        not e.is_global and e.guard_type not in unsaved
-        and not any(e.name == g or e.name.startswith(g + ".") for g in groups)
-        for e in entries
-    ]
-
-
-class DynamoGraphs:
-    """The compiled model when the graph cache is off: dynamo picks the
-    graph by its guards, so the graph name is not needed.
-
-    ``model.forward`` is compiled through a copy with a code object of its
-    own.  Dynamo keeps its graphs per code object, and guards on a model's
-    weights by shape and dtype, not identity; a graph with frozen weights
-    holds one model's weights as constants.  Without the copy, a second
-    model of the same class in the process (an embedder beside a reranker,
-    two engines) would run the first one's graphs and weights."""
-
-    def __init__(self, model: torch.nn.Module, **compile_args) -> None:
-        self.compiled = torch.compile(own_code(model.forward),
-                                      **compile_args)
-
-    def __call__(self, graph: str, *args, **kwargs):
-        return self.compiled(*args, **kwargs)
-
-
-def own_code(method: Callable) -> Callable:
-    """``method`` (bound) with a copy of its function's code object."""
-    func = method.__func__
-    copy = types.FunctionType(func.__code__.replace(), func.__globals__,
-                              func.__name__, func.__defaults__,
-                              func.__closure__)
-    copy.__kwdefaults__ = func.__kwdefaults__
-    return types.MethodType(copy, method.__self__)

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+from vllm.config.spyre import SpyreConfig, WarmupShape
 from vllm.core.scheduler import SchedulerPrefillOutputs, SchedulingBudget
+from vllm.core.spyre_pooling_shapes import rejection_reason, select_texts
 from vllm.core.spyre_scheduling import RefusingScheduler, waiting_only
-from vllm.platforms.spyre_config import SpyreConfig, WarmupShape
-from vllm.platforms.spyre_pooling_shapes import rejection_reason, select_texts
 from vllm.sequence import SequenceGroup
 
 

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 from typing import Optional
 
+from vllm.config.spyre import SpyreConfig, WarmupShape
 from vllm.core.scheduler import SchedulerPrefillOutputs, SchedulingBudget
 from vllm.core.spyre_scheduling import (RefusingScheduler, refuse_unsupported,
                                         waiting_only)
+from vllm.core.spyre_static_shapes import (RequestSize,
+                                           parallel_samples_reason,
+                                           rejection_reason,
+                                           select_batch)
 from vllm.logger import init_logger
-from vllm.platforms.spyre_config import SpyreConfig, WarmupShape
-from vllm.platforms.spyre_static_shapes import (RequestSize,
-                                                parallel_samples_reason,
-                                                rejection_reason,
-                                                select_batch)
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import SequenceGroup
 

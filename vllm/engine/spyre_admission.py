@@ -105,5 +105,5 @@ def _decoder_prompt_len(processed_inputs) -> int:
 
 
 def _spyre() -> bool:
-    from vllm.platforms.spyre_config import is_spyre
+    from vllm.config.spyre import is_spyre
     return is_spyre()

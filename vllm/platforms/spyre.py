@@ -7,39 +7,38 @@ the process that builds the ``VllmConfig``: it parses the Spyre environment
 variables, checks the model's family (``spyre_families``: architecture,
 sliding window; ``spyre_encoder_families`` for pooling models), derives
 the engine limits (from the warm-up shapes under static batching and for
-pooling models, from vLLM's own flags under continuous batching), selects
-the Spyre executor, worker and scheduler of that mode, and stores the parsed
-settings in ``vllm_config.additional_config`` for every other process.
+pooling models, from vLLM's own flags under continuous batching) and
+selects the Spyre executor, worker and scheduler of that mode
+(``spyre_modes``, one function a mode), and stores the parsed settings in
+``vllm_config.additional_config`` for every other process.
 
-Choosing every mode's classes makes this module the top of the project's
-layers (``pyproject.toml``'s import contract): it imports them, at
-configuration time, and no other module imports it; ``is_spyre`` lives
-with the settings, at the bottom.
+Choosing every mode's classes makes this module (with ``spyre_modes``) the
+top of the project's layers (``pyproject.toml``'s import contract): it
+imports them, at configuration time, and no other module imports it;
+``is_spyre`` lives with the settings, at the bottom.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 import torch
 
+from vllm.compilation.spyre_sendnn import sendnn_available
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
-from vllm.platforms.spyre_config import (ADDITIONAL_CONFIG_KEY, CB_BLOCK_SIZE,
-                                         PLATFORM_QUALNAME, SpyreConfig,
-                                         sendnn_available, usage_stats_unset)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.config.spyre import SpyreConfig
 
 logger = init_logger(__name__)
 
-SPYRE_WORKER_CLS = "vllm.worker.spyre_worker.SpyreWorker"
-SPYRE_CB_WORKER_CLS = "vllm.worker.spyre_cb_worker.SpyreCBWorker"
-SPYRE_POOLING_WORKER_CLS = \
-    "vllm.worker.spyre_pooling_worker.SpyrePoolingWorker"
+#: vLLM's own switches for its usage statistics; any one of them set is the
+#: user's choice, which the platform keeps.
+USAGE_STATS_ENV_VARS = ("VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK",
+                        "DO_NOT_TRACK")
 SPYRE_ATTN_BACKEND_CLS = \
     "vllm.attention.backends.spyre_attn.SpyreAttentionBackend"
 SPYRE_COMMUNICATOR_CLS = ("vllm.distributed.device_communicators."
@@ -47,8 +46,10 @@ SPYRE_COMMUNICATOR_CLS = ("vllm.distributed.device_communicators."
 
 
 def register() -> Optional[str]:
-    """Entry point of the ``vllm.platform_plugins`` group."""
-    return PLATFORM_QUALNAME
+    """Entry point of the ``vllm.platform_plugins`` group: the qualified
+    name of ``SpyrePlatform`` (``vllm.config.spyre.PLATFORM_QUALNAME``,
+    which ``is_spyre`` compares with)."""
+    return f"{__name__}.{SpyrePlatform.__qualname__}"
 
 
 class SpyrePlatform(Platform):
@@ -136,6 +137,11 @@ class SpyrePlatform(Platform):
     @classmethod
     def check_and_update_config(cls, vllm_config: "VllmConfig") -> None:
         """Apply the Spyre settings to the vLLM config (API process only)."""
+        # Imported here: importing any module of vllm.config runs upstream's
+        # vllm/config/__init__.py, which resolves the platform, this class;
+        # vllm.model_executor imports vllm.config as well.
+        from vllm.config.spyre import ADDITIONAL_CONFIG_KEY, SpyreConfig
+        from vllm.platforms import spyre_modes
         model_config = vllm_config.model_config
         pooling = (model_config is not None
                    and model_config.runner_type == "pooling")
@@ -153,13 +159,13 @@ class SpyrePlatform(Platform):
         parallel_config = vllm_config.parallel_config
 
         tp_before = parallel_config.tensor_parallel_size
-        _configure_parallel(parallel_config, spyre)
+        spyre_modes.configure_parallel(parallel_config, spyre)
         if model_config is not None and \
                 parallel_config.tensor_parallel_size != tp_before:
             # vLLM checked the head counts against the flag's size only.
             model_config.verify_with_parallel_config(parallel_config)
         if parallel_config.worker_cls == "auto":
-            parallel_config.worker_cls = SPYRE_WORKER_CLS
+            parallel_config.worker_cls = spyre_modes.SPYRE_WORKER_CLS
 
         if model_config is None:
             return
@@ -180,8 +186,6 @@ class SpyrePlatform(Platform):
             # replaced by the placeholder ids vLLM stores for them.
             raise NotImplementedError(
                 "--enable-prompt-embeds is not supported on Spyre")
-        # Imported here: vllm.model_executor imports vllm.config, which
-        # resolves the platform.
         if pooling:
             if model_config.quantization is not None:
                 raise NotImplementedError(
@@ -200,14 +204,15 @@ class SpyrePlatform(Platform):
                 check_parallel, encoder_family)
             check_parallel(encoder_family(model_config.hf_config),
                            parallel_config.tensor_parallel_size)
-            _configure_pooling(vllm_config, spyre)
+            spyre_modes.configure_pooling(vllm_config, spyre)
         else:
             spyre = _choose_model_impl(model_config, spyre)
             _check_hybrid(model_config.hf_config, vllm_config.cache_config)
             if spyre.use_cb:
-                _configure_continuous_batching(vllm_config, spyre)
+                spyre_modes.configure_continuous_batching(vllm_config,
+                                                          spyre)
             else:
-                _configure_static_batching(vllm_config, spyre)
+                spyre_modes.configure_static_batching(vllm_config, spyre)
             spyre = dataclasses.replace(spyre, sliding_window=_sliding_window(
                 model_config.hf_config, spyre) or 0)
             _log_sliding_window(spyre.sliding_window,
@@ -285,148 +290,6 @@ def _sliding_window(hf_config, spyre: SpyreConfig) -> Optional[int]:
     return window_of(hf_config)
 
 
-def _configure_static_batching(vllm_config: "VllmConfig",
-                               spyre: SpyreConfig) -> None:
-    """Engine limits from the warm-up shapes; one KV block per sequence."""
-    model_config = vllm_config.model_config
-    scheduler_config = vllm_config.scheduler_config
-    cache_config = vllm_config.cache_config
-    hf_max_len = _model_max_len(model_config.hf_text_config)
-    if hf_max_len is not None:
-        spyre.validate_model_len(hf_max_len)
-    if cache_config.enable_prefix_caching:
-        raise NotImplementedError(
-            "Prefix caching needs continuous batching on Spyre: set "
-            "VLLM_SPYRE_USE_CB=1, or drop --enable-prefix-caching.")
-
-    max_model_len = spyre.max_model_len
-    model_config.max_model_len = max_model_len
-    scheduler_config.max_model_len = max_model_len
-    scheduler_config.max_num_seqs = spyre.max_num_seqs
-    scheduler_config.max_num_batched_tokens = max(
-        spyre.max_num_batched_tokens, max_model_len)
-    _disable_chunked_prefill(scheduler_config)
-    from vllm.core.spyre_scheduler import SpyreScheduler
-    scheduler_config.scheduler_cls = functools.partial(SpyreScheduler,
-                                                       spyre_config=spyre)
-    # One KV "block" holds a whole sequence: there is no paging.
-    cache_config.block_size = max_model_len
-    logger.info(
-        "Spyre static batching: warm-up shapes %s; max_model_len=%d, "
-        "max_num_seqs=%d, max_num_batched_tokens=%d, block_size=%d",
-        ", ".join(str(s) for s in spyre.warmup_shapes), max_model_len,
-        scheduler_config.max_num_seqs,
-        scheduler_config.max_num_batched_tokens, cache_config.block_size)
-
-
-def _configure_continuous_batching(vllm_config: "VllmConfig",
-                                   spyre: SpyreConfig) -> None:
-    """vLLM's own limits (``--max-model-len``, ``--max-num-seqs``), blocks
-    of ``CB_BLOCK_SIZE`` tokens, one prefill per step."""
-    scheduler_config = vllm_config.scheduler_config
-    cache_config = vllm_config.cache_config
-    parallel_config = vllm_config.parallel_config
-    for name in spyre.ignored_vars:
-        logger.warning(
-            "%s is set but ignored: VLLM_SPYRE_USE_CB=1 compiles no warm-up "
-            "shapes; size continuous batching with --max-model-len and "
-            "--max-num-seqs instead.", name)
-    if parallel_config.worker_cls == SPYRE_WORKER_CLS:
-        parallel_config.worker_cls = SPYRE_CB_WORKER_CLS
-    max_model_len = scheduler_config.max_model_len
-    from vllm.core.spyre_cb_scheduler import SpyreCBScheduler
-    chunk = None
-    if scheduler_config.chunked_prefill_enabled:
-        chunk = prefill_chunk_size(scheduler_config.max_num_batched_tokens)
-        # The chunk is the prefill's alone: a step's decode tokens (one a
-        # running sequence) come on top of it.
-        scheduler_config.max_num_batched_tokens = (
-            chunk + scheduler_config.max_num_seqs)
-        scheduler_config.max_num_partial_prefills = 1
-        scheduler_config.scheduler_cls = functools.partial(
-            SpyreCBScheduler, prefill_chunk=chunk)
-    else:
-        _disable_chunked_prefill(scheduler_config)
-        # A prefill step holds one whole sequence.
-        scheduler_config.max_num_batched_tokens = max(
-            scheduler_config.max_num_batched_tokens, max_model_len)
-        scheduler_config.scheduler_cls = SpyreCBScheduler
-    cache_config.block_size = CB_BLOCK_SIZE
-    logger.info(
-        "Spyre continuous batching: max_model_len=%d, max_num_seqs=%d, "
-        "block_size=%d, prefix caching %s, chunked prefill %s",
-        max_model_len, scheduler_config.max_num_seqs,
-        cache_config.block_size,
-        "on" if cache_config.enable_prefix_caching else "off",
-        f"on ({chunk}-token chunks)" if chunk else "off")
-
-
-def prefill_chunk_size(max_num_batched_tokens: int) -> int:
-    """The prefill chunk of ``--enable-chunked-prefill``: vLLM's
-    ``--max-num-batched-tokens``, which on Spyre must be whole blocks."""
-    if (max_num_batched_tokens < CB_BLOCK_SIZE
-            or max_num_batched_tokens % CB_BLOCK_SIZE):
-        example = max(CB_BLOCK_SIZE, max_num_batched_tokens -
-                      max_num_batched_tokens % CB_BLOCK_SIZE)
-        raise ValueError(
-            f"--max-num-batched-tokens {max_num_batched_tokens} is the "
-            "prefill chunk under --enable-chunked-prefill, and on Spyre it "
-            f"must be a multiple of the block size, {CB_BLOCK_SIZE} (for "
-            f"example {example}).")
-    return max_num_batched_tokens
-
-
-def _configure_pooling(vllm_config: "VllmConfig",
-                       spyre: SpyreConfig) -> None:
-    """A pooling model (embeddings, cross-encoder scores): one forward pass
-    per request over the warm-up shapes, several short texts packed into a
-    row, no key/value cache."""
-    model_config = vllm_config.model_config
-    scheduler_config = vllm_config.scheduler_config
-    parallel_config = vllm_config.parallel_config
-    cache_config = vllm_config.cache_config
-    for name in spyre.ignored_vars:
-        logger.warning(
-            "%s is set but ignored: pooling models run one pass over the "
-            "warm-up shapes (VLLM_SPYRE_WARMUP_PROMPT_LENS x "
-            "VLLM_SPYRE_WARMUP_BATCH_SIZES) and generate nothing.", name)
-    if spyre.require_precompiled:
-        raise NotImplementedError(
-            "VLLM_SPYRE_REQUIRE_PRECOMPILED=1 is not supported for pooling "
-            "models on Spyre: the graph cache holds generators only.")
-    if spyre.graph_cache_dir is not None:
-        logger.warning("TORCH_SENDNN_CACHE_ENABLE=1 is ignored for pooling "
-                       "models: their shapes compile at every start.")
-    hf_max_len = _model_max_len(model_config.hf_text_config)
-    if hf_max_len is not None:
-        spyre.validate_model_len(hf_max_len)
-    if parallel_config.worker_cls == SPYRE_WORKER_CLS:
-        parallel_config.worker_cls = SPYRE_POOLING_WORKER_CLS
-    # The model's own limit, so that a text longer than every shape but
-    # not than the model reaches SpyrePoolingScheduler, whose refusal names
-    # the shapes; vLLM's length check answers texts beyond the model.
-    max_model_len = max(spyre.max_model_len, hf_max_len or 0)
-    model_config.max_model_len = max_model_len
-    scheduler_config.max_model_len = max_model_len
-    tokens = spyre.max_num_batched_tokens
-    # Texts of a step: a shape's slots, at two tokens a text at least (a
-    # tokenizer's start and end markers).
-    scheduler_config.max_num_seqs = max(1, tokens // 2)
-    scheduler_config.max_num_batched_tokens = tokens
-    _disable_chunked_prefill(scheduler_config)
-    from vllm.core.spyre_pooling_scheduler import SpyrePoolingScheduler
-    scheduler_config.scheduler_cls = functools.partial(SpyrePoolingScheduler,
-                                                       spyre_config=spyre)
-    cache_config.block_size = max_model_len
-    cache_config.enable_prefix_caching = False
-    logger.info(
-        "Spyre pooling: warm-up shapes %s; max_model_len=%d, up to %d texts "
-        "and %d tokens a step",
-        ", ".join(f"{s.prompt_len}x{s.batch_size}"
-                  for s in spyre.warmup_shapes), max_model_len,
-        scheduler_config.max_num_seqs, tokens)
-
-
 def _log_sliding_window(window: int, max_model_len: int) -> None:
     """Says when a model's sliding window drops tokens of long sequences
     (the attention ops apply it; the caches keep every token)."""
@@ -437,46 +300,16 @@ def _log_sliding_window(window: int, max_model_len: int) -> None:
             "token", window, max_model_len)
 
 
-def _disable_chunked_prefill(scheduler_config) -> None:
-    scheduler_config.chunked_prefill_enabled = False
-    scheduler_config.enable_chunked_prefill = False
+def usage_stats_unset(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """True when none of vLLM's usage-statistics switches is set.
 
-
-def _configure_parallel(parallel_config, spyre: SpyreConfig) -> None:
-    """Tensor parallel size from the flag or the deployment's environment,
-    and the executor that runs that many cards."""
-    if parallel_config.pipeline_parallel_size != 1:
-        raise NotImplementedError(
-            "Pipeline parallelism is not supported on Spyre")
-    given = parallel_config.tensor_parallel_size
-    tp = spyre.validate_tensor_parallel(given, tp_given=given != 1)
-    if tp != given:
-        logger.info("Spyre: tensor parallel size %d from the environment",
-                    tp)
-        parallel_config.tensor_parallel_size = tp
-        parallel_config.world_size = tp
-    backend = parallel_config.distributed_executor_backend
-    if backend == "external_launcher":
-        from vllm.executor.external_launcher_spyre_executor import (
-            SpyreExternalLauncherExecutor)
-        parallel_config.distributed_executor_backend = \
-            SpyreExternalLauncherExecutor
-    elif tp == 1:
-        from vllm.executor.spyre_executor import SpyreExecutor
-        parallel_config.distributed_executor_backend = SpyreExecutor
-    elif backend == "ray":
-        from vllm.executor.ray_spyre_executor import RaySpyreExecutor
-        parallel_config.distributed_executor_backend = RaySpyreExecutor
-    else:
-        from vllm.executor.multiproc_spyre_executor import (
-            MultiprocessingSpyreExecutor)
-        parallel_config.distributed_executor_backend = \
-            MultiprocessingSpyreExecutor
-
-
-def _model_max_len(hf_config) -> Optional[int]:
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
-        value = getattr(hf_config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    vLLM collects its usage statistics in a thread that starts when the
+    engine is ready: it runs a Python subprocess to identify the CPU and
+    then posts the result to a server.  On Spyre's CPU path that takes a
+    core for about a second, just as the first batch runs, which made the
+    first batch after start-up up to twice as slow as the next; and a
+    Spyre server makes no network calls at run time.  So the platform turns
+    the statistics off unless the user has chosen (``VLLM_NO_USAGE_STATS=0``
+    keeps them on)."""
+    env = os.environ if environ is None else environ
+    return not any(name in env for name in USAGE_STATS_ENV_VARS)

@@ -23,7 +23,7 @@ block manager has given each sequence its blocks of ``block_size`` tokens.
 
 The step's tensors are a ``PagedInputs`` (``vllm.attention.ops.spyre_paged_inputs``), which
 the model reads; the scheduler's limits are in
-``vllm.platforms.spyre_cb_blocks``.  Nothing here touches a model or global
+``vllm.core.spyre_cb_blocks``.  Nothing here touches a model or global
 state.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 
 from vllm.attention.ops.spyre_paged_inputs import (MIN_DECODE_BATCH,
                                                MIN_PREFILL_LEN, PagedInputs)
-from vllm.platforms.spyre_cb_blocks import blocks_needed
+from vllm.core.spyre_cb_blocks import blocks_needed
 
 
 def _table_row(block_ids: Sequence[int], max_blocks: int,

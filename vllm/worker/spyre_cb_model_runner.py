@@ -29,6 +29,8 @@ import torch
 
 from vllm.attention.ops.spyre_paged_inputs import PagedInputs
 from vllm.config import VllmConfig
+from vllm.config.spyre import CB_BLOCK_SIZE, SpyreConfig
+from vllm.core.spyre_cb_blocks import blocks_needed
 from vllm.logger import init_logger
 from vllm.model_executor.layers.sampler import SamplerOutput
 from vllm.model_executor.layers.spyre_mamba import StateRows
@@ -37,8 +39,6 @@ from vllm.model_executor.models.spyre_vllm_causal_lm import (
     SpyreVllmPagedCausalLM)
 from vllm.model_executor.sampling_metadata import SamplingMetadata
 from vllm.platforms import current_platform
-from vllm.platforms.spyre_cb_blocks import blocks_needed
-from vllm.platforms.spyre_config import CB_BLOCK_SIZE, SpyreConfig
 from vllm.sequence import SequenceGroupMetadata
 from vllm.worker import spyre_prompt_logprobs as prompt_logprobs
 from vllm.worker.model_runner_base import ModelRunnerInputBase

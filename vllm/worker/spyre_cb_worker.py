@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import psutil
 
-from vllm.attention.ops import spyre_native as native
+from vllm.config.spyre import CB_BLOCK_SIZE
+from vllm.core.spyre_cb_blocks import blocks_needed
 from vllm.logger import init_logger
-from vllm.platforms.spyre_cb_blocks import blocks_needed
-from vllm.platforms.spyre_config import CB_BLOCK_SIZE
+from vllm.spyre_kernels import ops as native
 from vllm.worker import spyre_memory
 from vllm.worker.spyre_cb_model_runner import SpyreCBModelRunner
 from vllm.worker.spyre_worker_base import SpyreWorkerBase

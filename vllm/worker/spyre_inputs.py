@@ -2,7 +2,7 @@
 
 Spyre runs only graphs compiled at start-up, one set per warm-up shape
 ``(prompt_len, new_tokens, batch_size)``.  The model runner finds the shape
-of the batch it receives (``vllm.platforms.spyre_static_shapes``, the rules
+of the batch it receives (``vllm.core.spyre_static_shapes``, the rules
 the scheduler chose the batch by), then uses ``prefill_inputs`` /
 ``decode_inputs`` to build the left-padded token ids, attention masks and
 position ids of that shape.
@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from vllm.attention.ops.spyre_torch_ops import windowed
-from vllm.platforms.spyre_config import WarmupShape
+from vllm.config.spyre import WarmupShape
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ it with its share of the memory this machine lets the process use:
 * the process itself, as it stands when the check runs (Python, torch,
   vLLM and FMS imported, the engine built): measured, not guessed;
 * the weights, this rank's share under tensor parallelism (the embedding,
-  Mamba-2 layers and GPT-OSS's experts stay whole on every rank),
+  Mamba-2 layers and GPT-OSS's experts stay whole on every rank: the
+  families' ``WHOLE_TENSORS``),
   counted from the checkpoint's safetensors headers at the dtypes they
   are held in (``spyre_dtypes``: on the CPU a bfloat16 model holds its
   linear weights in bfloat16, two bytes each, and the rest in float32),
@@ -36,17 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from vllm.model_executor.models.spyre_families import (EMBEDDING_NAMES,
+                                                       WHOLE_TENSORS)
 from vllm.worker import spyre_prompt_logprobs as prompt_logprobs
 
 GiB = 2**30
-
-#: Names of the tensors kept whole on every rank under tensor parallelism:
-#: the embeddings, Mamba-2 layers (FMS's has no sharded form), Granite 4's
-#: router (``spyre_granite4``; its experts are split, as Mixtral's) and
-#: GPT-OSS's stacked experts and router (``spyre_gpt_oss``).
-_WHOLE = ("embed", "wte", "wpe", "tok_embeddings", ".mamba.",
-          "block_sparse_moe.router", "mlp.experts.gate_up_proj",
-          "mlp.experts.down_proj", "mlp.router.")
 
 #: What running the model costs beyond its weights, caches and activations:
 #: a fixed part (bytes) and a fraction of the weights: graphs, inductor's
@@ -64,10 +59,6 @@ def overhead_bytes(weights: int, backend: str) -> int:
     """``RUNTIME_OVERHEAD`` of ``backend`` for ``weights`` bytes."""
     fixed, fraction = RUNTIME_OVERHEAD[backend]
     return fixed + int(weights * fraction)
-
-
-#: Names of the 2-D weights that are embeddings, not linear layers.
-_EMBEDDINGS = ("embed", "wte", "wpe", "tok_embeddings")
 
 
 @dataclass(frozen=True)
@@ -128,7 +119,8 @@ def read_checkpoint(model_dir: str) -> Optional[Checkpoint]:
             n = 1
             for d in info["shape"]:
                 n *= d
-            kept_whole = any(w in name for w in _WHOLE)
+            # WHOLE_TENSORS: the tensors no rank splits (the families').
+            kept_whole = any(w in name for w in WHOLE_TENSORS)
             if info["dtype"] not in _FLOATS:
                 nbytes = n * _ITEM.get(info["dtype"], 1)
                 codes += nbytes
@@ -137,7 +129,7 @@ def read_checkpoint(model_dir: str) -> Optional[Checkpoint]:
             numel += n
             whole += n if kept_whole else 0
             if len(info["shape"]) == 2 and name.endswith(".weight") and \
-                    not any(e in name for e in _EMBEDDINGS):
+                    not any(e in name for e in EMBEDDING_NAMES):
                 matrix += n
                 matrix_whole += n if kept_whole else 0
     return Checkpoint(numel, whole, matrix, matrix_whole, codes, codes_whole)
@@ -395,58 +387,3 @@ def ranks_on_this_machine(world_size: int) -> int:
     dist.all_gather_object(names, socket.gethostname(),
                            group=get_world_group().cpu_group)
     return names.count(socket.gethostname())
-
-
-#: glibc's mallopt parameters.
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-#: Allocations up to this size come from the heap once large buffers are
-#: kept there (the most mallopt accepts as an int).
-HEAP_THRESHOLD = 2**31 - 1
-
-
-#: Allocations from this size on get mappings of their own during the load.
-LOAD_THRESHOLD = 2**20
-
-
-def _mallopt(param: int, value: int) -> bool:
-    """glibc's ``mallopt``; False where the C library is not glibc."""
-    import ctypes
-    import ctypes.util
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError, TypeError):
-        return False  # not glibc
-    return bool(mallopt(param, value))
-
-
-def return_large_buffers(threshold_unset: bool) -> bool:
-    """Returns every buffer of ``LOAD_THRESHOLD`` or more to the system
-    when it is freed, for the load: each tensor as read and each layer's
-    weight before it is packed are freed as the load goes, and glibc's
-    own threshold, which rises to the size of the buffers freed (up to
-    32 MiB), would leave them behind as free heap that the model's
-    tensors never reuse.  Only on glibc, and only when the user has not
-    tuned the threshold; returns whether it was done."""
-    return threshold_unset and _mallopt(_M_MMAP_THRESHOLD, LOAD_THRESHOLD)
-
-
-def keep_large_buffers(threshold_unset: bool) -> bool:
-    """Serves large tensors from the heap, reused from pass to pass.
-
-    glibc gives every allocation above its mmap threshold (at most 32 MiB
-    unless set) a mapping of its own and returns it to the system on free,
-    so each pass of a large shape faults in, zeroes and unmaps its big
-    activations anew: a 256-token, 32-text pass of all-MiniLM spent about
-    a quarter of its time there (benchmarks/embeddings.py, docs/
-    embeddings.md).  Raising the mmap and trim thresholds keeps those
-    buffers in the heap, where the next pass finds them; the memory held
-    is the peak of a pass, which the start-up check already counts.  Only
-    on glibc, and only when the user has not tuned the threshold
-    (``threshold_unset``); returns whether it was done."""
-    if not threshold_unset:
-        return False
-    return _mallopt(_M_MMAP_THRESHOLD, HEAP_THRESHOLD) and \
-        _mallopt(_M_TRIM_THRESHOLD, HEAP_THRESHOLD)
-

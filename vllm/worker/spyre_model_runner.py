@@ -18,14 +18,14 @@ from typing import Any, Optional
 import torch
 
 from vllm.config import VllmConfig
+from vllm.config.spyre import SpyreConfig, WarmupShape
+from vllm.core.spyre_static_shapes import RequestSize, choose_shape
 from vllm.logger import init_logger
 from vllm.model_executor.layers.sampler import SamplerOutput
 from vllm.model_executor.models.spyre_causal_lm import SpyreCausalLM
 from vllm.model_executor.models.spyre_vllm_causal_lm import SpyreVllmCausalLM
 from vllm.model_executor.sampling_metadata import SamplingMetadata
 from vllm.platforms import current_platform
-from vllm.platforms.spyre_config import SpyreConfig, WarmupShape
-from vllm.platforms.spyre_static_shapes import RequestSize, choose_shape
 from vllm.sequence import SequenceGroupMetadata
 from vllm.worker import spyre_prompt_logprobs as prompt_logprobs
 from vllm.worker.model_runner_base import ModelRunnerInputBase

@@ -9,7 +9,7 @@ count from the start of the text, and it attends only to its own tokens
 are padding that attends only to itself.
 
 The scheduler takes from its waiting queue the texts that fit one shape
-together (``vllm.platforms.spyre_pooling_shapes``); the model runner calls
+together (``vllm.core.spyre_pooling_shapes``); the model runner calls
 ``plan_passes`` on the texts it receives to find the shape (and the slots)
 again with the same first-fit rule, then ``packed_inputs`` to build the
 tensors.  Nothing here touches a model or a scheduler.
@@ -21,10 +21,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from vllm.platforms.spyre_config import WarmupShape
-from vllm.platforms.spyre_pooling_shapes import (Placement,
-                                                 choose_pooling_shape,
-                                                 rejection_reason)
+from vllm.config.spyre import WarmupShape
+from vllm.core.spyre_pooling_shapes import (Placement,
+                                            choose_pooling_shape,
+                                            rejection_reason)
 
 
 def plan_passes(

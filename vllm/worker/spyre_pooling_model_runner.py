@@ -17,16 +17,16 @@ from typing import Any, Optional
 
 import torch
 
+from vllm.config.spyre import WarmupShape
 from vllm.logger import init_logger
 from vllm.model_executor.models.spyre_encoder import SpyreEncoderModel
 from vllm.model_executor.pooling_metadata import PoolingMetadata
 from vllm.platforms import current_platform
-from vllm.platforms.spyre_config import WarmupShape
 from vllm.sequence import PoolerOutput, SequenceGroupMetadata
 from vllm.worker.model_runner_base import ModelRunnerInputBase
-from vllm.worker.spyre_runner_base import SpyreRunnerBase, only_seq
 from vllm.worker.spyre_pooling_inputs import (EncoderInputs, Placement,
                                               packed_inputs, plan_passes)
+from vllm.worker.spyre_runner_base import SpyreRunnerBase, only_seq
 
 logger = init_logger(__name__)
 

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.config.spyre import SpyreConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.sampler import SamplerOutput
 from vllm.model_executor.models import spyre_model_impl
 from vllm.model_executor.sampling_metadata import SamplingMetadata
 from vllm.platforms import current_platform
-from vllm.platforms.spyre_config import SpyreConfig
 from vllm.sequence import IntermediateTensors, SequenceGroupMetadata
 from vllm.worker.model_runner_base import ModelRunnerBase, T
 

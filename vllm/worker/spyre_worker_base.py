@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from vllm.config import VllmConfig
+from vllm.config.spyre import SpyreConfig
 from vllm.distributed import (ensure_model_parallel_initialized,
                               init_distributed_environment)
 from vllm.logger import init_logger
@@ -25,10 +26,8 @@ from vllm.model_executor.models.spyre_dtypes import (load_dtype,
                                                      precision_of,
                                                      stored_dtypes)
 from vllm.platforms import current_platform
-from vllm.platforms.spyre_config import (SpyreConfig,
-                                         malloc_threshold_unset)
 from vllm.sequence import ExecuteModelRequest
-from vllm.worker import spyre_memory
+from vllm.worker import spyre_heap, spyre_memory
 from vllm.worker.spyre_runner_base import SpyreRunnerBase
 from vllm.worker.worker_base import (LocalOrDistributedWorkerBase, WorkerBase,
                                      WorkerInput)
@@ -97,12 +96,12 @@ class SpyreWorkerBase(LocalOrDistributedWorkerBase):
         back to the system as they are freed (``return_large_buffers``),
         then keeps the large buffers of the passes to come in the heap
         (``keep_large_buffers``)."""
-        spyre_memory.return_large_buffers(malloc_threshold_unset())
+        spyre_heap.return_large_buffers(spyre_heap.malloc_threshold_unset())
         self.model_runner.load_model()
-        if spyre_memory.keep_large_buffers(malloc_threshold_unset()):
+        if spyre_heap.keep_large_buffers(spyre_heap.malloc_threshold_unset()):
             logger.info("Spyre worker %d: large buffers stay in the heap "
                         "between passes (glibc mmap threshold %d MiB)",
-                        self.rank, spyre_memory.HEAP_THRESHOLD >> 20)
+                        self.rank, spyre_heap.HEAP_THRESHOLD >> 20)
 
     def check_memory(self) -> None:
         """``ValueError`` before anything is loaded when this rank's

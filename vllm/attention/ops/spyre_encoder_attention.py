@@ -4,7 +4,7 @@ An encoder pass keeps no cache: each packed row of texts attends over its
 own keys and values, every text to its own tokens only.  FMS's
 ``sdpa_bidirectional`` op does that with a ``[B, L, L]`` block-diagonal
 mask; this module adds the same in bfloat16 (``--dtype bfloat16`` on the
-CPU backends) and on the C++ kernel ``spyre_cpu::encoder_attention`` (CPU
+CPU backends) and on the C++ kernel ``spyre_kernels::encoder_attention`` (CPU
 ``inductor``), which reads each text's first slot (``text_starts``)
 instead of a mask.
 """
@@ -20,8 +20,8 @@ from vllm.attention.ops.spyre_fms_registry import register_ops
 ATTN_NAME = "sdpa_bidirectional"
 #: The same in bfloat16 (``--dtype bfloat16`` on the CPU backends).
 ATTN_NAME_BF16 = "spyre_encoder_bf16"
-#: The C++ kernel (``spyre_cpu::encoder_attention``) of the CPU ``inductor``
-#: path, float32 and with bfloat16 products.
+#: The C++ kernel (``spyre_kernels::encoder_attention``) of the CPU
+#: ``inductor`` path, float32 and with bfloat16 products.
 ATTN_NAME_CPU = "spyre_encoder_cpu"
 ATTN_NAME_CPU_BF16 = "spyre_encoder_cpu_bf16"
 
@@ -56,7 +56,7 @@ def _compute_kernel(query: torch.Tensor, keys: torch.Tensor,
     block-diagonal mask computes every pair of slots of a row, and in
     bfloat16 it runs no faster than in float32 here."""
     scale = query.shape[-1]**-0.5 if scale_factor is None else scale_factor
-    return torch.ops.spyre_cpu.encoder_attention(
+    return torch.ops.spyre_kernels.encoder_attention(
         query, keys, values, attn_kwargs["text_starts"], scale,
         bf16_products)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vllm.platforms.spyre_config import CB_BLOCK_SIZE
+from vllm.config.spyre import CB_BLOCK_SIZE
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ model code runs unchanged:
 Both a prefill (one sequence, whole or a ``block_size`` chunk) and a decode
 step (one position of each running sequence) are the same op with other
 shapes.  On the CPU ``inductor`` path the compute op is the C++ kernel
-``spyre_cpu::paged_attention``, which reads keys and values straight from
+``spyre_kernels::paged_attention``, which reads keys and values straight from
 the blocks, each sequence up to its own length; elsewhere the blocks are
 gathered into a contiguous tensor and attended with torch ops.
 """
@@ -32,7 +32,7 @@ import torch
 from vllm.attention.ops.spyre_fms_registry import register_ops
 from vllm.attention.ops.spyre_torch_ops import (attend_matmul, decode_op,
                                                 sinks_of, window_of)
-from vllm.platforms.spyre_config import CB_BLOCK_SIZE
+from vllm.config.spyre import CB_BLOCK_SIZE
 
 #: Name under which the op is registered with FMS.
 ATTN_NAME = "spyre_paged"
@@ -77,12 +77,12 @@ def _attend_gather(q: torch.Tensor, key_pool: torch.Tensor,
 def _attend_kernel(q: torch.Tensor, key_pool: torch.Tensor,
                    value_pool: torch.Tensor, scale: float,
                    attn_kwargs) -> torch.Tensor:
-    return torch.ops.spyre_cpu.paged_attention(q, key_pool, value_pool,
-                                               attn_kwargs["block_table"],
-                                               attn_kwargs["ctx_lens"],
-                                               CB_BLOCK_SIZE, scale,
-                                               window_of(attn_kwargs),
-                                               sinks_of(attn_kwargs))
+    return torch.ops.spyre_kernels.paged_attention(q, key_pool, value_pool,
+                                                   attn_kwargs["block_table"],
+                                                   attn_kwargs["ctx_lens"],
+                                                   CB_BLOCK_SIZE, scale,
+                                                   window_of(attn_kwargs),
+                                                   sinks_of(attn_kwargs))
 
 
 compute = decode_op(_attend_gather)

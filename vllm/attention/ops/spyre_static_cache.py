@@ -35,7 +35,7 @@ from vllm.attention.ops.spyre_torch_ops import (attend_matmul, decode_op,
 #: Name under which the op is registered with FMS.
 ATTN_NAME = "spyre_static_kv"
 #: The same op, with decode steps on the C++ kernel
-#: ``spyre_cpu::decode_attention`` (float32 or bfloat16, CPU ``inductor``
+#: ``spyre_kernels::decode_attention`` (float32 or bfloat16, CPU ``inductor``
 #: path; the kernel must be loaded, see ``native.available``).
 ATTN_NAME_CPU_KERNEL = "spyre_static_kv_cpu_kernel"
 
@@ -96,8 +96,8 @@ def _attend_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     """One C++ call per layer, in place of two small matrix products and
     the softmax between them through MKL and inductor (what that saved:
     docs/performance.md, "Costs behind the design")."""
-    return torch.ops.spyre_cpu.decode_attention(q, keys, values, mask, scale,
-                                                sinks)
+    return torch.ops.spyre_kernels.decode_attention(q, keys, values, mask,
+                                                    scale, sinks)
 
 
 #: Decode attention in torch ops, and the same on the C++ kernel.

@@ -36,7 +36,7 @@ def _with_middleware(original):
 
     def build_app(args):
         app = original(args)
-        from vllm.platforms.spyre_config import is_spyre
+        from vllm.config.spyre import is_spyre
         if is_spyre():
             app.add_middleware(ErrorStatusMiddleware)
         return app

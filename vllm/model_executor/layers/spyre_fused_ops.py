@@ -6,10 +6,10 @@
 its rotary embedding as a 6-dimensional broadcast multiply and a sum
 that PyTorch runs slowly (measured: docs/performance.md, "Costs behind
 the design").  ``use_fused_ops`` gives those modules a forward on the
-project's kernels (``spyre_cpu::rms_norm`` and ``spyre_cpu::rotary_qk``, in
-``vllm/attention/ops/spyre_native_elementwise.cpp``) by changing their
-class to a subclass, so their parameters, names and state stay as they
-were (weight updates and checkpoints see the same model).
+project's kernels (``spyre_kernels::rms_norm`` and
+``spyre_kernels::rotary_qk``, in ``vllm/spyre_kernels/elementwise.cpp``) by
+changing their class to a subclass, so their parameters, names and state
+stay as they were (weight updates and checkpoints see the same model).
 
 The subclasses fall back to FMS's own code for what the kernels do not
 take (inputs other than float32, a query and key of different lengths,
@@ -28,16 +28,16 @@ from torch import nn
 
 class KernelRMSNorm(LayerNormParameterized):
     """FMS's RMS norm (no mean, a scale, no shift) on
-    ``spyre_cpu::rms_norm``."""
+    ``spyre_kernels::rms_norm``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or self.weight.dtype != torch.float32:
             return super().forward(x)
-        return torch.ops.spyre_cpu.rms_norm(x, self.weight, self.eps)
+        return torch.ops.spyre_kernels.rms_norm(x, self.weight, self.eps)
 
 
 class KernelRotaryEmbedding(RotaryEmbedding):
-    """FMS's rotary embedding on ``spyre_cpu::rotary_qk``, reading FMS's
+    """FMS's rotary embedding on ``spyre_kernels::rotary_qk``, reading FMS's
     own table of rotations (so every scaling FMS computes it for, but
     YaRN's, holds)."""
 
@@ -56,7 +56,7 @@ class KernelRotaryEmbedding(RotaryEmbedding):
         alpha = self.compute_freqs_cis(
             q.device, torch.max(position_ids[:, 0]) + q.size(1))
         table = self.cached_freqs[q.device.index][alpha]
-        return torch.ops.spyre_cpu.rotary_qk(q, k, table, position_ids)
+        return torch.ops.spyre_kernels.rotary_qk(q, k, table, position_ids)
 
 
 def _takes_norm(module: nn.Module) -> bool:

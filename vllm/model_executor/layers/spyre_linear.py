@@ -4,12 +4,12 @@ A decode step on the CPU is bound by reading the weights: every step
 multiplies a few activation rows (one per sequence) by every weight matrix
 of the model.  MKL's matrix-vector and small-matrix products read those
 weights at 13-17 GB/s on the reference machine, against 20-22 GB/s for a
-plain sum.  ``spyre_cpu::packed_linear`` packs each weight once, at load time,
-into contiguous column blocks and multiplies up to 12 rows per pass from
+plain sum.  ``spyre_kernels::packed_linear`` packs each weight once, at load
+time, into contiguous column blocks and multiplies up to 12 rows per pass from
 registers, which streams them at 18-20 GB/s.
 
 The kernel is a ``torch.library`` op of the project's native extension
-(``vllm.attention.ops.spyre_native``, which builds it on first use beside the
+(``vllm.spyre_kernels.ops``, which builds it on first use beside the
 attention kernels).  Inductor calls it like any other external kernel, so
 one packed copy of the weights serves the graphs of every warm-up shape.
 
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 #: Output columns per packed block; must match kBlock in
-#: ``vllm/attention/ops/spyre_native_linear.cpp``.
+#: ``vllm/spyre_kernels/linear.cpp``.
 BLOCK = 32
 
 
@@ -100,8 +100,8 @@ class PackedLinear(nn.Module):
                 "bias", None if bias is None else bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.spyre_cpu.packed_linear(x, self.packed,
-                                                 self.out_features, self.bias)
+        return torch.ops.spyre_kernels.packed_linear(
+            x, self.packed, self.out_features, self.bias)
 
     @torch.no_grad()
     def repack(self, weight: torch.Tensor) -> None:

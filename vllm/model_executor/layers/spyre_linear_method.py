@@ -8,7 +8,7 @@ weights are loaded, so the vLLM path reads its weights as the FMS path
 does (``spyre_linear``):
 
 * ``PackedLinearMethod``: the weight packed once for
-  ``spyre_cpu::packed_linear``, in the precision's linear dtype (float32,
+  ``spyre_kernels::packed_linear``, in the precision's linear dtype (float32,
   or bfloat16 under ``--dtype bfloat16``; the kernel multiplies prompts
   on AMX tiles from the same packed weight where the CPU has them);
 * ``Bf16LinearMethod``: off the kernels (``VLLM_SPYRE_NATIVE_KERNELS=0``,
@@ -38,8 +38,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 
 def _packed(layer: nn.Module, x: torch.Tensor,
             bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return torch.ops.spyre_cpu.packed_linear(x, layer.spyre_packed,
-                                             layer.spyre_out_features, bias)
+    return torch.ops.spyre_kernels.packed_linear(
+        x, layer.spyre_packed, layer.spyre_out_features, bias)
 
 
 def _bf16(layer: nn.Module, x: torch.Tensor,
@@ -57,7 +57,7 @@ class _AfterLoading(LinearMethodBase):
 
 
 class PackedLinearMethod(_AfterLoading):
-    """The layer's weight packed for ``spyre_cpu::packed_linear``
+    """The layer's weight packed for ``spyre_kernels::packed_linear``
     (buffer ``spyre_packed``, ``spyre_out_features`` columns)."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor,

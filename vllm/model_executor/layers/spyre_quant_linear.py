@@ -1,10 +1,10 @@
 """Quantized linear weights on the CPU: held compact, dequantized in
-registers by ``spyre_cpu::quant_linear``.
+registers by ``spyre_kernels::quant_linear``.
 
 A decode step reads every weight once, so its time is the bytes per
 weight.  A quantized checkpoint's codes stay as they are on disk (one byte
 per weight for int8 and FP8, half a byte for int4) and its scales beside
-them; the kernel (``vllm/attention/ops/spyre_native_quant.cpp``) widens
+them; the kernel (``vllm/spyre_kernels/quant.cpp``) widens
 each code to float32 in registers, scales it and multiplies it by the
 float32 inputs.  So a layer computes exactly ``x @ dequantize(...).T``, the
 format's own reference.
@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-#: Output columns per packed block (kBlock in spyre_native_quant.cpp).
+#: Output columns per packed block (kBlock in vllm/spyre_kernels/quant.cpp).
 BLOCK = 32
 
 #: Code kinds, as the kernel numbers them.
@@ -97,7 +97,7 @@ class QuantWeight:
 
 @dataclass
 class PackedQuant:
-    """A ``QuantWeight`` laid out for ``spyre_cpu::quant_linear``."""
+    """A ``QuantWeight`` laid out for ``spyre_kernels::quant_linear``."""
 
     packed: torch.Tensor
     scales: torch.Tensor
@@ -170,7 +170,7 @@ def kernel_rows(kind: str, round_inputs: bool) -> tuple[int, int]:
     never); both only with rounded inputs (the bfloat16 precision)."""
     # Imported here: the module stays importable on its own (packing and
     # the op's wrapper), as tests/quant_kernel_portable.py loads it.
-    from vllm.attention.ops.spyre_native import has_amx_bf16
+    from vllm.spyre_kernels.ops import has_amx_bf16
     if not round_inputs:
         return 0, 0
     if has_amx_bf16():
@@ -189,12 +189,10 @@ def quant_linear(x: torch.Tensor, weight: PackedQuant,
     this many rows on, the tiles multiply bfloat16 pairs (``vdpbf16ps``)
     where the kernel is built with AVX512_BF16 (0: never; both with
     rounded inputs only; ``kernel_rows`` chooses them for this CPU)."""
-    return torch.ops.spyre_cpu.quant_linear(x, weight.packed, weight.scales,
-                                            weight.offsets, weight.kind,
-                                            weight.group_size,
-                                            weight.out_features,
-                                            weight.zero_point, bias,
-                                            round_inputs, dense, dot)
+    return torch.ops.spyre_kernels.quant_linear(
+        x, weight.packed, weight.scales, weight.offsets, weight.kind,
+        weight.group_size, weight.out_features, weight.zero_point, bias,
+        round_inputs, dense, dot)
 
 
 def fake_quantize_fp8(x: torch.Tensor,

@@ -21,13 +21,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from vllm.attention.ops import spyre_native as native
 from vllm.attention.ops import spyre_static_cache as static_cache
 from vllm.attention.ops.spyre_kv_layout import CacheLayout
 from vllm.attention.ops.spyre_torch_ops import causal_mask
 from vllm.compilation import spyre_graph_cache
 from vllm.compilation.spyre_compile import compile_graphs
 from vllm.config import VllmConfig
+from vllm.config.spyre import SpyreConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers import (spyre_fused_ops, spyre_linear,
                                         spyre_mamba)
@@ -40,7 +40,7 @@ from vllm.model_executor.models import spyre_families
 from vllm.model_executor.models.spyre_dtypes import (precision_of,
                                                      serving_dtype)
 from vllm.model_executor.sampling_metadata import SamplingMetadata
-from vllm.platforms.spyre_config import SpyreConfig
+from vllm.spyre_kernels import ops as native
 
 logger = init_logger(__name__)
 

@@ -29,12 +29,12 @@ import torch
 from torch import nn
 
 from vllm.attention.ops import spyre_encoder_attention as encoder_attention
-from vllm.attention.ops import spyre_native as native
 from vllm.attention.ops.spyre_encoder_attention import (ATTN_NAME, ATTN_NAME_BF16,
                                                     ATTN_NAME_CPU,
                                                     ATTN_NAME_CPU_BF16)
 from vllm.compilation.spyre_compile import compile_graphs
 from vllm.config import VllmConfig
+from vllm.config.spyre import SpyreConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers import spyre_linear
 from vllm.model_executor.layers.pooler import (ClassifierPooler, CLSPool,
@@ -46,7 +46,7 @@ from vllm.model_executor.models.spyre_dtypes import encoder_dtype
 from vllm.model_executor.models.spyre_encoder_families import (
     HFEncoderFamily, check_parallel, encoder_family)
 from vllm.model_executor.models.spyre_hf_encoder import HFEncoder
-from vllm.platforms.spyre_config import SpyreConfig
+from vllm.spyre_kernels import ops as native
 
 logger = init_logger(__name__)
 

@@ -177,6 +177,16 @@ def window_of(hf_config) -> Optional[int]:
     return window
 
 
+#: Mamba-2 layers: FMS's have no sharded form.
+_MAMBA_WHOLE = (".mamba.", )
+#: Granite 4: its Mamba-2 layers and its router (``spyre_granite4``; its
+#: experts are split, as Mixtral's).
+_GRANITE4_WHOLE = _MAMBA_WHOLE + ("block_sparse_moe.router", )
+#: GPT-OSS: its stacked experts and its router (``spyre_gpt_oss``).
+_GPT_OSS_WHOLE = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+                  "mlp.router.")
+
+
 @dataclass(frozen=True)
 class DecoderFamily:
     """One Hugging Face architecture and the FMS model that runs it."""
@@ -199,6 +209,10 @@ class DecoderFamily:
     #: Attention sinks (GPT-OSS): the attention holds its scores in a few
     #: copies at once (the memory check counts them).
     attention_sinks: bool = False
+    #: Parts of the names of the checkpoint tensors this family keeps whole
+    #: on every rank under tensor parallelism, besides the embeddings
+    #: (``WHOLE_TENSORS``; the memory check counts them on every rank).
+    whole_tensors: tuple[str, ...] = ()
     #: Another family that runs this config (None: this one does).
     form: Callable[[Any], Optional["DecoderFamily"]] = field(
         default=_same_form)
@@ -228,18 +242,29 @@ FAMILIES: dict[str, DecoderFamily] = {
         DecoderFamily("Qwen3ForCausalLM", "qwen3", _qwen3_fixes,
                       has_window=True),
         DecoderFamily("BambaForCausalLM", "bamba", _bamba_fixes,
-                      prepare=_mamba_state_slots, hybrid=True),
+                      prepare=_mamba_state_slots, hybrid=True,
+                      whole_tensors=_MAMBA_WHOLE),
         DecoderFamily("GraniteMoeHybridForCausalLM", "granite_moe_hybrid",
-                      _granite4_fixes, form=_granite4_form),
+                      _granite4_fixes, form=_granite4_form,
+                      whole_tensors=_GRANITE4_WHOLE),
         DecoderFamily("GptOssForCausalLM", "spyre_gpt_oss", _gpt_oss_fixes,
-                      attention_sinks=True),
+                      attention_sinks=True, whole_tensors=_GPT_OSS_WHOLE),
     )
 }
+
+#: The embeddings' names, which every family keeps whole on every rank.
+EMBEDDING_NAMES = ("embed", "wte", "wpe", "tok_embeddings")
+#: The tensors kept whole on every rank under tensor parallelism, in any
+#: family: the embeddings and each family's ``whole_tensors``.
+WHOLE_TENSORS = tuple(dict.fromkeys(
+    EMBEDDING_NAMES + tuple(n for f in FAMILIES.values()
+                            for n in f.whole_tensors)))
 
 #: Granite 4 with experts or without rotary embeddings, and (hybrid) with
 #: Mamba-2 layers: ``spyre_granite4``'s model, built from FMS's layers.
 _GRANITE4_OTHER = DecoderFamily(
-    "GraniteMoeHybridForCausalLM", "spyre_granite4", _granite4_other_fixes)
+    "GraniteMoeHybridForCausalLM", "spyre_granite4", _granite4_other_fixes,
+    whole_tensors=_GRANITE4_WHOLE)
 _GRANITE4_HYBRID = dataclasses.replace(
     _GRANITE4_OTHER, prepare=_mamba_state_slots, hybrid=True)
 

@@ -23,7 +23,7 @@ _T = TypeVar("_T")
 
 def install() -> None:
     """Entry point of the ``vllm.general_plugins`` group (idempotent)."""
-    from vllm.platforms.spyre_config import is_spyre
+    from vllm.config.spyre import is_spyre
     if not is_spyre():
         return
     from vllm.model_executor.models import registry

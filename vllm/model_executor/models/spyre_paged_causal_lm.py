@@ -27,10 +27,10 @@ from vllm.attention.ops.spyre_kv_layout import PoolLayout
 from vllm.attention.ops.spyre_paged_inputs import (MIN_DECODE_BATCH,
                                                MIN_PREFILL_LEN, PagedInputs)
 from vllm.config import VllmConfig
+from vllm.config.spyre import CB_BLOCK_SIZE, SpyreConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers import spyre_mamba
 from vllm.model_executor.models.spyre_causal_lm import SpyreCausalLM
-from vllm.platforms.spyre_config import CB_BLOCK_SIZE, SpyreConfig
 
 logger = init_logger(__name__)
 

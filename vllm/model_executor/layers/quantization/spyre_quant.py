@@ -131,7 +131,7 @@ class SpyreQuantConfig(QuantizationConfig):
         ``--quantization`` names another method (vLLM then reports the
         mismatch)."""
         from vllm.platforms import current_platform
-        from vllm.platforms.spyre_config import PLATFORM_QUALNAME
+        from vllm.config.spyre import PLATFORM_QUALNAME
         platform = type(current_platform)
         if f"{platform.__module__}.{platform.__qualname__}" != \
                 PLATFORM_QUALNAME:

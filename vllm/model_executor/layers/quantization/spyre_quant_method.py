@@ -346,7 +346,7 @@ class SpyreQuantLinearMethod(LinearMethodBase):
             x = fake_quantize_fp8(x, getattr(layer, "spyre_input_scale",
                                              None))
         if hasattr(layer, "spyre_qcodes"):
-            return torch.ops.spyre_cpu.quant_linear(
+            return torch.ops.spyre_kernels.quant_linear(
                 x, layer.spyre_qcodes, layer.spyre_qscales,
                 layer.spyre_qoffsets, layer.spyre_qkind,
                 layer.spyre_qgroup, layer.spyre_out_features,

@@ -29,20 +29,14 @@
 #include <cstdint>
 #include <tuple>
 
+#include "simd.h"
+
 namespace {
+
+using namespace spyre_kernels;
 
 // Rows per task of at::parallel_for: small batches stay on one thread.
 constexpr int64_t kRowGrain = 16;
-constexpr int64_t kLanes = 16;  // floats per vector
-
-typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
-typedef float vfloat_u
-    __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
-
-void check_float(const at::Tensor& t, const char* op, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", what,
-              " must be float32, got ", t.scalar_type());
-}
 
 at::Tensor rms_norm(
     const at::Tensor& input, const at::Tensor& weight, double eps) {
@@ -149,14 +143,14 @@ std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& q,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(spyre_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(spyre_kernels, m) {
   m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
   m.def(
       "rotary_qk(Tensor q, Tensor k, Tensor table, Tensor position_ids) "
       "-> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(spyre_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(spyre_kernels, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_qk", &rotary_qk);
 }

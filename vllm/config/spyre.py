@@ -10,18 +10,22 @@ The configuration page ``docs/configuration.md`` is generated from
 ``SPYRE_ENV_VARS`` by ``render_env_var_table``.  ``is_spyre`` tells any
 module whether Spyre is vLLM's platform without importing the platform
 module, which sits above every mode it configures.
+
+It sits beside upstream's settings (``vllm/config/``) at the bottom of the
+project's layers: every other Spyre module may read it, and it reads none
+of them but the warm-up shape parsing and the ``torch_sendnn`` probe.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Mapping, Optional
 
-from vllm.platforms.spyre_warmup_shapes import (PROMPT_LEN_MULTIPLE,
-                                                WarmupShape, parse_int_list,
-                                                parse_pooling_shapes,
-                                                parse_warmup_shapes)
+from vllm.compilation.spyre_sendnn import sendnn_available
+from vllm.config.spyre_warmup_shapes import (PROMPT_LEN_MULTIPLE,
+                                             WarmupShape, parse_int_list,
+                                             parse_pooling_shapes,
+                                             parse_warmup_shapes)
 
 DYNAMO_BACKENDS = ("eager", "inductor", "sendnn")
 #: Tokens per key/value block under continuous batching: the card's size.
@@ -36,10 +40,6 @@ POOLING_IGNORED_ENV_VARS = ("VLLM_SPYRE_WARMUP_NEW_TOKENS",
 ADDITIONAL_CONFIG_KEY = "spyre"
 #: The platform class that the ``spyre`` platform plugin activates.
 PLATFORM_QUALNAME = "vllm.platforms.spyre.SpyrePlatform"
-#: vLLM's own switches for its usage statistics; any one of them set is the
-#: user's choice, which the platform keeps.
-USAGE_STATS_ENV_VARS = ("VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK",
-                        "DO_NOT_TRACK")
 
 
 @dataclass(frozen=True)
@@ -59,11 +59,6 @@ def _default_backend() -> str:
 def _default_cache_dir() -> str:
     from vllm import envs
     return os.path.join(envs.VLLM_CACHE_ROOT, "spyre_graphs")
-
-
-def sendnn_available() -> bool:
-    """True where the Spyre compiler's PyTorch bridge can be imported."""
-    return importlib.util.find_spec("torch_sendnn") is not None
 
 
 SPYRE_ENV_VARS: tuple[EnvVar, ...] = (
@@ -384,31 +379,6 @@ def render_env_var_table() -> str:
     for var in SPYRE_ENV_VARS:
         rows.append(f"| `{var.name}` | {var.default_doc} | {var.help} |")
     return "\n".join(rows) + "\n"
-
-
-def malloc_threshold_unset(
-        environ: Optional[Mapping[str, str]] = None) -> bool:
-    """True when the user has not tuned glibc's mmap threshold
-    (``MALLOC_MMAP_THRESHOLD_``, or ``mmap_threshold`` in
-    ``GLIBC_TUNABLES``); see ``spyre_memory.keep_large_buffers``."""
-    env = os.environ if environ is None else environ
-    return "MALLOC_MMAP_THRESHOLD_" not in env and \
-        "mmap_threshold" not in env.get("GLIBC_TUNABLES", "")
-
-
-def usage_stats_unset(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """True when none of vLLM's usage-statistics switches is set.
-
-    vLLM collects its usage statistics in a thread that starts when the
-    engine is ready: it runs a Python subprocess to identify the CPU and
-    then posts the result to a server.  On Spyre's CPU path that takes a
-    core for about a second, just as the first batch runs, which made the
-    first batch after start-up up to twice as slow as the next; and a
-    Spyre server makes no network calls at run time.  So the platform turns
-    the statistics off unless the user has chosen (``VLLM_NO_USAGE_STATS=0``
-    keeps them on)."""
-    env = os.environ if environ is None else environ
-    return not any(name in env for name in USAGE_STATS_ENV_VARS)
 
 
 def is_spyre() -> bool:

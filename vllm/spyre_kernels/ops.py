@@ -1,23 +1,27 @@
-"""The native CPU kernels: one C++ extension, built on first use.
+"""The C++ kernels: one extension, built on first use, and the CPU's flags.
 
 The CPU stand-in for the card runs its hot loops in C++ kernels of this
-project, registered as ``torch.library`` ops of the ``spyre_cpu`` library so
-that inductor calls them like any other external kernel:
+project, the sources beside this module, registered as ``torch.library``
+ops of the ``spyre_kernels`` library so that inductor calls them like any
+other external kernel:
 
-* ``spyre_cpu::packed_linear`` (``spyre_native_linear.cpp``): linear layers whose
+* ``spyre_kernels::packed_linear`` (``linear.cpp``): linear layers whose
   weights were packed once (``vllm.model_executor.layers.spyre_linear``);
-* ``spyre_cpu::quant_linear`` (``spyre_native_quant.cpp``): linear layers of
+* ``spyre_kernels::quant_linear`` (``quant.cpp``): linear layers of
   quantized checkpoints, their int8, FP8 or int4 codes dequantized in
   registers (``vllm.model_executor.layers.spyre_quant_linear``);
-* ``spyre_cpu::decode_attention``, ``spyre_cpu::paged_attention`` and
-  ``spyre_cpu::encoder_attention`` (``spyre_native_attention.cpp``): attention
+* ``spyre_kernels::decode_attention``, ``spyre_kernels::paged_attention``
+  and ``spyre_kernels::encoder_attention`` (``attention.cpp``): attention
   over the static cache (``spyre_static_cache``), the block pool
   (``spyre_paged_cache``) and the packed texts of an encoder
   (``spyre_encoder_attention``);
-* ``spyre_cpu::rms_norm`` and ``spyre_cpu::rotary_qk``
-  (``spyre_native_elementwise.cpp``): a decoder's norms and rotary
-  embedding in one pass each, for ``eager``, which has no compiler to fuse
-  them (``vllm.model_executor.layers.spyre_fused_ops``).
+* ``spyre_kernels::rms_norm`` and ``spyre_kernels::rotary_qk``
+  (``elementwise.cpp``): a decoder's norms and rotary embedding in one
+  pass each, for ``eager``, which has no compiler to fuse them
+  (``vllm.model_executor.layers.spyre_fused_ops``).
+
+The four files share ``simd.h``: the vector width and types, and the
+argument checks of more than one op.
 
 ``available`` builds the sources into one extension with PyTorch's C++
 extension loader (the compiler inductor needs anyway), cached in
@@ -26,7 +30,13 @@ implementation for tracing.  ``in_use`` decides, for a model, whether it
 runs on them: on both CPU backends (``eager`` skips the compiler, not the
 kernels) unless ``VLLM_SPYRE_NATIVE_KERNELS=0`` asks for PyTorch's own ops.
 A machine without a compiler gets ``False`` and a warning, and every caller
-keeps its torch-op path.
+keeps its torch-op path.  ``cpu_has`` reads the CPU's flags, which choose
+between the kernels' paths (AVX512_BF16, AMX) and name them in the graph
+cache's key.
+
+The kernels sit low in the project's layers: the attention ops, the
+layers, the models and the graph cache import this module, which imports
+none of theirs.
 """
 from __future__ import annotations
 
@@ -41,10 +51,10 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = [Path(__file__).with_name("spyre_native_linear.cpp"),
-            Path(__file__).with_name("spyre_native_attention.cpp"),
-            Path(__file__).with_name("spyre_native_elementwise.cpp"),
-            Path(__file__).with_name("spyre_native_quant.cpp")]
+#: The library of the ops, and the name of the extension that holds them.
+LIBRARY = "spyre_kernels"
+_SOURCES = [Path(__file__).with_name(name) for name in
+            ("linear.cpp", "attention.cpp", "elementwise.cpp", "quant.cpp")]
 _NATIVE_FLAG = {"x86_64": "-march=native", "s390x": "-march=native",
                 "ppc64le": "-mcpu=native", "aarch64": "-mcpu=native"}
 _loaded: Optional[bool] = None
@@ -104,7 +114,7 @@ def _load() -> bool:
         flags.append(native)
     start = time.perf_counter()
     try:
-        load(name="spyre_cpu_kernels",
+        load(name=LIBRARY,
              sources=[str(p) for p in _SOURCES],
              extra_cflags=flags,
              extra_ldflags=["-fopenmp"],
@@ -116,16 +126,16 @@ def _load() -> bool:
             "The native CPU kernels could not be built (%s); linear layers "
             "stay on MKL and attention on torch ops", e)
         return False
-    torch.library.register_fake("spyre_cpu::packed_linear")(_fake)
-    torch.library.register_fake("spyre_cpu::decode_attention")(
+    torch.library.register_fake(f"{LIBRARY}::packed_linear")(_fake)
+    torch.library.register_fake(f"{LIBRARY}::decode_attention")(
         _fake_attention)
-    torch.library.register_fake("spyre_cpu::paged_attention")(
+    torch.library.register_fake(f"{LIBRARY}::paged_attention")(
         _fake_paged_attention)
-    torch.library.register_fake("spyre_cpu::encoder_attention")(
+    torch.library.register_fake(f"{LIBRARY}::encoder_attention")(
         _fake_encoder_attention)
-    torch.library.register_fake("spyre_cpu::quant_linear")(_fake_quant)
-    torch.library.register_fake("spyre_cpu::rms_norm")(_fake_rms_norm)
-    torch.library.register_fake("spyre_cpu::rotary_qk")(_fake_rotary_qk)
+    torch.library.register_fake(f"{LIBRARY}::quant_linear")(_fake_quant)
+    torch.library.register_fake(f"{LIBRARY}::rms_norm")(_fake_rms_norm)
+    torch.library.register_fake(f"{LIBRARY}::rotary_qk")(_fake_rotary_qk)
     logger.info("Loaded the native CPU kernels in %.1f s",
                 time.perf_counter() - start)
     return True

@@ -1,7 +1,7 @@
 """Warm-up shapes: the compiled serving shapes of static batching and
 pooling models, and their parsing from the ``VLLM_SPYRE_WARMUP_*`` lists.
 
-``SpyreConfig.from_env`` (``spyre_config``) reads the variables and builds
+``SpyreConfig.from_env`` (``vllm.config.spyre``) reads the variables and builds
 its shapes here; the schedulers, runners and memory check take
 ``WarmupShape`` values.  Errors name the variable, the value and the rule.
 """

@@ -8,13 +8,16 @@ placed first-fit in arrival order.  The scheduler
 one shape together (``select_texts``); the model runner places the texts
 it receives with the same first-fit rule (``choose_pooling_shape``), so
 both agree.  Nothing here touches a model, a scheduler or a tensor.
+
+The module sits beside the schedulers but at the bottom of the project's
+layers, above the settings only: the workers read it as well.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from vllm.platforms.spyre_config import WarmupShape
+from vllm.config.spyre import WarmupShape
 
 
 @dataclass(frozen=True)

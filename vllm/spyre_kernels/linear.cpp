@@ -44,23 +44,21 @@
 #define SPYRE_AMX 1
 #endif
 
+#include "simd.h"
+
 namespace {
 
-constexpr int64_t kLanes = 16;              // floats per vector
+using namespace spyre_kernels;
+
 constexpr int64_t kVecs = 2;                // vectors per column block
 constexpr int64_t kBlock = kLanes * kVecs;  // columns per block
 constexpr int64_t kMaxRows = 12;            // rows per register tile
 constexpr int64_t kPrefetch = 16;           // rows of a block read ahead
 constexpr int64_t kPrefetchL2 = 96;  // ... and fetched into L2 (see fetch)
 
-typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
-// The same vector, loadable from any float address.
-typedef float vfloat_u
-    __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
-typedef uint32_t vpair_u
-    __attribute__((vector_size(kLanes * sizeof(uint32_t)), aligned(4)));
-typedef uint32_t vpair
-    __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+// A vector of bfloat16 pairs, one pair of input features per lane.
+using vpair = vuint;
+using vpair_u = vuint_u;
 
 // Asks for the block row kPrefetch rows on (into the first-level cache)
 // and the one kPrefetchL2 rows on (into L2).  The far request is what keeps
@@ -344,8 +342,7 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed,
   const bool bf16 = packed.scalar_type() == at::kBFloat16;
   const bool float_input = input.scalar_type() == at::kFloat;
   TORCH_CHECK((packed.scalar_type() == at::kFloat && float_input) ||
-                  (bf16 && (float_input ||
-                            input.scalar_type() == at::kBFloat16)),
+                  (bf16 && float_or_bf16(input.scalar_type())),
               "packed_linear: a float32 weight takes float32 inputs, a "
               "bfloat16 weight float32 or bfloat16 inputs; got weight ",
               packed.scalar_type(), " and input ", input.scalar_type());
@@ -356,13 +353,8 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed,
               "packed_linear: the weight must come from pack_weight");
   const int64_t K = bf16 ? 2 * packed.size(1) : packed.size(1);
   const int64_t blocks = packed.size(0);
-  TORCH_CHECK(input.size(-1) == K, "packed_linear: the input has ",
-              input.size(-1), " features, the weight ", K);
-  TORCH_CHECK(out_features > (blocks - 1) * kBlock &&
-                  out_features <= blocks * kBlock,
-              "packed_linear: ", out_features,
-              " outputs do not match a packed weight of ", blocks,
-              " blocks");
+  check_packed_shape("packed_linear", input, K, blocks, kBlock,
+                     out_features);
   // Rows are read in place when the input is contiguous, and the output
   // is allocated at its final shape: a decode step makes ~120 of these
   // calls, so each tensor op saved here counts.
@@ -373,9 +365,7 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed,
   at::Tensor y = at::empty(out_sizes, x.options());
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == out_features,
-                "packed_linear: bias of ", bias->numel(), " for ",
-                out_features, " outputs");
+    check_bias("packed_linear", *bias, out_features);
     b = bias->to(at::kFloat).contiguous();
   }
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
@@ -417,12 +407,12 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed,
 
 }  // namespace
 
-TORCH_LIBRARY(spyre_cpu, m) {
+TORCH_LIBRARY(spyre_kernels, m) {
   m.def(
       "packed_linear(Tensor input, Tensor packed, int out_features, "
       "Tensor? bias=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(spyre_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(spyre_kernels, CPU, m) {
   m.impl("packed_linear", &packed_linear);
 }

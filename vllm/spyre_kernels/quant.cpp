@@ -5,7 +5,7 @@
 // A decode step streams every weight once, so the bytes per weight set its
 // time: one byte (int8, FP8) or half a byte (int4) against bfloat16's two.
 // The weight [N, K] is packed once, at load time, like the float kernel's
-// (spyre_native_linear.cpp): column blocks of kBlock outputs, one row of
+// (linear.cpp): column blocks of kBlock outputs, one row of
 // the block per input feature, so that a block streams contiguously:
 //
 //   int8, FP8:  [N / kBlock][K][kBlock] bytes (column c of row k at c);
@@ -53,9 +53,12 @@
 #include <immintrin.h>
 #endif
 
+#include "simd.h"
+
 namespace {
 
-constexpr int64_t kLanes = 16;
+using namespace spyre_kernels;
+
 constexpr int64_t kBlock = 2 * kLanes;  // columns per block (two vectors)
 constexpr int64_t kMaxRows = 12;
 // Bytes read ahead: into the first-level cache, and into L2 (as far as
@@ -65,12 +68,6 @@ constexpr int64_t kAheadL2 = 12288;
 
 enum Kind : int64_t { kInt8 = 0, kFp8 = 1, kInt4 = 2 };
 
-typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
-typedef float vfloat_u
-    __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
-typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
-typedef uint32_t vuint
-    __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 typedef int8_t vbyte_u __attribute__((vector_size(kLanes), aligned(1)));
 typedef uint8_t vubyte_u __attribute__((vector_size(kLanes), aligned(1)));
 
@@ -475,8 +472,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
   TORCH_CHECK(kind == kInt8 || kind == kFp8 || kind == kInt4,
               "quant_linear: unknown weight kind ", kind,
               " (0 int8, 1 fp8, 2 int4)");
-  TORCH_CHECK(input.scalar_type() == at::kFloat ||
-                  input.scalar_type() == at::kBFloat16,
+  TORCH_CHECK(float_or_bf16(input.scalar_type()),
               "quant_linear: float32 or bfloat16 inputs, got ",
               input.scalar_type());
   const int64_t bytes = kind == kInt4 ? kBlock / 2 : kBlock;
@@ -507,20 +503,14 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
   TORCH_CHECK(op == nullptr || zero_point == 0.0,
               "quant_linear: offsets and a zero point of ", zero_point);
   const float zf = static_cast<float>(zero_point);
-  TORCH_CHECK(input.size(-1) == K, "quant_linear: the input has ",
-              input.size(-1), " features, the weight ", K);
-  TORCH_CHECK(out_features > (blocks - 1) * kBlock &&
-                  out_features <= blocks * kBlock,
-              "quant_linear: ", out_features,
-              " outputs do not match a packed weight of ", blocks,
-              " blocks");
+  check_packed_shape("quant_linear", input, K, blocks, kBlock,
+                     out_features);
   const int64_t M = K ? input.numel() / K : 0;
   auto out_sizes = input.sizes().vec();
   out_sizes.back() = out_features;
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == out_features, "quant_linear: bias of ",
-                bias->numel(), " for ", out_features, " outputs");
+    check_bias("quant_linear", *bias, out_features);
     b = bias->scalar_type() == at::kFloat ||
                 bias->scalar_type() == at::kBFloat16
             ? bias->contiguous()
@@ -650,7 +640,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(spyre_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(spyre_kernels, m) {
   m.def(
       "quant_linear(Tensor input, Tensor packed, Tensor scales, "
       "Tensor? offsets, int kind, int group_size, int out_features, "
@@ -660,6 +650,6 @@ TORCH_LIBRARY_FRAGMENT(spyre_cpu, m) {
       "-> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(spyre_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(spyre_kernels, CPU, m) {
   m.impl("quant_linear", &quant_linear);
 }

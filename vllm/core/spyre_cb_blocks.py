@@ -6,6 +6,9 @@ The scheduler (``SpyreCBScheduler``) refuses, up front, a request that
 could never run (``rejection_reason``, ``parallel_samples_reason``); the
 worker sizes the pool and the runner builds block tables with the same
 ``blocks_needed``.  Nothing here touches a model, a scheduler or a tensor.
+
+The module sits beside the schedulers but at the bottom of the project's
+layers, above the settings only: the workers read it as well.
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@
 // weighted sum are float32 either way; a bfloat16 output is rounded once
 // at the end.
 //
-// Same conventions as native_linear.cpp (GCC vector extensions).
+// Same conventions as linear.cpp (GCC vector extensions, simd.h).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -47,15 +47,12 @@
 #include <limits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-constexpr int64_t kLanes = 16;
-typedef float vfloat_u
-    __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
-typedef uint16_t vhalf_u
-    __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(2)));
-typedef uint32_t vword
-    __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+using namespace spyre_kernels;
+
 using bf16 = c10::BFloat16;
 
 // kLanes elements at p, as float32.
@@ -63,12 +60,10 @@ inline vfloat_u load(const float* p) {
   return *reinterpret_cast<const vfloat_u*>(p);
 }
 inline vfloat_u load(const bf16* p) {
-  const vword w = __builtin_convertvector(
-      *reinterpret_cast<const vhalf_u*>(p), vword);
+  const vuint w = __builtin_convertvector(
+      *reinterpret_cast<const vhalf_u*>(p), vuint);
   return reinterpret_cast<vfloat_u>(w << 16);
 }
-
-typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 // Tokens ahead whose rows the kernels ask for before they read them: the
 // rows of consecutive tokens are a stride apart (or in other blocks), which
@@ -359,11 +354,8 @@ void parallel_by_cost(const std::vector<int64_t>& costs, F&& f) {
 
 void check_dtypes(const at::Tensor& query, const at::Tensor& keys,
                   const at::Tensor& values, const char* op) {
-  auto supported = [](at::ScalarType t) {
-    return t == at::kFloat || t == at::kBFloat16;
-  };
-  TORCH_CHECK(supported(query.scalar_type()) &&
-                  supported(keys.scalar_type()) &&
+  TORCH_CHECK(float_or_bf16(query.scalar_type()) &&
+                  float_or_bf16(keys.scalar_type()) &&
                   keys.scalar_type() == values.scalar_type(),
               op, ": a float32 or bfloat16 query, and keys and values of "
               "one dtype, float32 or bfloat16; got ", query.scalar_type(),
@@ -388,6 +380,42 @@ at::Tensor sinks_of(const c10::optional<at::Tensor>& sinks, int64_t heads,
   TORCH_CHECK(sinks->numel() == heads, op, ": ", sinks->numel(),
               " attention sinks for ", heads, " query heads");
   return sinks->to(at::kFloat).contiguous();
+}
+
+// What decode_attention and paged_attention share once each has checked
+// its own arguments: the output [B, KVH, R, Dv] in the query's dtype, the
+// query rows per key/value head and position (group = R / L, the query
+// heads that share a key/value head), the scale and the attention sinks in
+// float32, and the dispatch on the element types of the query (scalar_t)
+// and of the cache (cache_t): f(scalar_t{}, cache_t{}, step).
+struct DecodeStep {
+  at::Tensor out;
+  int64_t group;
+  float scale;
+  at::Tensor sinks;  // float32 [KVH * group], or undefined for none
+
+  // Key/value head h's sinks, or null.
+  const float* sinks_of_head(int64_t h) const {
+    return sinks.defined() ? sinks.data_ptr<float>() + h * group : nullptr;
+  }
+};
+
+template <typename F>
+at::Tensor run_decode_step(const char* op, const at::Tensor& q,
+                           at::ScalarType cache_type, int64_t B,
+                           int64_t KVH, int64_t R, int64_t L, int64_t Dv,
+                           double scale,
+                           const c10::optional<at::Tensor>& sinks, F&& f) {
+  DecodeStep step;
+  step.out = at::empty({B, KVH, R, Dv}, q.options());
+  step.group = R / L;
+  step.scale = static_cast<float>(scale);
+  step.sinks = sinks_of(sinks, KVH * step.group, op);
+  with_element_type(q.scalar_type(), [&](auto q_zero) {
+    with_element_type(cache_type,
+                      [&](auto kv_zero) { f(q_zero, kv_zero, step); });
+  });
+  return step.out;
 }
 
 // One work item's query rows in float32, `rows` per key/value head, and
@@ -445,20 +473,17 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys,
               B, " sequences, ", R, " query rows and ", T, " slots");
   const at::Tensor q = query.contiguous(), k = keys.contiguous(),
                    v = values.contiguous(), m = mask.contiguous();
-  at::Tensor out = at::empty({B, KVH, R, Dv}, q.options());
-  const int64_t group = R / L;
-  const float fscale = static_cast<float>(scale);
-  const at::Tensor sk = sinks_of(sinks, KVH * group, "decode_attention");
-  const float* sp = sk.defined() ? sk.data_ptr<float>() : nullptr;
-  with_element_type(q.scalar_type(), [&](auto q_zero) {
-  with_element_type(k.scalar_type(), [&](auto kv_zero) {
+  return run_decode_step(
+      "decode_attention", q, k.scalar_type(), B, KVH, R, L, Dv, scale, sinks,
+      [&](auto q_zero, auto kv_zero, const DecodeStep& step) {
   using scalar_t = decltype(q_zero);
   using cache_t = decltype(kv_zero);
+  const int64_t group = step.group;
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const cache_t* kp = k.data_ptr<cache_t>();
   const cache_t* vp = v.data_ptr<cache_t>();
   const bool* mp = m.data_ptr<bool>();
-  scalar_t* op = out.data_ptr<scalar_t>();
+  scalar_t* op = step.out.data_ptr<scalar_t>();
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<const cache_t*> keys(T), values(T);
     std::vector<float> scores(group * T);
@@ -478,16 +503,14 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys,
         const int64_t r0 = bh * R + pos * group;
         rows.read(0, qp + r0 * D);
         attend<cache_t>(rows.q.data(), 1, group, D, Dv, n, keys.data(), 0,
-                        values.data(), 0, fscale, pos == 0, scores.data(),
-                        rows.out.data(),
-                        sp ? sp + (bh % KVH) * group : nullptr);
+                        values.data(), 0, step.scale, pos == 0,
+                        scores.data(), rows.out.data(),
+                        step.sinks_of_head(bh % KVH));
         rows.write(0, op + r0 * Dv);
       }
     }
   });
-  });
-  });
-  return out;
+      });
 }
 
 // Attention over a paged key/value cache: the pools hold fixed-size blocks
@@ -557,19 +580,16 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool,
   auto first_seen = [window](int64_t n) {
     return window > 0 && n > window ? n - window : int64_t{0};
   };
-  at::Tensor out = at::empty({B, KVH, R, Dv}, q.options());
-  const int64_t group = R / L;
-  const float fscale = static_cast<float>(scale);
-  const at::Tensor sk = sinks_of(sinks, KVH * group, "paged_attention");
-  const float* sp = sk.defined() ? sk.data_ptr<float>() : nullptr;
-  with_element_type(q.scalar_type(), [&](auto q_zero) {
-  with_element_type(kp.scalar_type(), [&](auto kv_zero) {
+  return run_decode_step(
+      "paged_attention", q, kp.scalar_type(), B, KVH, R, L, Dv, scale, sinks,
+      [&](auto q_zero, auto kv_zero, const DecodeStep& step) {
   using scalar_t = decltype(q_zero);
   using cache_t = decltype(kv_zero);
+  const int64_t group = step.group;
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const cache_t* kbase = kp.data_ptr<cache_t>();
   const cache_t* vbase = vp.data_ptr<cache_t>();
-  scalar_t* op = out.data_ptr<scalar_t>();
+  scalar_t* op = step.out.data_ptr<scalar_t>();
   // One work item per (sequence, key/value head, query position), shared
   // out by their cost (the tokens each reads): under continuous batching
   // the sequences of a step hold anything from a few tokens to thousands.
@@ -603,14 +623,12 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool,
       // A sequence's later positions find its tokens in the cache.
       attend<cache_t>(rows.q.data(), 1, group, D, Dv, n - first,
                       keys.data() + first, 0, values.data() + first, 0,
-                      fscale, item == begin || pos == 0, scores.data(),
-                      rows.out.data(), sp ? sp + h * group : nullptr);
+                      step.scale, item == begin || pos == 0, scores.data(),
+                      rows.out.data(), step.sinks_of_head(h));
       rows.write(0, op + r0 * Dv);
     }
   });
-  });
-  });
-  return out;
+      });
 }
 
 // ---- Encoder attention ---------------------------------------------------
@@ -1063,7 +1081,7 @@ at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& keys,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(spyre_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(spyre_kernels, m) {
   m.def(
       "decode_attention(Tensor query, Tensor keys, Tensor values, "
       "Tensor mask, float scale, Tensor? sinks=None) -> Tensor");
@@ -1077,7 +1095,7 @@ TORCH_LIBRARY_FRAGMENT(spyre_cpu, m) {
       "Tensor text_starts, float scale, bool bf16_products) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(spyre_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(spyre_kernels, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("paged_attention", &paged_attention);
   m.impl("encoder_attention", &encoder_attention);

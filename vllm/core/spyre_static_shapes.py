@@ -8,13 +8,16 @@ the next batch from its waiting queue (``select_batch``); the model runner
 finds the same shape again from the batch it receives (``choose_shape``).
 Every function takes plain values; nothing here touches a model, a
 scheduler or a tensor.
+
+The module sits beside the schedulers but at the bottom of the project's
+layers, above the settings only: the workers read it as well.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from vllm.platforms.spyre_config import WarmupShape
+from vllm.config.spyre import WarmupShape
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,70 @@
+// What the four kernel files share: the vector width they are written for,
+// their vector types, and the argument checks more than one op makes.
+//
+// The kernels are written with GCC vector extensions, so that one source
+// builds for AVX-512 or AVX2 (x86), VSX (Power) and the z/Architecture
+// vector facility: a vector is kLanes float32 (or 32-bit integer) lanes,
+// which the compiler maps onto the machine's registers.  The `_u` types
+// are the same vectors, loadable from any address of their element type.
+//
+// ops.py builds linear.cpp, quant.cpp, attention.cpp and elementwise.cpp
+// into one extension; each includes this header and keeps the rest of its
+// code in an anonymous namespace of its own.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace spyre_kernels {
+
+// float32 lanes of a vector.
+constexpr int64_t kLanes = 16;
+
+typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+typedef float vfloat_u
+    __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint32_t vuint
+    __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint32_t vuint_u
+    __attribute__((vector_size(kLanes * sizeof(uint32_t)), aligned(4)));
+// kLanes bfloat16 (their bits), loadable from any bfloat16 address.
+typedef uint16_t vhalf_u
+    __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(2)));
+
+// The element types the ops take besides float32.
+inline bool float_or_bf16(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16;
+}
+
+// `op`'s tensor `what` must hold float32.
+inline void check_float(const at::Tensor& t, const char* op,
+                        const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", what,
+              " must be float32, got ", t.scalar_type());
+}
+
+// What the linear ops (packed_linear, quant_linear) check of a packed
+// weight of `blocks` column blocks of `block` columns and K input
+// features: the input's features, and the outputs the blocks can hold.
+inline void check_packed_shape(const char* op, const at::Tensor& input,
+                               int64_t K, int64_t blocks, int64_t block,
+                               int64_t out_features) {
+  TORCH_CHECK(input.size(-1) == K, op, ": the input has ", input.size(-1),
+              " features, the weight ", K);
+  TORCH_CHECK(out_features > (blocks - 1) * block &&
+                  out_features <= blocks * block,
+              op, ": ", out_features,
+              " outputs do not match a packed weight of ", blocks,
+              " blocks");
+}
+
+// A linear op's bias: one value per output.
+inline void check_bias(const char* op, const at::Tensor& bias,
+                       int64_t out_features) {
+  TORCH_CHECK(bias.numel() == out_features, op, ": bias of ", bias.numel(),
+              " for ", out_features, " outputs");
+}
+
+}  // namespace spyre_kernels
