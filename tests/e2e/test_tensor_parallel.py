@@ -138,7 +138,8 @@ def test_generic_base_with_a_plain_cpu_mixin(tiny_llama):
     """The base starts, drives and stops plain CPU workers: nothing in it
     assumes Spyre."""
     from vllm import EngineArgs
-    from vllm.executor.multiproc_executor import MultiprocessingExecutor
+    from vllm.executor.spyre_multiproc_executor_base import (
+        MultiprocessingExecutor)
 
     class PlainMixin:
         def _rank_env(self, rank):

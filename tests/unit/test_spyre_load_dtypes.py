@@ -1,5 +1,5 @@
 """Loading a checkpoint into the dtypes it is held in
-(``spyre_dtypes.load_dtype``, ``model_loader.spyre``): a bfloat16
+(``spyre_dtypes.load_dtype``, ``model_loader.spyre_fms_loader``): a bfloat16
 checkpoint served in bfloat16 on the CPU is read in bfloat16, its linear
 weights packed from that, and no float32 copy of a linear layer is ever
 made; the model it gives equals, tensor for tensor, the one read through
@@ -45,7 +45,8 @@ def _load(path: Path):
     from transformers import AutoConfig
 
     from vllm.model_executor.layers.spyre_linear import pack_linears
-    from vllm.model_executor.model_loader.spyre import load_fms_decoder
+    from vllm.model_executor.model_loader.spyre_fms_loader import (
+        load_fms_decoder)
     model = load_fms_decoder(str(path), AutoConfig.from_pretrained(path),
                              BF16, 1, "eager")
     pack_linears(model, BF16.linear)
@@ -104,7 +105,8 @@ _PEAK = textwrap.dedent("""
     import torch
     from transformers import AutoConfig
     from vllm.model_executor.layers.spyre_linear import pack_linears
-    from vllm.model_executor.model_loader.spyre import load_fms_decoder
+    from vllm.model_executor.model_loader.spyre_fms_loader import (
+        load_fms_decoder)
     from vllm.model_executor.models.spyre_dtypes import precision_of
     from vllm.worker.spyre_heap import return_large_buffers
 

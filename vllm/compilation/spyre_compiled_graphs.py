@@ -35,7 +35,8 @@ class PrecompiledGraphs:
     A loaded graph's guards are checked against its first inputs; a graph
     whose guards fail is compiled again.  Later calls skip the check: the
     graph's name already fixes every shape it guards, and checking the
-    guards of every weight costs ~1 ms a step (SmolLM2).
+    guards of every weight costs time on every step (docs/performance.md,
+    "Costs behind the design").
     """
 
     def __init__(self, model: torch.nn.Module, backend: str,

@@ -91,9 +91,9 @@ GRAPH_CODE = (
     "model_executor/layers/spyre_moe.py",
     "model_executor/layers/spyre_quant_linear.py",
     # Loading (the model's structure, sharding and packed weights).
-    "model_executor/model_loader/spyre.py",
+    "model_executor/model_loader/spyre_fms_loader.py",
     "model_executor/model_loader/spyre_encoder_loader.py",
-    "model_executor/model_loader/spyre_vllm.py",
+    "model_executor/model_loader/spyre_vllm_loader.py",
     # Models.
     "model_executor/models/spyre_causal_lm.py",
     "model_executor/models/spyre_dtypes.py",
@@ -221,7 +221,8 @@ class GraphCache:
     def kernels(self) -> Iterator[None]:
         """Inductor's compiled kernels go to (and come from) ``DIR/inductor``
         while a graph is loaded or compiled: a saved graph holds its C++
-        source, and building it again costs ~45 s a SmolLM2 shape.  With a
+        source, and building it again takes most of a shape's compile
+        (docs/performance.md, "Costs behind the design").  With a
         read-only directory inductor keeps its own cache directory."""
         if not self.writable:
             yield

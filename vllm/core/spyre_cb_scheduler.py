@@ -30,8 +30,8 @@ from vllm.core.scheduler import (SchedulerPrefillOutputs,
                                  SchedulerRunningOutputs, SchedulingBudget)
 from vllm.core.spyre_cb_blocks import (parallel_samples_reason,
                                        rejection_reason)
-from vllm.core.spyre_scheduling import (RefusingScheduler, refuse_unsupported,
-                                        waiting_only)
+from vllm.core.spyre_scheduler_base import (RefusingScheduler,
+                                           refuse_unsupported, waiting_only)
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import SequenceGroup
 

@@ -21,7 +21,7 @@ from typing import Optional
 from vllm.config.spyre import SpyreConfig, WarmupShape
 from vllm.core.scheduler import SchedulerPrefillOutputs, SchedulingBudget
 from vllm.core.spyre_pooling_shapes import rejection_reason, select_texts
-from vllm.core.spyre_scheduling import RefusingScheduler, waiting_only
+from vllm.core.spyre_scheduler_base import RefusingScheduler, waiting_only
 from vllm.sequence import SequenceGroup
 
 

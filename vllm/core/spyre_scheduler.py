@@ -19,8 +19,8 @@ from typing import Optional
 
 from vllm.config.spyre import SpyreConfig, WarmupShape
 from vllm.core.scheduler import SchedulerPrefillOutputs, SchedulingBudget
-from vllm.core.spyre_scheduling import (RefusingScheduler, refuse_unsupported,
-                                        waiting_only)
+from vllm.core.spyre_scheduler_base import (RefusingScheduler,
+                                           refuse_unsupported, waiting_only)
 from vllm.core.spyre_static_shapes import (RequestSize,
                                            parallel_samples_reason,
                                            rejection_reason,

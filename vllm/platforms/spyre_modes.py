@@ -196,7 +196,7 @@ def configure_parallel(parallel_config, spyre: SpyreConfig) -> None:
         parallel_config.world_size = tp
     backend = parallel_config.distributed_executor_backend
     if backend == "external_launcher":
-        from vllm.executor.external_launcher_spyre_executor import (
+        from vllm.executor.spyre_external_launcher_executor import (
             SpyreExternalLauncherExecutor)
         parallel_config.distributed_executor_backend = \
             SpyreExternalLauncherExecutor
@@ -204,10 +204,10 @@ def configure_parallel(parallel_config, spyre: SpyreConfig) -> None:
         from vllm.executor.spyre_executor import SpyreExecutor
         parallel_config.distributed_executor_backend = SpyreExecutor
     elif backend == "ray":
-        from vllm.executor.ray_spyre_executor import RaySpyreExecutor
+        from vllm.executor.spyre_ray_executor import RaySpyreExecutor
         parallel_config.distributed_executor_backend = RaySpyreExecutor
     else:
-        from vllm.executor.multiproc_spyre_executor import (
+        from vllm.executor.spyre_multiproc_executor import (
             MultiprocessingSpyreExecutor)
         parallel_config.distributed_executor_backend = \
             MultiprocessingSpyreExecutor

@@ -1,14 +1,15 @@
 """SpyreCausalLM: an FMS decoder, compiled with torch.compile, for vLLM.
 
-The model is loaded by ``vllm.model_executor.model_loader.spyre`` and
-compiled by ``vllm.compilation.spyre_compile``.  The model runner calls
+The model is loaded by
+``vllm.model_executor.model_loader.spyre_fms_loader`` and compiled by
+``vllm.compilation.spyre_compile``.  The model runner calls
 ``forward`` once per engine step with the fixed-shape tensors built by
 ``vllm.worker.spyre_inputs``: a prefill over a whole padded batch fills the
 first ``prompt_len`` slots of the batch's key/value cache, each decode step
 writes one more slot.  The caches belong to this module: one per warm-up
 shape, allocated when the shape is first run (at warm-up) and written in
-place ever after (``vllm.attention.ops.spyre_static_cache``).  ``forward`` returns
-the next-token logits of every row; vLLM's own ``LogitsProcessor`` and
+place ever after (``vllm.attention.ops.spyre_static_cache``).
+``forward`` returns the next-token logits of every row; vLLM's own ``LogitsProcessor`` and
 ``Sampler`` then run on the rows that are still live, as in vLLM's Neuron
 backend (``SpyreSampler`` takes all-greedy steps on a shorter path with the
 same result).
@@ -34,8 +35,9 @@ from vllm.model_executor.layers import (spyre_fused_ops, spyre_linear,
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.sampler import SamplerOutput
 from vllm.model_executor.layers.spyre_sampler import SpyreSampler
-from vllm.model_executor.model_loader import (spyre as spyre_loader,
-                                              spyre_weight_update)
+from vllm.model_executor.model_loader import spyre_weight_update
+from vllm.model_executor.model_loader import (
+    spyre_fms_loader as spyre_loader)
 from vllm.model_executor.models import spyre_families
 from vllm.model_executor.models.spyre_dtypes import (precision_of,
                                                      serving_dtype)

@@ -42,7 +42,8 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization.spyre_quant import (
     SpyreQuantConfig, finish_quantized_layers)
 from vllm.model_executor.layers.spyre_linear_method import use_spyre_linears
-from vllm.model_executor.model_loader.spyre_vllm import load_vllm_decoder
+from vllm.model_executor.model_loader.spyre_vllm_loader import (
+    load_vllm_decoder)
 from vllm.model_executor.models.spyre_causal_lm import SpyreCausalLM
 from vllm.model_executor.models.spyre_paged_causal_lm import \
     SpyrePagedCausalLM

@@ -11,7 +11,7 @@ step runs on the driver; the other ranks follow it in
 tensor-parallel group's broadcast.
 
 How ranks are started is one more hook, ``_start_workers``; the Ray
-variant (``vllm.executor.ray_spyre_executor``) starts Ray actors instead.
+variant (``vllm.executor.spyre_ray_executor``) starts Ray actors instead.
 
 Device specifics go through four hooks that a device mixin overrides:
 

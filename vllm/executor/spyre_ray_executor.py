@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.executor.multiproc_executor import MultiprocessingExecutor
+from vllm.executor.spyre_multiproc_executor_base import (
+    MultiprocessingExecutor)
 from vllm.executor.spyre_executor import SpyreExecutorMixin
 from vllm.logger import init_logger
 from vllm.utils import get_distributed_init_method, get_ip, get_open_port

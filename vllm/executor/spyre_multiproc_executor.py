@@ -8,7 +8,8 @@ follows the driver's steps through the gloo process group.
 """
 from __future__ import annotations
 
-from vllm.executor.multiproc_executor import MultiprocessingExecutor
+from vllm.executor.spyre_multiproc_executor_base import (
+    MultiprocessingExecutor)
 from vllm.executor.spyre_executor import SpyreExecutorMixin
 
 
