@@ -119,6 +119,10 @@ NOT_GRAPH_CODE = (
     "model_executor/layers/spyre_sampler.py",
     "model_executor/model_loader/spyre_weight_update.py",
     "model_executor/models/spyre_inspection.py",
+    # The quantized-checkpoint writer: a tool, never imported when serving.
+    "model_executor/layers/quantization/spyre_quant_files.py",
+    "model_executor/layers/quantization/spyre_quant_writer.py",
+    "model_executor/layers/quantization/spyre_quant_writer_ct.py",
 )
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
