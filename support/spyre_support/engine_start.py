@@ -4,7 +4,8 @@ one line ``RESULT {json}``: the ids, the dynamo compilations counted in
 this process during start-up and while serving, and every rank's graph
 cache statistics.
 
-    python tests/engine_start.py MODEL ENGINE_ARGS_JSON PROMPTS_JSON MAX_TOKENS
+    python -m spyre_support.engine_start MODEL ENGINE_ARGS_JSON PROMPTS_JSON \\
+        MAX_TOKENS
 
 The Spyre settings come from the environment.
 """

@@ -6,7 +6,8 @@ of ``--rpc`` returned, and, with ``--update-from DIR``, the ids generated
 after loading DIR's weights in place (``update_weights_in_place``) and the
 compilations counted since.
 
-    torchrun --nproc-per-node N tests/torchrun_generate.py OUT_DIR MODEL \\
+    torchrun --nproc-per-node N -m spyre_support.torchrun_generate \\
+        OUT_DIR MODEL \\
         PROMPTS_JSON MAX_TOKENS [--engine-args JSON] [--rpc METHOD] \\
         [--update-from DIR]
 

@@ -1,6 +1,6 @@
 """``distributed_executor_backend="external_launcher"`` on Spyre: under
 ``torchrun --nproc-per-node 3`` every rank runs its own engine in its own
-process (``tests/torchrun_generate.py``), the three form the tensor-parallel
+process (``spyre_support.torchrun_generate``), the three form the tensor-parallel
 group, and every rank returns transformers' greedy ids (so TP=1's), static
 and continuous batching, with nothing compiled after warm-up; one rank
 under plain ``python``; ``worker_extension_cls`` mixed into the Spyre
@@ -20,34 +20,33 @@ from pathlib import Path
 import pytest
 
 from spyre_support.envs import spyre_env
-from spyre_support.paths import REPO
 from spyre_support.reference import HFReference
 from spyre_support.tiny_models import build_retrained
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [16]]
 MAX_TOKENS = 8
-SCRIPT = REPO / "tests" / "torchrun_generate.py"
+SCRIPT = "spyre_support.torchrun_generate"
 TIMEOUT = 600
 
 
 def launch(out: Path, model: Path, env: dict, nproc: int,
            engine_args: dict = None, rpc: str = None,
            update_from: Path = None) -> subprocess.CompletedProcess:
-    """Runs ``tests/torchrun_generate.py`` on ``nproc`` ranks (plain
+    """Runs ``spyre_support.torchrun_generate`` on ``nproc`` ranks (plain
     ``python`` for one)."""
     from vllm.utils import get_open_port
     out.mkdir(parents=True, exist_ok=True)
     if nproc > 1:
         torchrun = Path(sys.executable).with_name("torchrun")
         prefix = [str(torchrun), "--nproc-per-node", str(nproc),
-                  "--master-port", str(get_open_port())]
+                  "--master-port", str(get_open_port()), "-m"]
     else:
-        prefix = [sys.executable]
+        prefix = [sys.executable, "-m"]
     run_env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     run_env.update(env)
     return subprocess.run(
-        [*prefix, str(SCRIPT), str(out), str(model), json.dumps(PROMPTS),
+        [*prefix, SCRIPT, str(out), str(model), json.dumps(PROMPTS),
          str(MAX_TOKENS), "--engine-args", json.dumps(engine_args or {}),
          *(["--rpc", rpc] if rpc else []),
          *(["--update-from", str(update_from)] if update_from else [])],
@@ -106,7 +105,7 @@ def test_size_that_disagrees_with_the_launcher_is_refused(
 def test_worker_extension_is_reached_by_collective_rpc(tmp_path,
                                                        tiny_llama_3kv):
     proc = launch(tmp_path, tiny_llama_3kv, STATIC, 3,
-                  {"worker_extension_cls": "worker_extension.ModelProbe"},
+                  {"worker_extension_cls": "spyre_support.worker_extension.ModelProbe"},
                   rpc="spyre_probe")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     probes = [rank["rpc"] for rank in ranks(tmp_path, 3)]

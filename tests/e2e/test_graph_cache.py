@@ -1,5 +1,5 @@
 """The compiled-graph cache (``TORCH_SENDNN_CACHE_ENABLE=1``), end to end:
-every start runs in a fresh process (``tests/engine_start.py``), so a warm
+every start runs in a fresh process (``spyre_support.engine_start``), so a warm
 start can only skip compiling through the cache directory.
 
 * a cold start compiles and keeps every graph; a warm start loads them all,
@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 
 from spyre_support.envs import spyre_env
-from spyre_support.paths import REPO
 from spyre_support.reference import HFReference
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [16]]
@@ -45,7 +44,7 @@ def start(model: Path, cache: Path, env: dict, engine_args: dict = None,
                    TORCH_SENDNN_CACHE_DIR=str(cache),
                    VLLM_SPYRE_REQUIRE_PRECOMPILED="1" if strict else "0")
     proc = subprocess.run(
-        [*prefix, sys.executable, str(REPO / "tests" / "engine_start.py"),
+        [*prefix, sys.executable, "-m", "spyre_support.engine_start",
          str(model), json.dumps(engine_args or {}), json.dumps(PROMPTS),
          str(MAX_TOKENS)],
         env=run_env, capture_output=True, text=True, timeout=START_TIMEOUT)
