@@ -7,17 +7,7 @@ from vllm.attention.ops.spyre_paged_inputs import (MIN_DECODE_BATCH,
                                                    PagedInputs)
 from vllm.worker.spyre_cb_inputs import decode_batch, prefill_chunks
 
-PAD_ID = 0
-
-
-def rows(t: torch.Tensor) -> list:
-    return t.tolist()
-
-
-def assert_int64(inputs: PagedInputs) -> None:
-    for t in (inputs.input_ids, inputs.position_ids, inputs.cache_slots,
-              inputs.block_table, inputs.ctx_lens):
-        assert t.dtype == torch.int64
+from cb_cases import PAD_ID, assert_int64, rows
 
 
 # ------------------------------------------------------------- decode_batch
