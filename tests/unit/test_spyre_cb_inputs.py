@@ -4,10 +4,8 @@ engine); its decode batches are test_spyre_cb_decode.py's.
 Tables of exact values: block size 4 keeps them readable by hand, block
 size 64 (the card's) checks the lengths around a block boundary."""
 import pytest
-import torch
 
-from vllm.attention.ops.spyre_paged_inputs import (MIN_PREFILL_LEN,
-                                                   PagedInputs)
+from vllm.attention.ops.spyre_paged_inputs import MIN_PREFILL_LEN
 from vllm.core.spyre_cb_blocks import blocks_needed
 from vllm.worker.spyre_cb_inputs import (decode_batch, prefill_chunks,
                                          prefill_span, whole_prefill_len)
