@@ -133,9 +133,7 @@ else
   rm -rf "$PYPKG" && mv "$PYPKG.tmp" "$PYPKG"
   say "bindings: $PYPKG/llama_cpp"
 fi
-"$PYTHON" - "$PYPKG" <<'EOF'
-import sys
-sys.path.insert(0, sys.argv[1])
+PYTHONPATH="$PYPKG" "$PYTHON" - <<'EOF'
 import llama_cpp.llama_cpp as ll
 ll.llama_backend_init()
 print("== llama.cpp: bindings load libllama:",

@@ -108,9 +108,12 @@ from pathlib import Path
 
 import torch
 
+from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization.spyre_quant_files import (
     decoder_linears, input_embedding_name, load_tensors, output_head_name,
     plain_config, read_config, skeleton)
+
+logger = init_logger(__name__)
 
 FORMATS = ("gptq-int4", "gptq-int8", "fp8", "fp8-dynamic", "w8a16", "w4a16")
 
@@ -293,8 +296,8 @@ def main(argv=None) -> int:
     out = quantize(args.model, args.out, args.format,
                    group_size=args.group_size, sym=not args.asym,
                    lm_head=args.lm_head, calibration=args.calibration)
-    print(f"wrote {args.format} checkpoint to {out} in "
-          f"{time.perf_counter() - start:.1f} s")
+    logger.info("Wrote the %s checkpoint to %s in %.1f s", args.format, out,
+                time.perf_counter() - start)
     return 0
 
 
