@@ -34,7 +34,7 @@ import httpx
 
 from spyre_support.bench import (DEFAULT_MODEL, RESULTS, table, text_ids,
                                  write_json)
-from spyre_support.envs import backend_env
+from spyre_support.envs import cb_env
 from spyre_support.load import completion_body, percentile, stream_one
 from spyre_support.paths import REPO
 
@@ -122,7 +122,7 @@ def servers(workload: str, args) -> list[tuple[str, tuple]]:
 
 def run(workload: str, args, ids: list[int]) -> dict:
     from spyre_support.server import Server
-    env = {**backend_env(args.backend), "VLLM_SPYRE_USE_CB": "1"}
+    env = cb_env(args.backend)
     out = {}
     for name, cli in servers(workload, args):
         print(f"[{workload}] {name}: vllm serve {' '.join(cli)} (backend "

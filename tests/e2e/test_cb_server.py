@@ -10,13 +10,14 @@ import time
 
 import httpx
 import pytest
+from spyre_support.envs import cb_env
 import requests
 
 from spyre_support.server import (abort_storm, check_burst,
                                   check_echo_logprobs, check_soak, metric,
                                   Server, wait_until_zero)
 
-ENV = {"VLLM_SPYRE_USE_CB": "1", "VLLM_SPYRE_DYNAMO_BACKEND": "eager"}
+ENV = cb_env("eager")
 # 4 sequences at once, 512 tokens each at most, and a pool of 6 blocks
 # (384 tokens): small enough that requests also wait for blocks.
 ARGS = ("--max-num-seqs", "4", "--max-model-len", "512",

@@ -14,7 +14,7 @@ import torch
 
 from spyre_support.engines import (compile_count, first_logprob, spyre_engine,
                                    spyre_llm)
-from spyre_support.envs import backend_env, TORCH_OPS
+from spyre_support.envs import backend_env, cb_env, TORCH_OPS
 from spyre_support.reference import HFReference
 
 MAX_NUM_SEQS = 3
@@ -31,7 +31,7 @@ LOGPROB_ATOL = 1e-3
 
 def cb_env(backend: str) -> dict:
     """Continuous batching on a backend label (``conftest.backend_env``)."""
-    return {"VLLM_SPYRE_USE_CB": "1", **backend_env(backend)}
+    return cb_env(backend)
 
 
 def make_requests(vocab: int, plan=PLAN) -> list[tuple[list[int], int]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from spyre_support.envs import spyre_env
+from spyre_support.envs import cb_env, spyre_env
 from spyre_support.reference import HFReference
 from spyre_support.tiny_models import build_retrained
 
@@ -65,7 +65,7 @@ def hf_ids(tiny_llama_3kv):
 
 
 STATIC = spyre_env("eager", [64], [MAX_TOKENS], [3])
-CB = {"VLLM_SPYRE_DYNAMO_BACKEND": "eager", "VLLM_SPYRE_USE_CB": "1"}
+CB = cb_env("eager")
 
 
 @pytest.mark.parametrize("mode, env, engine_args", [

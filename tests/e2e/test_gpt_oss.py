@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from spyre_support.engines import greedy_requests, model_runner, spyre_llm
-from spyre_support.envs import backend_env, spyre_env
+from spyre_support.envs import cb_env, spyre_env
 from spyre_support.reference import (HFReference,
                                      prompt_logprobs_match_transformers)
 from spyre_support.tiny_models import build_tiny_family
 from spyre_support.tiny_models import GPT_OSS_WINDOW
 
 STATIC = dict(prompt_lens=[64], new_tokens=[16], batch_sizes=[2])
-CB = {"VLLM_SPYRE_USE_CB": "1", **backend_env("eager")}
+CB = cb_env("eager")
 CB_ARGS = dict(max_model_len=192, max_num_seqs=3)
 
 

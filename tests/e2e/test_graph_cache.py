@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from spyre_support.envs import spyre_env
+from spyre_support.envs import cb_env, spyre_env
 from spyre_support.reference import HFReference
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [16]]
@@ -105,7 +105,7 @@ def test_eager_backend_warm_start(tmp_path, tiny_llama, hf_ids):
 
 
 def test_continuous_batching_warm_start(tmp_path, tiny_llama, hf_ids):
-    env = {"VLLM_SPYRE_DYNAMO_BACKEND": "inductor", "VLLM_SPYRE_USE_CB": "1"}
+    env = cb_env("inductor")
     cold = start(tiny_llama, tmp_path, env, CB_ARGS)
     assert cold["graphs"] == [{"compiled": 2}]  # prefill, decode
     warm = start(tiny_llama, tmp_path, env, CB_ARGS, strict=True)

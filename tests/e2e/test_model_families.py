@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from spyre_support.engines import compile_count, spyre_llm
-from spyre_support.envs import spyre_env
+from spyre_support.envs import cb_env, spyre_env
 from spyre_support.reference import HFReference
 from spyre_support.tiny_models import build_tiny_family
 from spyre_support.server import Server, served_ids
@@ -24,7 +24,7 @@ from spyre_support.tiny_models import FAMILIES
 # Short prompts four at a time, longer answers two at a time.
 STATIC = dict(prompt_lens=[64, 64], new_tokens=[8, 16], batch_sizes=[4, 2])
 ONE_SHAPE = dict(prompt_lens=[64], new_tokens=[16], batch_sizes=[3])
-CB_ENV = {"VLLM_SPYRE_USE_CB": "1", "VLLM_SPYRE_DYNAMO_BACKEND": "eager"}
+CB_ENV = cb_env("eager")
 CB_ARGS = dict(max_model_len=80, max_num_seqs=3)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from spyre_support.engines import (compile_count, greedy_tokens, model_runner,
                                    spyre_llm)
-from spyre_support.envs import backend_env
+from spyre_support.envs import cb_env
 
 BLOCK = 64
 MAX_MODEL_LEN = 640
@@ -21,7 +21,7 @@ NEW = 8
 
 
 def cb_caching_env(backend: str = "eager") -> dict:
-    return {"VLLM_SPYRE_USE_CB": "1", **backend_env(backend)}
+    return cb_env(backend)
 
 
 def ids(n: int, seed: int) -> list[int]:

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from spyre_support.engines import spyre_llm
-from spyre_support.envs import spyre_env
+from spyre_support.envs import cb_env, spyre_env
 
 # Largest batch size 2.
 STATIC_ENV = spyre_env("eager", prompt_lens=[64, 128], new_tokens=[16, 8],
                        batch_sizes=[2, 1])
-CB_ENV = {"VLLM_SPYRE_USE_CB": "1", "VLLM_SPYRE_DYNAMO_BACKEND": "eager"}
+CB_ENV = cb_env("eager")
 
 
 def tokens(ids):

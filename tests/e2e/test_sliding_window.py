@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from spyre_support.engines import compile_count, greedy_requests, spyre_llm
-from spyre_support.envs import backend_env, spyre_env
+from spyre_support.envs import cb_env, spyre_env
 from spyre_support.reference import prompt_logprobs_match_transformers
 from spyre_support.tiny_models import build_tiny_family
 
@@ -94,14 +94,14 @@ def test_static_inductor_without_recompiling(mistral):
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_continuous_batching(mistral, backend):
-    _check(*mistral, {"VLLM_SPYRE_USE_CB": "1", **backend_env(backend)},
+    _check(*mistral, cb_env(backend),
            recompiles_checked=backend == "inductor", **CB_ARGS)
 
 
 @pytest.mark.parametrize("mode", ["static", "cb"])
 def test_vllm_model_code(mistral, mode):
     env = (spyre_env("eager", **STATIC) if mode == "static" else
-           {"VLLM_SPYRE_USE_CB": "1", **backend_env("eager")})
+           cb_env("eager"))
     _check(*mistral, env, model_impl="vllm",
            **(CB_ARGS if mode == "cb" else {}))
 
@@ -126,7 +126,7 @@ def test_chunked_prefill(mistral):
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="sdpa").eval()
     expected = [full_context_greedy(model, p, m) for p, m in requests]
-    with spyre_llm(path, {"VLLM_SPYRE_USE_CB": "1", **backend_env("eager")},
+    with spyre_llm(path, cb_env("eager"),
                    enable_chunked_prefill=True, max_num_batched_tokens=64,
                    **CB_ARGS) as llm:
         assert greedy_requests(llm, requests) == expected

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from spyre_support.engines import compile_count, spyre_llm
-from spyre_support.envs import spyre_env
+from spyre_support.envs import cb_env, spyre_env
 from spyre_support.reference import HFReference
 from spyre_support.tiny_models import build_tiny_family, build_tiny_llama
 from spyre_support.tiny_models import build_retrained
@@ -26,7 +26,7 @@ UNFROZEN = {"VLLM_SPYRE_INDUCTOR_FREEZING": "0"}
 STATIC = {"eager": spyre_env("eager", [64], [MAX_TOKENS], [2]),
           "inductor": {**spyre_env("inductor", [64], [MAX_TOKENS], [2]),
                        **UNFROZEN}}
-CB = {"VLLM_SPYRE_DYNAMO_BACKEND": "eager", "VLLM_SPYRE_USE_CB": "1"}
+CB = cb_env("eager")
 
 
 def greedy(llm) -> list[list[int]]:
