@@ -11,14 +11,12 @@ process must be able to set its environment before vLLM is imported.
 """
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from typing import Any, Optional
 
-from spyre_support.bench import Run, Timings, Workload
-from spyre_support.engines import compile_count
-from spyre_support.envs import TORCH_OPS, cb_env, cb_max_model_len, warmup_env
+from spyre_support.bench import Run, Workload
+from spyre_support.envs import cb_env, cb_max_model_len, warmup_env
 
 
 class SpyreDriver:

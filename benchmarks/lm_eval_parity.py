@@ -33,7 +33,6 @@ from typing import Any, Optional
 
 from spyre_support.bench import DEFAULT_MODEL, table, write_json
 from spyre_support.envs import cb_env, warmup_env
-from spyre_support.paths import REPO
 
 TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
 TASKS = ("spyre_facts", "spyre_arith", "spyre_text")

@@ -36,7 +36,6 @@ from spyre_support.bench import (DEFAULT_MODEL, RESULTS, table, text_ids,
                                  write_json)
 from spyre_support.envs import cb_env
 from spyre_support.load import completion_body, percentile, stream_one
-from spyre_support.paths import REPO
 
 from serving_load import served
 

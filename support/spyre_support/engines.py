@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 from unittest import mock
 
-from spyre_support.envs import backend_env, cb_env, spyre_env
+from spyre_support.envs import cb_env, spyre_env
 
 
 def compile_count() -> int:

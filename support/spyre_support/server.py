@@ -20,7 +20,7 @@ import httpx
 import requests
 
 from spyre_support.soak import metric as url_metric
-from spyre_support.soak import (burst, metric_in, random_requests, soak,
+from spyre_support.soak import (burst, random_requests, soak,
                                 soak_plan, tree_rss)
 
 

@@ -20,7 +20,6 @@ Static and continuous batching, ``eager`` and ``inductor``, and tensor
 parallel over 3 ranks."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,6 @@ import torch
 
 from spyre_support.engines import compile_count, spyre_llm
 from spyre_support.envs import spyre_env
-from spyre_support.paths import REPO
 
 from bf16_quality import TeacherForced
 

@@ -14,7 +14,7 @@ import torch
 
 from spyre_support.engines import (compile_count, first_logprob, spyre_engine,
                                    spyre_llm)
-from spyre_support.envs import backend_env, cb_env, TORCH_OPS
+from spyre_support.envs import cb_env, TORCH_OPS
 from spyre_support.reference import HFReference
 
 MAX_NUM_SEQS = 3
@@ -27,11 +27,6 @@ PLAN = [(3, 64), (450, 5), (70, 1), (128, 33), (64, 64), (200, 12), (5, 40),
 # decoding: with 7 blocks the scheduler must preempt one of them.
 PREEMPT_PLAN = [(100, 60), (110, 50), (120, 40), (5, 30), (300, 20)]
 LOGPROB_ATOL = 1e-3
-
-
-def cb_env(backend: str) -> dict:
-    """Continuous batching on a backend label (``conftest.backend_env``)."""
-    return cb_env(backend)
 
 
 def make_requests(vocab: int, plan=PLAN) -> list[tuple[list[int], int]]:

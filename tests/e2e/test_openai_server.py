@@ -16,7 +16,8 @@ import requests
 
 from spyre_support.engines import spyre_llm
 from spyre_support.envs import spyre_env
-from spyre_support.server import check_echo_logprobs, metric, metric_in, Server
+from spyre_support.server import check_echo_logprobs, metric, Server
+from spyre_support.soak import metric_in
 
 SHAPES = dict(prompt_lens=[64, 128], new_tokens=[16, 8], batch_sizes=[4, 2])
 ENV = spyre_env("eager", **SHAPES)

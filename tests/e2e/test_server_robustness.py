@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -18,7 +17,6 @@ import requests
 
 from spyre_support.envs import spyre_env
 from spyre_support.load import run_load
-from spyre_support.paths import REPO
 from spyre_support.server import (abort_storm, check_burst, check_soak, Server,
                                   wait_until_zero)
 

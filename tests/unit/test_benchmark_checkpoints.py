@@ -5,14 +5,12 @@ quantized form written beside it through the quantization writer."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 import benchmark_checkpoints as bc  # scripts/ (pytest's pythonpath)
 
-from spyre_support.paths import REPO
 
 SMALL = dict(bc.SHAPES["granite-3.3-2b"], hidden_size=128,
              intermediate_size=256, num_hidden_layers=2,

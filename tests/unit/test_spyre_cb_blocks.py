@@ -1,7 +1,6 @@
 """Unit tests of continuous batching's refusals
 (vllm/core/spyre_cb_blocks.py): the model length and the block pool,
 for one sequence and for parallel samples."""
-import pytest
 
 from vllm.core.spyre_cb_blocks import (parallel_samples_reason,
                                        rejection_reason)

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from vllm.attention.ops.spyre_paged_inputs import (MIN_DECODE_BATCH,
-                                                   PagedInputs)
+from vllm.attention.ops.spyre_paged_inputs import MIN_DECODE_BATCH
 from vllm.worker.spyre_cb_inputs import decode_batch, prefill_chunks
 
 from cb_cases import PAD_ID, assert_int64, rows
