@@ -68,12 +68,12 @@ def engine_pid(server) -> int:
                          server.log()).group(1))
 
 
-def kill_mid_stream_and_time(srv, pid: int) -> float:
+def kill_mid_stream_and_time(srv, pid: int, tokens: int) -> float:
     """Streams a long completion, SIGKILLs ``pid`` after its first token,
     and returns the seconds from the kill until the stream has ended (with
     an error or a cut connection, never a normal finish) and ``/health``
     has stopped answering 200."""
-    body = dict(model=srv.model, prompt=[5] * 9, max_tokens=LONG,
+    body = dict(model=srv.model, prompt=[5] * 9, max_tokens=tokens,
                 ignore_eos=True, stream=True)
     with requests.post(srv.url + "/v1/completions", json=body, stream=True,
                        timeout=60) as resp:
@@ -108,24 +108,31 @@ def assert_new_requests_fail(srv) -> None:
         pass  # the server shut itself down: the request fails fast
 
 
-# Long enough that a stream is still decoding when its engine is killed.
-LONG = 512
+# Long enough that a stream is still decoding when its engine or a rank is
+# killed.  One engine alone decodes the tiny model's 512 tokens faster than
+# a loaded machine's API server delivers the first chunk (the stream had
+# ended normally by the kill), so the engine's case runs 1,984 steps on the
+# tiny Llama with 2,048 positions; three ranks' steps are slower.
+LONG = 1984
 LONG_ENV = spyre_env("eager", [64], [LONG], [1])
+LONG_TP = 512
+LONG_TP_ENV = spyre_env("eager", [64], [LONG_TP], [1])
 
 
 @pytest.mark.parametrize("rpc_timeout_ms,limit_s", [
     (None, 21),  # vLLM's default: two polls of 10 s at most
     ("3000", 7),  # the setting docs/serving.md recommends
 ])
-def test_dead_engine_is_reported_fast(tiny_llama, rpc_timeout_ms, limit_s):
+def test_dead_engine_is_reported_fast(tiny_llama_2k, rpc_timeout_ms,
+                                      limit_s):
     """The API server learns of its engine's death from the client's
     heartbeat loop and then its output loop, each polling with a timeout
     of VLLM_RPC_TIMEOUT."""
     env = dict(LONG_ENV)
     if rpc_timeout_ms:
         env["VLLM_RPC_TIMEOUT"] = rpc_timeout_ms
-    with Server(tiny_llama, env) as srv:
-        took = kill_mid_stream_and_time(srv, engine_pid(srv))
+    with Server(tiny_llama_2k, env) as srv:
+        took = kill_mid_stream_and_time(srv, engine_pid(srv), LONG)
         print(f"engine death reported after {took:.1f} s")
         assert took < limit_s
         assert_new_requests_fail(srv)
@@ -133,11 +140,11 @@ def test_dead_engine_is_reported_fast(tiny_llama, rpc_timeout_ms, limit_s):
 
 def test_dead_tensor_parallel_rank_is_reported_fast(tiny_llama_3kv):
     """TP=3 over worker processes: rank 2 is killed mid-stream."""
-    with Server(tiny_llama_3kv, LONG_ENV,
+    with Server(tiny_llama_3kv, LONG_TP_ENV,
                 args=("--tensor-parallel-size", "3")) as srv:
         pid = int(re.search(r"rank 2 runs in process (\d+)",
                             srv.log()).group(1))
-        took = kill_mid_stream_and_time(srv, pid)
+        took = kill_mid_stream_and_time(srv, pid, LONG_TP)
         print(f"rank death reported after {took:.1f} s")
         assert took < 10
         assert_new_requests_fail(srv)
