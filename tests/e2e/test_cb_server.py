@@ -10,9 +10,9 @@ import time
 
 import httpx
 import pytest
-from spyre_support.envs import cb_env
 import requests
 
+from spyre_support.envs import cb_env
 from spyre_support.server import (abort_storm, check_burst,
                                   check_echo_logprobs, check_soak, metric,
                                   Server, wait_until_zero)

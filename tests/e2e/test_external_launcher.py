@@ -1,13 +1,13 @@
 """``distributed_executor_backend="external_launcher"`` on Spyre: under
 ``torchrun --nproc-per-node 3`` every rank runs its own engine in its own
-process (``spyre_support.torchrun_generate``), the three form the tensor-parallel
-group, and every rank returns transformers' greedy ids (so TP=1's), static
-and continuous batching, with nothing compiled after warm-up; one rank
-under plain ``python``; ``worker_extension_cls`` mixed into the Spyre
-worker and reached by ``LLM.collective_rpc`` on every rank; a size that
-disagrees with the launcher is refused; new weights loaded in place on every
-rank (each keeping its shard) give transformers' ids of the new checkpoint
-with nothing compiled, ``eager`` and ``inductor``."""
+process (``spyre_support.torchrun_generate``), the three form the
+tensor-parallel group, and every rank returns transformers' greedy ids (so
+TP=1's), static and continuous batching, with nothing compiled after
+warm-up; one rank under plain ``python``; ``worker_extension_cls`` mixed
+into the Spyre worker and reached by ``LLM.collective_rpc`` on every rank;
+a size that disagrees with the launcher is refused; new weights loaded in
+place on every rank (each keeping its shard) give transformers' ids of the
+new checkpoint with nothing compiled, ``eager`` and ``inductor``."""
 from __future__ import annotations
 
 import json
@@ -105,7 +105,8 @@ def test_size_that_disagrees_with_the_launcher_is_refused(
 def test_worker_extension_is_reached_by_collective_rpc(tmp_path,
                                                        tiny_llama_3kv):
     proc = launch(tmp_path, tiny_llama_3kv, STATIC, 3,
-                  {"worker_extension_cls": "spyre_support.worker_extension.ModelProbe"},
+                  {"worker_extension_cls":
+                   "spyre_support.worker_extension.ModelProbe"},
                   rpc="spyre_probe")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     probes = [rank["rpc"] for rank in ranks(tmp_path, 3)]

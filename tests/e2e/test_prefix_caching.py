@@ -20,10 +20,6 @@ MAX_MODEL_LEN = 640
 NEW = 8
 
 
-def cb_caching_env(backend: str = "eager") -> dict:
-    return cb_env(backend)
-
-
 def ids(n: int, seed: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(4, 384, (n, ), generator=gen).tolist()
@@ -51,7 +47,7 @@ def assert_no_block_referenced(llm) -> None:
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    with spyre_llm(tiny_llama, cb_caching_env(), max_num_seqs=4,
+    with spyre_llm(tiny_llama, cb_env("eager"), max_num_seqs=4,
                    max_model_len=MAX_MODEL_LEN,
                    enable_prefix_caching=True) as llm:
         yield llm
@@ -188,7 +184,7 @@ def test_hits_while_requests_are_preempted(tiny_llama, hf_tiny):
     find their prefix cached; every output is transformers'."""
     shared = ids(128, 8)
     prompts = [shared + ids(20 + 10 * i, 400 + i) for i in range(4)]
-    with spyre_llm(tiny_llama, cb_caching_env(), max_num_seqs=4,
+    with spyre_llm(tiny_llama, cb_env("eager"), max_num_seqs=4,
                    max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True,
                    num_gpu_blocks_override=7) as llm:
         outputs = greedy(llm, prompts, max_tokens=60)
@@ -204,7 +200,7 @@ def test_a_shared_prefix_on_inductor(tiny_llama, hf_tiny, backend):
     cached blocks: transformers' ids, nothing compiled after warm-up."""
     system = ids(300, 9)
     prompts = [system + ids(15, 500 + i) for i in range(4)]
-    with spyre_llm(tiny_llama, cb_caching_env(backend), max_num_seqs=4,
+    with spyre_llm(tiny_llama, cb_env(backend), max_num_seqs=4,
                    max_model_len=MAX_MODEL_LEN,
                    enable_prefix_caching=True) as llm:
         before = compile_count()
@@ -222,7 +218,7 @@ def test_unused_cached_blocks_are_evicted_least_recently_used(tiny_llama,
     evicts A's blocks, the least recently used; B is still cached when
     asked again, A is not."""
     a, b, c = ids(128, 10), ids(128, 11), ids(128, 12)
-    with spyre_llm(tiny_llama, cb_caching_env(), max_num_seqs=2,
+    with spyre_llm(tiny_llama, cb_env("eager"), max_num_seqs=2,
                    max_model_len=256, enable_prefix_caching=True,
                    num_gpu_blocks_override=6) as llm:
         for p in (a, b, c):
@@ -246,7 +242,7 @@ def test_the_server_with_prefix_caching_and_chunked_prefill(tiny_llama,
     from spyre_support.server import Server
     system = ids(300, 13)
     prompts = [system + ids(10, 600 + i) for i in range(3)]
-    with Server(tiny_llama, cb_caching_env(),
+    with Server(tiny_llama, cb_env("eager"),
                 args=("--max-num-seqs", "4", "--max-model-len", "512",
                       "--enable-prefix-caching", "--enable-chunked-prefill",
                       "--max-num-batched-tokens", "128",

@@ -153,7 +153,8 @@ def test_generic_base_with_a_plain_cpu_mixin(tiny_llama):
     # Three ranks of a worker that holds no model at all.
     config.parallel_config.tensor_parallel_size = 3
     config.parallel_config.world_size = 3
-    config.parallel_config.worker_cls = "spyre_support.plain_cpu_worker.PlainCPUWorker"
+    config.parallel_config.worker_cls = (
+        "spyre_support.plain_cpu_worker.PlainCPUWorker")
     executor = PlainCPUExecutor(vllm_config=config)
     try:
         assert executor.collective_rpc("sum_of_ranks") == [3, 3, 3]

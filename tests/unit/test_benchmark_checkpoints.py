@@ -11,7 +11,6 @@ import torch
 
 import benchmark_checkpoints as bc  # scripts/ (pytest's pythonpath)
 
-
 SMALL = dict(bc.SHAPES["granite-3.3-2b"], hidden_size=128,
              intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
