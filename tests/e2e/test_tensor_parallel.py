@@ -112,13 +112,9 @@ def test_tp2_through_the_openai_server(tiny_llama, hf_tiny):
                         resp.json()["choices"][0]["logprobs"]["tokens"]])
         log = srv.log()
         # A dead rank: the server stops reporting healthy within seconds.
-        engine = int(re.search(r"Started engine process with PID (\d+)",
-                               log).group(1))
-        rank1 = [p for p in psutil.Process(engine).children()
-                 if "spawn_main" in " ".join(p.cmdline())
-                 and "resource_tracker" not in " ".join(p.cmdline())]
+        rank1 = re.findall(r"rank 1 runs in process (\d+)", log)
         assert len(rank1) == 1
-        rank1[0].kill()
+        psutil.Process(int(rank1[0])).kill()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:

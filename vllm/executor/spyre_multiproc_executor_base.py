@@ -93,17 +93,16 @@ class MultiprocessingExecutor(DistributedExecutorBase):
     def _start_workers(self, world_size: int) -> list:
         """Starts ranks 1..world_size-1; returns handles whose
         ``execute_method`` gives a future with ``get()``."""
-        # Workers must not inherit the engine's threads (OpenMP is not
-        # fork-safe): start them fresh.
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        start_method = rank_start_method()
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = start_method
         self.result_handler = ResultHandler()
         workers = []
         for rank in range(1, world_size):
-            with _patched_environ(self._rank_env(rank)):
-                workers.append(
-                    ProcessWorkerWrapper(self.result_handler,
-                                         WorkerWrapperBase, self.vllm_config,
-                                         rank))
+            env = dict(os.environ, **self._rank_env(rank))
+            workers.append(
+                ProcessWorkerWrapper(self.result_handler,
+                                     RankWorkerFactory(env, os.getcwd()),
+                                     self.vllm_config, rank))
             logger.info("%s: rank %d runs in process %d", type(self).__name__,
                         rank, workers[-1].process.pid)
         self.worker_monitor = RankMonitor(workers, self.result_handler,
@@ -232,15 +231,37 @@ class RankMonitor(WorkerMonitor):
         super().run()
 
 
-@contextlib.contextmanager
-def _patched_environ(values: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
+#: What a rank imports before its worker exists: the fork server loads
+#: these once, and each rank forked from it starts with them loaded.
+RANK_PRELOAD = ["vllm.worker.worker_base", "vllm.worker.spyre_static_worker",
+                "vllm.worker.spyre_cb_worker",
+                "vllm.worker.spyre_pooling_worker"]
+
+
+def rank_start_method() -> str:
+    """How rank processes start: ``forkserver`` (a server process that has
+    imported ``RANK_PRELOAD`` once forks each rank), unless
+    ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` asks for a fresh interpreter per
+    rank.  Never a fork of the engine: its OpenMP threads do not survive
+    one."""
+    if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn":
+        return "spawn"
+    import multiprocessing
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    return "forkserver"
+
+
+class RankWorkerFactory:
+    """Builds one rank's worker in its own process under the environment
+    and working directory the engine gave it: a forked rank inherits the
+    fork server's, not the engine's."""
+
+    def __init__(self, env: dict[str, str], cwd: str) -> None:
+        self.env = env
+        self.cwd = cwd
+
+    def __call__(self, vllm_config, rank: int) -> WorkerWrapperBase:
+        os.environ.clear()
+        os.environ.update(self.env)
+        os.chdir(self.cwd)
+        return WorkerWrapperBase(vllm_config, rpc_rank=rank)
