@@ -85,7 +85,7 @@ def measure(model_dir: str, batch: int, prompt_len: int,
             steps[0] += time.perf_counter() - steps.pop()
             steps[1] += 1
 
-    fms = spyre_model.fms_model
+    fms = spyre_model.code.fms_model
     handles = _timed_layers(fms, spyre_model.is_ssm, times)
     body = fms.base_model
     handles.append(body.register_forward_pre_hook(step_before,

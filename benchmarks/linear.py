@@ -72,7 +72,8 @@ def quantize_rtn(w, kind: str):
     output channel, int4 per group of 64 (codes 0..15, zero point 8)."""
     import torch
 
-    from vllm.model_executor.layers.spyre_quant_linear import QuantWeight
+    from vllm.model_executor.layers.quantization.spyre_quant_linear import (
+        QuantWeight)
     if kind == "int4":
         g = w.view(w.shape[0], -1, 64)
         scale = g.abs().amax(-1) / 7
@@ -95,7 +96,8 @@ def kernels(rows: int):
     import torch.nn.functional as F
 
     from vllm.spyre_kernels import ops as native
-    from vllm.model_executor.layers import spyre_linear, spyre_quant_linear
+    from vllm.model_executor.layers import spyre_linear
+    from vllm.model_executor.layers.quantization import spyre_quant_linear
 
     def plain(w):
         return w, w, w.numel() * w.element_size()

@@ -119,7 +119,7 @@ values in force ("Spyre static batching: warm-up shapes ...").
 | chunked prefill | off | a prompt is prefilled whole, padded to its shape |
 | prefix caching | refused (`NotImplementedError` naming `VLLM_SPYRE_USE_CB`) | the KV cache of a batch lives in the model and is replaced at every prefill |
 | `enforce_eager` | on | graph capture belongs to `torch.compile` and the warm-up, not to vLLM |
-| executor, worker, scheduler | `SpyreExecutor`, `SpyreWorker`, `SpyreScheduler` | static batching over the compiled shapes |
+| executor, worker, scheduler | `SpyreExecutor`, `SpyreStaticWorker`, `SpyreStaticScheduler` | static batching over the compiled shapes |
 
 With the example above: `max_model_len` = 320, `max_num_seqs` = 4,
 `max_num_batched_tokens` = 512, `block_size` = 320.

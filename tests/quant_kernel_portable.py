@@ -22,7 +22,8 @@ def main() -> int:
     import importlib.util
     spec = importlib.util.spec_from_file_location(
         "quant_linear_module",
-        REPO / "vllm" / "model_executor" / "layers" / "spyre_quant_linear.py")
+        REPO / "vllm" / "model_executor" / "layers" / "quantization"
+        / "spyre_quant_linear.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)

@@ -10,7 +10,8 @@ class ModelProbe:
         """This rank, its model class, and a checksum of its weights (the
         parameters, and the buffers that hold packed linear weights)."""
         model = self.model_runner.model
-        tensors = [*model.fms_model.parameters(), *model.fms_model.buffers()]
+        fms = model.code.fms_model
+        tensors = [*fms.parameters(), *fms.buffers()]
         total = sum(float(t.double().sum()) for t in tensors
                     if t.is_floating_point())
         return dict(rank=self.rank, model=type(model).__name__,

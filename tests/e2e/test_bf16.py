@@ -83,7 +83,7 @@ def bf16_layers(llm) -> dict[str, int]:
         from vllm.model_executor.layers.spyre_linear import (Bf16Linear,
                                                              PackedLinear)
         spyre = worker.model_runner.model
-        model = spyre.fms_model
+        model = spyre.code.fms_model
         mods = list(model.modules())
         return dict(
             packed=sum(isinstance(m, PackedLinear)

@@ -112,7 +112,7 @@ def test_worker_extension_is_reached_by_collective_rpc(tmp_path,
     probes = [rank["rpc"] for rank in ranks(tmp_path, 3)]
     # One worker per engine: each rank's call reaches its own worker.
     assert [p[0]["rank"] for p in probes] == [0, 1, 2]
-    assert {p[0]["model"] for p in probes} == {"SpyreCausalLM"}
+    assert {p[0]["model"] for p in probes} == {"SpyreStaticCausalLM"}
     # Each rank holds its own shard of the weights.
     assert len({round(p[0]["weights_sum"], 3) for p in probes}) == 3
 

@@ -55,15 +55,15 @@ def reference(path) -> list[list[int]]:
 
 
 def probe(worker) -> dict:
-    """What a rank's model runs (for ``collective_rpc``): its class, its
-    output head's method, and how many linear layers were left off the
-    kernels."""
+    """What a rank's model runs (for ``collective_rpc``): its model code's
+    class, its output head's method, and how many linear layers were left
+    off the kernels."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    model = worker.model_runner.model
-    inner = getattr(model, "vllm_model", None)
+    code = worker.model_runner.model.code
+    inner = getattr(code, "vllm_model", None)
     if inner is None:
-        return dict(cls=type(model).__name__)
-    return dict(cls=type(model).__name__,
+        return dict(cls=type(code).__name__)
+    return dict(cls=type(code).__name__,
                 head=type(inner.lm_head.quant_method).__name__,
                 left=sum(type(getattr(m, "quant_method", None)) is
                          UnquantizedLinearMethod for m in inner.modules()))
@@ -72,7 +72,7 @@ def probe(worker) -> dict:
 def on_vllm_code(ranks: list[dict]) -> bool:
     """Every rank ran vLLM's model class, every linear layer and the head
     on the packed kernel."""
-    return all(r["cls"].startswith("SpyreVllm") and r["left"] == 0
+    return all(r["cls"] == "VllmModelCode" and r["left"] == 0
                and r["head"] == "PackedHeadMethod" for r in ranks)
 
 
@@ -254,6 +254,6 @@ def test_smollm2_equals_the_fms_path(smollm2):
     the same ids."""
     fms, _, fms_probes = run(smollm2, "static")
     ours, _, probes = run(smollm2, "static", model_impl="vllm")
-    assert fms_probes == [dict(cls="SpyreCausalLM")]
+    assert fms_probes == [dict(cls="FmsModelCode")]
     assert on_vllm_code(probes), probes
     assert ours == fms

@@ -84,7 +84,7 @@ def _greedy(model, prompt: list[int], new: int) -> list[int]:
 def probe(worker) -> dict:
     """How many of a rank's linear layers (and its head) run on the
     quantized kernel, and how many on float weights."""
-    inner = worker.model_runner.model.vllm_model
+    inner = worker.model_runner.model.code.vllm_model
     kernel = sum(hasattr(m, "spyre_qcodes") for m in inner.modules())
     floats = sum(hasattr(m, "spyre_packed") or hasattr(m, "weight") and
                  type(getattr(m, "quant_method", None)).__name__ ==

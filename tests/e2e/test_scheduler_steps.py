@@ -1,6 +1,6 @@
-"""SpyreScheduler behaviour as step tables: step a real engine (tiny Llama,
-eager backend) and check waiting / running / finished and the chosen shape
-after every step."""
+"""SpyreStaticScheduler behaviour as step tables: step a real engine (tiny
+Llama, eager backend) and check waiting / running / finished and the chosen
+shape after every step."""
 from __future__ import annotations
 
 import pytest

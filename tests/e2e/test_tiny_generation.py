@@ -53,12 +53,12 @@ def tiny_run(request, tiny_llama):
         model = llm.llm_engine.model_executor.driver_worker.worker \
             .model_runner.model
         packed = sum(type(m).__name__ == "PackedLinear"
-                     for m in model.fms_model.modules())
+                     for m in model.code.fms_model.modules())
         fused = sum(type(m).__name__ == "KernelRMSNorm"
-                    for m in model.fms_model.modules())
+                    for m in model.code.fms_model.modules())
         kernels = dict(native=model.native, attn_name=model.attn_name,
                        packed=packed, fused_norms=fused,
-                       rotary=type(model.fms_model.base_model.rot_emb)
+                       rotary=type(model.code.fms_model.base_model.rot_emb)
                        .__name__)
     yield dict(backend=backend, reqs=reqs, outputs=outputs,
                compiled=compiled, warmup_compiles=warmup_compiles,

@@ -148,8 +148,8 @@ def test_the_contract_sees_the_project_imports(tmp_path):
                         f'layers = ["{top}", "{bottom}"]\n')
 
     assert layers("vllm.model_executor.models.spyre_causal_lm",
-                  "vllm.worker.spyre_model_runner") != 0
-    assert layers("vllm.worker.spyre_model_runner",
+                  "vllm.worker.spyre_static_model_runner") != 0
+    assert layers("vllm.worker.spyre_static_model_runner",
                   "vllm.model_executor.models.spyre_causal_lm") == 0
 
 

@@ -20,7 +20,7 @@ from vllm.config.spyre import CB_BLOCK_SIZE
 from vllm.config.spyre_warmup_shapes import WarmupShape
 from vllm.worker.spyre_cb_inputs import (decode_batch, prefill_chunks,
                                          whole_prefill_len)
-from vllm.worker.spyre_inputs import DecodeSteps, prefill_inputs
+from vllm.worker.spyre_static_inputs import DecodeSteps, prefill_inputs
 
 H, KVH, D, N = 4, 2, 16, 90
 

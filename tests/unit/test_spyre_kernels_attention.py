@@ -13,7 +13,7 @@ import torch
 from vllm.spyre_kernels import ops as native
 from vllm.attention.ops import spyre_static_cache as static_cache
 from vllm.config.spyre import WarmupShape
-from vllm.worker.spyre_inputs import DecodeSteps
+from vllm.worker.spyre_static_inputs import DecodeSteps
 
 pytestmark = pytest.mark.skipif(not native.available(),
                                 reason="no C++ compiler for the kernel")

@@ -4,7 +4,7 @@ A tiny random FMS LLaMA (grouped-query attention, two layers) generates
 greedily twice from the same left-padded batch: once with FMS's default
 attention (``sdpa_causal``, the cache concatenated every token) and once
 with the Spyre op (cache allocated once, written in place, fixed-shape
-masks from ``spyre_inputs``).  Logits and ids must agree.
+masks from ``spyre_static_inputs``).  Logits and ids must agree.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from vllm.attention.ops import spyre_kv_layout as kv_layout
 from vllm.attention.ops import spyre_static_cache as static_cache
 from vllm.config.spyre import WarmupShape
-from vllm.worker.spyre_inputs import decode_inputs, prefill_inputs
+from vllm.worker.spyre_static_inputs import decode_inputs, prefill_inputs
 
 from spyre_support.tiny_models import build_tiny_fms
 

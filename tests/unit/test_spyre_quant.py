@@ -24,9 +24,8 @@ import torch
 from vllm.spyre_kernels import ops as native
 from vllm.model_executor.layers.quantization import (spyre_quant,
                                                       spyre_quant_method)
-from vllm.model_executor.layers.spyre_quant_linear import (QuantWeight,
-                                                           fake_quantize_fp8,
-                                                           pack, quant_linear)
+from vllm.model_executor.layers.quantization.spyre_quant_linear import (
+    QuantWeight, fake_quantize_fp8, pack, quant_linear)
 
 kernel = pytest.mark.skipif(not native.available(),
                             reason="no C++ compiler for the kernel")
@@ -173,7 +172,8 @@ def test_kernel_rows_follow_the_cpu(monkeypatch, amx):
     """With AMX, prompts of DENSE_ROWS rows on oneDNN and float32 tiles
     below (faster there than bfloat16 pairs at every height); without it,
     bfloat16 pairs from DOT_ROWS rows; float32 inputs neither."""
-    from vllm.model_executor.layers import spyre_quant_linear as sql
+    from vllm.model_executor.layers.quantization import (
+        spyre_quant_linear as sql)
     monkeypatch.setattr(native, "has_amx_bf16", lambda: amx)
     for kind in ("int8", "fp8", "int4"):
         assert sql.kernel_rows(kind, False) == (0, 0)

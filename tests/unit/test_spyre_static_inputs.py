@@ -1,4 +1,4 @@
-"""Unit tests of vllm/worker/spyre_inputs.py: the tensors of a static
+"""Unit tests of vllm/worker/spyre_static_inputs.py: the tensors of a static
 batch's prefill and decode steps (no model, no engine).  The shape rules
 are in test_spyre_static_shapes.py."""
 import random
@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from vllm.config.spyre import WarmupShape
-from vllm.worker.spyre_inputs import DecodeSteps, decode_inputs, prefill_inputs
+from vllm.worker.spyre_static_inputs import (DecodeSteps, decode_inputs,
+                                             prefill_inputs)
 
 T, F_ = True, False
 

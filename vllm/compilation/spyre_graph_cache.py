@@ -82,6 +82,7 @@ GRAPH_CODE = (
     "attention/ops/spyre_torch_ops.py",
     # Layers.
     "model_executor/layers/quantization/spyre_quant.py",
+    "model_executor/layers/quantization/spyre_quant_linear.py",
     "model_executor/layers/quantization/spyre_quant_method.py",
     "model_executor/layers/quantization/spyre_quant_schemes.py",
     "model_executor/layers/spyre_fused_ops.py",
@@ -89,25 +90,27 @@ GRAPH_CODE = (
     "model_executor/layers/spyre_linear_method.py",
     "model_executor/layers/spyre_mamba.py",
     "model_executor/layers/spyre_moe.py",
-    "model_executor/layers/spyre_quant_linear.py",
     # Loading (the model's structure, sharding and packed weights).
     "model_executor/model_loader/spyre_fms_loader.py",
     "model_executor/model_loader/spyre_encoder_loader.py",
     "model_executor/model_loader/spyre_vllm_loader.py",
     # Models.
     "model_executor/models/spyre_causal_lm.py",
+    "model_executor/models/spyre_cb_causal_lm.py",
     "model_executor/models/spyre_dtypes.py",
     "model_executor/models/spyre_encoder.py",
     "model_executor/models/spyre_encoder_families.py",
     "model_executor/models/spyre_families.py",
+    "model_executor/models/spyre_fms_model_code.py",
     "model_executor/models/spyre_fms_decoder.py",
     "model_executor/models/spyre_gpt_oss.py",
     "model_executor/models/spyre_granite4.py",
     "model_executor/models/spyre_hf_config.py",
     "model_executor/models/spyre_hf_encoder.py",
+    "model_executor/models/spyre_model_code.py",
     "model_executor/models/spyre_model_impl.py",
-    "model_executor/models/spyre_paged_causal_lm.py",
-    "model_executor/models/spyre_vllm_causal_lm.py",
+    "model_executor/models/spyre_static_causal_lm.py",
+    "model_executor/models/spyre_vllm_model_code.py",
 )
 #: Files of the model code folders that do not change a graph: the
 #: sampler runs on the graphs' logits, weight updates copy new values into

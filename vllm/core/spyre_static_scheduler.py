@@ -1,4 +1,4 @@
-"""SpyreScheduler: vLLM's V0 scheduler with static batching on Spyre.
+"""SpyreStaticScheduler: vLLM's V0 scheduler with static batching on Spyre.
 
 The platform installs this class as ``scheduler_config.scheduler_cls``.  It
 changes only two decisions of the upstream ``Scheduler``:
@@ -32,7 +32,7 @@ from vllm.sequence import SequenceGroup
 logger = init_logger(__name__)
 
 
-class SpyreScheduler(RefusingScheduler):
+class SpyreStaticScheduler(RefusingScheduler):
 
     def __init__(self, *args, spyre_config: Optional[SpyreConfig] = None,
                  **kwargs) -> None:

@@ -2,10 +2,11 @@
 
 Spyre runs only graphs compiled at start-up, one set per warm-up shape
 ``(prompt_len, new_tokens, batch_size)``.  These rules are shared by both
-sides of a step: the scheduler (``SpyreScheduler``) refuses a request that
-fits no shape (``rejection_reason``, ``parallel_samples_reason``) and picks
-the next batch from its waiting queue (``select_batch``); the model runner
-finds the same shape again from the batch it receives (``choose_shape``).
+sides of a step: the scheduler (``SpyreStaticScheduler``) refuses a request
+that fits no shape (``rejection_reason``, ``parallel_samples_reason``) and
+picks the next batch from its waiting queue (``select_batch``); the model
+runner finds the same shape again from the batch it receives
+(``choose_shape``).
 Every function takes plain values; nothing here touches a model, a
 scheduler or a tensor.
 

@@ -165,7 +165,7 @@ class SpyrePlatform(Platform):
             # vLLM checked the head counts against the flag's size only.
             model_config.verify_with_parallel_config(parallel_config)
         if parallel_config.worker_cls == "auto":
-            parallel_config.worker_cls = spyre_modes.SPYRE_WORKER_CLS
+            parallel_config.worker_cls = spyre_modes.SPYRE_STATIC_WORKER_CLS
 
         if model_config is None:
             return

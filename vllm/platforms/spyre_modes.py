@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-SPYRE_WORKER_CLS = "vllm.worker.spyre_worker.SpyreWorker"
+SPYRE_STATIC_WORKER_CLS = "vllm.worker.spyre_static_worker.SpyreStaticWorker"
 SPYRE_CB_WORKER_CLS = "vllm.worker.spyre_cb_worker.SpyreCBWorker"
 SPYRE_POOLING_WORKER_CLS = \
     "vllm.worker.spyre_pooling_worker.SpyrePoolingWorker"
@@ -49,9 +49,9 @@ def configure_static_batching(vllm_config: "VllmConfig",
     scheduler_config.max_num_seqs = spyre.max_num_seqs
     scheduler_config.max_num_batched_tokens = max(
         spyre.max_num_batched_tokens, max_model_len)
-    from vllm.core.spyre_scheduler import SpyreScheduler
+    from vllm.core.spyre_static_scheduler import SpyreStaticScheduler
     _whole_prompts(scheduler_config,
-                   functools.partial(SpyreScheduler, spyre_config=spyre))
+                   functools.partial(SpyreStaticScheduler, spyre_config=spyre))
     # One KV "block" holds a whole sequence: there is no paging.
     cache_config.block_size = max_model_len
     logger.info(
@@ -72,7 +72,7 @@ def configure_continuous_batching(vllm_config: "VllmConfig",
     _warn_ignored(spyre, "VLLM_SPYRE_USE_CB=1 compiles no warm-up shapes; "
                   "size continuous batching with --max-model-len and "
                   "--max-num-seqs instead.")
-    if parallel_config.worker_cls == SPYRE_WORKER_CLS:
+    if parallel_config.worker_cls == SPYRE_STATIC_WORKER_CLS:
         parallel_config.worker_cls = SPYRE_CB_WORKER_CLS
     max_model_len = scheduler_config.max_model_len
     from vllm.core.spyre_cb_scheduler import SpyreCBScheduler
@@ -138,7 +138,7 @@ def configure_pooling(vllm_config: "VllmConfig",
     hf_max_len = _model_max_len(model_config.hf_text_config)
     if hf_max_len is not None:
         spyre.validate_model_len(hf_max_len)
-    if parallel_config.worker_cls == SPYRE_WORKER_CLS:
+    if parallel_config.worker_cls == SPYRE_STATIC_WORKER_CLS:
         parallel_config.worker_cls = SPYRE_POOLING_WORKER_CLS
     # The model's own limit, so that a text longer than every shape but
     # not than the model reaches SpyrePoolingScheduler, whose refusal names

@@ -9,7 +9,7 @@ other external kernel:
   weights were packed once (``vllm.model_executor.layers.spyre_linear``);
 * ``spyre_kernels::quant_linear`` (``quant.cpp``): linear layers of
   quantized checkpoints, their int8, FP8 or int4 codes dequantized in
-  registers (``vllm.model_executor.layers.spyre_quant_linear``);
+  registers (``vllm.model_executor.layers.quantization.spyre_quant_linear``);
 * ``spyre_kernels::decode_attention``, ``spyre_kernels::paged_attention``
   and ``spyre_kernels::encoder_attention`` (``attention.cpp``): attention
   over the static cache (``spyre_static_cache``), the block pool

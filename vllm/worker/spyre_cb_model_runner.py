@@ -9,7 +9,7 @@ batch state between steps: everything a step needs is in its
 sequence-group metadata.
 
 ``execute_model`` is the whole step: paged inputs (``spyre_cb_inputs``) ->
-``SpyrePagedCausalLM`` forward (a prefill in one pass on the paged kernel,
+``SpyreCBCausalLM`` forward (a prefill in one pass on the paged kernel,
 else chunk by chunk; then the decode batch) -> the logits of the rows that
 sample -> vLLM logits processor -> vLLM sampler.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -34,33 +34,30 @@ from vllm.core.spyre_cb_blocks import blocks_needed
 from vllm.logger import init_logger
 from vllm.model_executor.layers.sampler import SamplerOutput
 from vllm.model_executor.layers.spyre_mamba import StateRows
-from vllm.model_executor.models.spyre_paged_causal_lm import SpyrePagedCausalLM
-from vllm.model_executor.models.spyre_vllm_causal_lm import (
-    SpyreVllmPagedCausalLM)
+from vllm.model_executor.models.spyre_cb_causal_lm import SpyreCBCausalLM
 from vllm.model_executor.sampling_metadata import SamplingMetadata
 from vllm.platforms import current_platform
 from vllm.sequence import SequenceGroupMetadata
 from vllm.worker import spyre_prompt_logprobs as prompt_logprobs
-from vllm.worker.model_runner_base import ModelRunnerInputBase
 from vllm.worker.spyre_cb_inputs import (decode_batch, prefill_chunks,
                                          prefill_span, whole_prefill_len)
-from vllm.worker.spyre_runner_base import SpyreRunnerBase, only_seq, sample
+from vllm.worker.spyre_runner_base import (SpyreModelInputBase,
+                                           SpyreRunnerBase, only_seq, sample)
 from vllm.worker.spyre_state_slots import StateSlots
 
 logger = init_logger(__name__)
 
-_TENSORS = ("input_ids", "position_ids", "cache_slots", "block_table",
-            "ctx_lens")
-_STATE_TENSORS = ("slots", "fresh", "valid")
-
-
 @dataclass(frozen=True)
-class SpyreCBModelInput(ModelRunnerInputBase):
+class SpyreCBModelInput(SpyreModelInputBase):
     """One step, built on the driver worker: a prefill of one sequence
     (its rows: one, or its chunks), a decode step of the running
     sequences (the first ``num_live`` rows, in the order of the step's
     sequence groups), or, with chunked prefill, both: the prefill first,
     as vLLM's scheduler orders the groups."""
+
+    NESTED = {"prefill": PagedInputs, "decode": PagedInputs,
+              "prefill_states": StateRows, "decode_states": StateRows}
+    LOCAL = ("sampling_metadata", )
 
     prefill: Optional[PagedInputs]
     decode: Optional[PagedInputs]
@@ -79,50 +76,13 @@ class SpyreCBModelInput(ModelRunnerInputBase):
     prefill_states: Optional[StateRows] = None
     decode_states: Optional[StateRows] = None
 
-    def as_broadcastable_tensor_dict(self) -> dict[str, Any]:
-        tensors: dict[str, Any] = {}
-        for part in ("prefill", "decode"):
-            inputs = getattr(self, part)
-            if inputs is not None:
-                tensors.update({f"{part}_{k}": getattr(inputs, k)
-                                for k in _TENSORS})
-            states = getattr(self, f"{part}_states")
-            if states is not None:
-                tensors.update({f"{part}_state_{k}": getattr(states, k)
-                                for k in _STATE_TENSORS})
-        if self.logprob_ids is not None:
-            tensors.update(logprob_ids=self.logprob_ids,
-                           logprob_k=self.logprob_k)
-        return dict(tensors, num_live=self.num_live,
-                    sample_prefill=self.sample_prefill)
-
-    @classmethod
-    def from_broadcasted_tensor_dict(cls, tensor_dict: dict[str, Any],
-                                     attn_backend=None) -> "SpyreCBModelInput":
-        parts = {
-            part: PagedInputs(*(tensor_dict[f"{part}_{k}"] for k in _TENSORS))
-            if f"{part}_input_ids" in tensor_dict else None
-            for part in ("prefill", "decode")
-        }
-        states = {
-            f"{part}_states": StateRows(*(tensor_dict[f"{part}_state_{k}"]
-                                          for k in _STATE_TENSORS))
-            if f"{part}_state_slots" in tensor_dict else None
-            for part in ("prefill", "decode")
-        }
-        return cls(**parts, **states,
-                   num_live=tensor_dict["num_live"],
-                   sample_prefill=tensor_dict["sample_prefill"],
-                   logprob_ids=tensor_dict.get("logprob_ids"),
-                   logprob_k=tensor_dict.get("logprob_k", 0))
-
 
 class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
 
-    model_cls = SpyrePagedCausalLM
+    model_cls = SpyreCBCausalLM
     input_cls = SpyreCBModelInput
-    vllm_model_cls = SpyreVllmPagedCausalLM
-    model: Optional[SpyrePagedCausalLM]  # type: ignore[assignment]
+    runs_vllm_model_code = True
+    model: Optional[SpyreCBCausalLM]  # type: ignore[assignment]
 
     def __init__(self, vllm_config: VllmConfig,
                  spyre_config: SpyreConfig) -> None:

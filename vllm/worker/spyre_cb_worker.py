@@ -1,8 +1,8 @@
 """SpyreCBWorker: one Spyre card under continuous batching.
 
 The platform installs this worker when ``VLLM_SPYRE_USE_CB=1``.  It differs
-from the static ``SpyreWorker`` in how the key/value cache is sized and when
-the model is warmed up:
+from ``SpyreStaticWorker`` in how the key/value cache is sized and when the
+model is warmed up:
 
 * ``load_model`` checks that the model and the smallest useful pool fit
   in memory, then loads and compiles the model, nothing more;

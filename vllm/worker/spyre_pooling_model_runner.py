@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -23,39 +23,22 @@ from vllm.model_executor.models.spyre_encoder import SpyreEncoderModel
 from vllm.model_executor.pooling_metadata import PoolingMetadata
 from vllm.platforms import current_platform
 from vllm.sequence import PoolerOutput, SequenceGroupMetadata
-from vllm.worker.model_runner_base import ModelRunnerInputBase
 from vllm.worker.spyre_pooling_inputs import (EncoderInputs, Placement,
                                               packed_inputs, plan_passes)
-from vllm.worker.spyre_runner_base import SpyreRunnerBase, only_seq
+from vllm.worker.spyre_runner_base import (SpyreModelInputBase,
+                                           SpyreRunnerBase, only_seq)
 
 logger = init_logger(__name__)
 
-_FIELDS = ("input_ids", "position_ids", "token_type_ids", "mask",
-           "text_starts", "gather")
-
-
 @dataclass(frozen=True)
-class SpyrePoolingModelInput(ModelRunnerInputBase):
+class SpyrePoolingModelInput(SpyreModelInputBase):
     """The packed passes of one step, built on the driver worker."""
+
+    NESTED = {"passes": (EncoderInputs, )}
+    LOCAL = ("pooling_metadata", )
 
     passes: tuple[EncoderInputs, ...]
     pooling_metadata: Optional[PoolingMetadata] = None
-
-    def as_broadcastable_tensor_dict(self) -> dict[str, Any]:
-        tensors: dict[str, Any] = {"passes": len(self.passes)}
-        for i, p in enumerate(self.passes):
-            for name in _FIELDS:
-                tensors[f"{name}_{i}"] = getattr(p, name)
-        return tensors
-
-    @classmethod
-    def from_broadcasted_tensor_dict(
-            cls, tensor_dict: dict[str, Any],
-            attn_backend=None) -> "SpyrePoolingModelInput":
-        passes = tuple(
-            EncoderInputs(*(tensor_dict[f"{name}_{i}"] for name in _FIELDS))
-            for i in range(tensor_dict["passes"]))
-        return cls(passes=passes)
 
 
 class SpyrePoolingModelRunner(SpyreRunnerBase[SpyrePoolingModelInput]):

@@ -6,13 +6,17 @@ The static-batching, continuous-batching and pooling runners each subclass
 ``model_cls`` under the vLLM config, keeps per-request generators and the
 start-up timings, says where the graphs came from (compiled or the graph
 cache), and takes vLLM's ``execute_model`` call (one step, rebuilt from
-the broadcast on other ranks) to the runner's ``run_step``.  ``pad_token_id``, ``sample`` (vLLM's logits processor and
-sampler over the live rows) and ``only_seq`` serve their steps.
+the broadcast on other ranks) to the runner's ``run_step``.
+``SpyreModelInputBase`` is every runner's step input, sent from the driver
+to the other ranks as one flat dict.  ``pad_token_id``, ``sample`` (vLLM's
+logits processor and sampler over the live rows) and ``only_seq`` serve
+their steps.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 from torch import nn
@@ -25,20 +29,84 @@ from vllm.model_executor.models import spyre_model_impl
 from vllm.model_executor.sampling_metadata import SamplingMetadata
 from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors, SequenceGroupMetadata
-from vllm.worker.model_runner_base import ModelRunnerBase, T
+from vllm.worker.model_runner_base import (ModelRunnerBase,
+                                           ModelRunnerInputBase, T)
 
 logger = init_logger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpyreModelInputBase(ModelRunnerInputBase):
+    """A step's input (a frozen dataclass), broadcast by the driver as one
+    flat dict: each field under its name, except those in ``LOCAL`` (the
+    sampling or pooling metadata, which only the driver uses) and those
+    that are None (the default on the other ranks).  A field in ``NESTED``
+    holds a dataclass of tensors, or with ``(cls, )`` a tuple of them:
+    each of its fields goes under ``field.name`` (``field.i.name``)."""
+
+    NESTED: ClassVar[dict[str, Any]] = {}
+    LOCAL: ClassVar[tuple[str, ...]] = ()
+
+    def as_broadcastable_tensor_dict(self) -> dict[str, Any]:
+        flat: dict[str, Any] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name in self.LOCAL or value is None:
+                continue
+            kind = self.NESTED.get(field.name)
+            if kind is None:
+                flat[field.name] = value
+            elif isinstance(kind, tuple):
+                flat[field.name] = len(value)
+                for i, item in enumerate(value):
+                    flat.update(_flat(item, f"{field.name}.{i}."))
+            else:
+                flat.update(_flat(value, f"{field.name}."))
+        return flat
+
+    @classmethod
+    def from_broadcasted_tensor_dict(cls, tensor_dict: dict[str, Any],
+                                     attn_backend=None):
+        kwargs: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            kind = cls.NESTED.get(field.name)
+            if kind is None:
+                if field.name in tensor_dict:
+                    kwargs[field.name] = tensor_dict[field.name]
+            elif isinstance(kind, tuple):
+                if field.name in tensor_dict:
+                    kwargs[field.name] = tuple(
+                        _unflat(kind[0], tensor_dict, f"{field.name}.{i}.")
+                        for i in range(tensor_dict[field.name]))
+            else:
+                kwargs[field.name] = _unflat(kind, tensor_dict,
+                                             f"{field.name}.")
+        return cls(**kwargs)
+
+
+def _flat(value, prefix: str) -> dict[str, Any]:
+    return {prefix + f.name: getattr(value, f.name)
+            for f in dataclasses.fields(value)}
+
+
+def _unflat(cls, tensor_dict: dict[str, Any], prefix: str):
+    """``cls`` from its fields under ``prefix``, or None if it was not
+    sent."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    if prefix + names[0] not in tensor_dict:
+        return None
+    return cls(**{name: tensor_dict[prefix + name] for name in names})
 
 
 class SpyreRunnerBase(ModelRunnerBase[T]):
     """What every Spyre runner shares: the settings, the model load (of
     ``model_cls``), per-request generators and start-up timings."""
 
-    #: The model class each runner loads (``SpyreCausalLM``, ...).
+    #: The model class each runner loads (``SpyreStaticCausalLM``, ...).
     model_cls: type
-    #: Its twin on vLLM's own model code (``--model-impl vllm``), if the
-    #: mode has one.
-    vllm_model_cls: Optional[type] = None
+    #: Whether that class runs vLLM's own model code too (``--model-impl
+    #: vllm``; ``spyre_model_code``), not only FMS's.
+    runs_vllm_model_code = False
     #: The runner's model input, rebuilt on every other rank from the
     #: driver's broadcast (``from_broadcasted_tensor_dict``).
     input_cls: type
@@ -54,24 +122,18 @@ class SpyreRunnerBase(ModelRunnerBase[T]):
         self.startup_timings: dict[str, float] = {}
 
     def load_model(self) -> None:
+        if self.spyre_config.model_impl == spyre_model_impl.VLLM and \
+                not self.runs_vllm_model_code:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not run vLLM's model code")
         start = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
-            self.model = self.model_class()(vllm_config=self.vllm_config,
-                                            spyre_config=self.spyre_config)
+            self.model = self.model_cls(vllm_config=self.vllm_config,
+                                        spyre_config=self.spyre_config)
         self.pad_id = pad_token_id(self.model_config)
         self.startup_timings["load"] = time.perf_counter() - start
         logger.info("Spyre model load took %.1f s",
                     self.startup_timings["load"])
-
-    def model_class(self) -> type:
-        """``model_cls``, or its twin on vLLM's model code when the
-        platform chose that (``SpyreConfig.model_impl``)."""
-        if self.spyre_config.model_impl == spyre_model_impl.VLLM:
-            if self.vllm_model_cls is None:
-                raise NotImplementedError(
-                    f"{type(self).__name__} does not run vLLM's model code")
-            return self.vllm_model_cls
-        return self.model_cls
 
     def get_model(self) -> nn.Module:
         assert self.model is not None

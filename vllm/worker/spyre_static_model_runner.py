@@ -1,4 +1,4 @@
-"""SpyreModelRunner: static batching over compiled shapes.
+"""SpyreStaticModelRunner: static batching over compiled shapes.
 
 A batch starts with a prefill step (every request of the batch, padded to
 one warm-up shape) and continues with decode steps until the scheduler
@@ -6,14 +6,14 @@ stops sending its requests.  The runner remembers which row each request
 occupies; a request that finishes or is aborted simply stops appearing,
 its row keeps computing padding, and its logits are never sampled.
 
-``execute_model`` is the whole step: prepared inputs -> ``SpyreCausalLM``
+``execute_model`` is the whole step: prepared inputs -> ``SpyreStaticCausalLM``
 forward -> live rows -> vLLM logits processor -> vLLM sampler.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -22,22 +22,26 @@ from vllm.config.spyre import SpyreConfig, WarmupShape
 from vllm.core.spyre_static_shapes import RequestSize, choose_shape
 from vllm.logger import init_logger
 from vllm.model_executor.layers.sampler import SamplerOutput
-from vllm.model_executor.models.spyre_causal_lm import SpyreCausalLM
-from vllm.model_executor.models.spyre_vllm_causal_lm import SpyreVllmCausalLM
+from vllm.model_executor.models.spyre_static_causal_lm import (
+    SpyreStaticCausalLM)
 from vllm.model_executor.sampling_metadata import SamplingMetadata
 from vllm.platforms import current_platform
 from vllm.sequence import SequenceGroupMetadata
 from vllm.worker import spyre_prompt_logprobs as prompt_logprobs
-from vllm.worker.model_runner_base import ModelRunnerInputBase
-from vllm.worker.spyre_inputs import DecodeSteps, StepInputs, prefill_inputs
-from vllm.worker.spyre_runner_base import SpyreRunnerBase, only_seq, sample
+from vllm.worker.spyre_runner_base import (SpyreModelInputBase,
+                                           SpyreRunnerBase, only_seq, sample)
+from vllm.worker.spyre_static_inputs import (DecodeSteps, StepInputs,
+                                             prefill_inputs)
 
 logger = init_logger(__name__)
 
 
 @dataclass(frozen=True)
-class SpyreModelInput(ModelRunnerInputBase):
+class SpyreStaticModelInput(SpyreModelInputBase):
     """Everything one step needs, built on the driver worker."""
+
+    NESTED = {"inputs": StepInputs}
+    LOCAL = ("sampling_metadata", )
 
     is_prompt: bool
     inputs: StepInputs
@@ -47,32 +51,6 @@ class SpyreModelInput(ModelRunnerInputBase):
     #: row, prompt length, how many top tokens (``spyre_prompt_logprobs``);
     #: None when none asks, and then not broadcast.
     logprob_rows: Optional[torch.Tensor] = None
-
-    def as_broadcastable_tensor_dict(self) -> dict[str, Any]:
-        tensors = {
-            "is_prompt": self.is_prompt,
-            "input_ids": self.inputs.input_ids,
-            "position_ids": self.inputs.position_ids,
-            "mask": self.inputs.mask,
-            "cache_slots": self.inputs.cache_slots,
-            "cache_len": self.inputs.cache_len,
-            "live_rows": self.live_rows,
-        }
-        if self.logprob_rows is not None:
-            tensors["logprob_rows"] = self.logprob_rows
-        return tensors
-
-    @classmethod
-    def from_broadcasted_tensor_dict(cls, tensor_dict: dict[str, Any],
-                                     attn_backend=None) -> "SpyreModelInput":
-        return cls(is_prompt=tensor_dict["is_prompt"],
-                   inputs=StepInputs(tensor_dict["input_ids"],
-                                     tensor_dict["position_ids"],
-                                     tensor_dict["mask"],
-                                     tensor_dict["cache_slots"],
-                                     tensor_dict["cache_len"]),
-                   live_rows=tensor_dict["live_rows"],
-                   logprob_rows=tensor_dict.get("logprob_rows"))
 
 
 @dataclass
@@ -86,11 +64,11 @@ class _Batch:
     step: int = 0
 
 
-class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
+class SpyreStaticModelRunner(SpyreRunnerBase[SpyreStaticModelInput]):
 
-    model_cls = SpyreCausalLM
-    input_cls = SpyreModelInput
-    vllm_model_cls = SpyreVllmCausalLM
+    model_cls = SpyreStaticCausalLM
+    input_cls = SpyreStaticModelInput
+    runs_vllm_model_code = True
 
     def __init__(self, vllm_config: VllmConfig,
                  spyre_config: SpyreConfig) -> None:
@@ -149,7 +127,7 @@ class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
         seq_group_metadata_list: list[SequenceGroupMetadata],
         virtual_engine: int = 0,
         finished_requests_ids: Optional[list[str]] = None,
-    ) -> SpyreModelInput:
+    ) -> SpyreStaticModelInput:
         is_prompt = seq_group_metadata_list[0].is_prompt
         if any(m.is_prompt != is_prompt for m in seq_group_metadata_list):
             raise RuntimeError("a Spyre step is all prefill or all decode")
@@ -174,7 +152,7 @@ class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
             self.device_config.device,
             pin_memory=False,
             generators=self.get_generators(finished_requests_ids))
-        return SpyreModelInput(is_prompt=is_prompt,
+        return SpyreStaticModelInput(is_prompt=is_prompt,
                                inputs=inputs,
                                live_rows=torch.tensor(rows, dtype=torch.long),
                                sampling_metadata=sampling_metadata,
@@ -219,7 +197,7 @@ class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
         return batch.decode.inputs(batch.last_tokens, batch.step), rows
 
     def run_step(
-        self, model_input: SpyreModelInput
+        self, model_input: SpyreStaticModelInput
     ) -> Optional[list[SamplerOutput]]:
         logits = self._forward(model_input.is_prompt, model_input.inputs)
         computed = self._prompt_logprobs(model_input)
@@ -230,7 +208,7 @@ class SpyreModelRunner(SpyreRunnerBase[SpyreModelInput]):
             sample(self.get_model(), logits, model_input.sampling_metadata),
             computed)]
 
-    def _prompt_logprobs(self, model_input: SpyreModelInput) -> dict:
+    def _prompt_logprobs(self, model_input: SpyreStaticModelInput) -> dict:
         """The prompt log-probabilities of the prefill rows that ask
         (``spyre_prompt_logprobs``), keyed by their place among the live
         rows; run on every rank."""

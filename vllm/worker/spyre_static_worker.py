@@ -1,4 +1,4 @@
-"""SpyreWorker: one Spyre card under static batching, driven by the
+"""SpyreStaticWorker: one Spyre card under static batching, driven by the
 executor.
 
 Start-up and steps are ``SpyreWorkerBase``'s; the warm-up compiles every
@@ -10,15 +10,15 @@ V0 Neuron worker does.
 from __future__ import annotations
 
 from vllm.worker import spyre_memory
-from vllm.worker.spyre_model_runner import SpyreModelRunner
+from vllm.worker.spyre_static_model_runner import SpyreStaticModelRunner
 from vllm.worker.spyre_worker_base import SpyreWorkerBase
 
 
-class SpyreWorker(SpyreWorkerBase):
+class SpyreStaticWorker(SpyreWorkerBase):
     """Executes static batching on one Spyre card (or the CPU stand-in)."""
 
-    model_runner: SpyreModelRunner
-    runner_cls = SpyreModelRunner
+    model_runner: SpyreStaticModelRunner
+    runner_cls = SpyreStaticModelRunner
 
     def memory_estimate(self) -> spyre_memory.Estimate:
         """Static batching: a cache per warm-up shape."""

@@ -5,7 +5,7 @@ A step of continuous batching is B rows of L positions over the block pool:
 token ids and positions, the pool slot each position writes, each row's
 block table and, per position, how many tokens of its sequence it sees.
 The runner builds them (``vllm.worker.spyre_cb_inputs``); the model
-(``SpyrePagedCausalLM``) marks their dynamic dimensions within the bounds
+(``SpyreCBCausalLM``) marks their dynamic dimensions within the bounds
 below and hands them to the ``spyre_paged_cache`` attention ops.
 """
 from __future__ import annotations

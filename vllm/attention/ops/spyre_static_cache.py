@@ -17,7 +17,7 @@ compiled decode graph serves all of them, and nothing is concatenated or
 re-allocated per token.
 
 A model-wide sliding window is in the step's mask already
-(``spyre_inputs``): it is built once per batch, not in every layer of
+(``spyre_static_inputs``): it is built once per batch, not in every layer of
 every step.  A layer's own window (FMS's ``sliding_window``, GPT-OSS's
 alternating layers) narrows the mask in that layer's op, and a layer's
 attention sinks (``sinks``) send a prefill through the written-out

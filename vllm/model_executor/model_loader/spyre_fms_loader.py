@@ -5,7 +5,8 @@ arguments the family table gives (``spyre_families.fms_model_args``: FMS's
 own mapping of ``config.json`` with the family's corrections and checkpoint
 adapter), shards it over the tensor-parallel group, runs the family's
 ``prepare`` step (Mixtral's dense experts) and freezes it for inference.
-``SpyreCausalLM`` then swaps in the CPU kernels and compiles it.
+``FmsModelCode`` then swaps in the CPU kernels; ``SpyreCausalLM``
+compiles it.
 
 FMS builds the model on the meta device and reads the checkpoint one
 tensor at a time (memory-mapped safetensors), each into the dtype it is

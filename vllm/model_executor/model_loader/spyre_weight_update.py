@@ -3,8 +3,8 @@
 Co-located jobs (a trainer and vLLM in one ``torchrun`` job, one engine per
 rank) push fresh weights into the engine after each training step with
 ``LLM.collective_rpc("update_weights_in_place", args=(state_dict, ))``.
-The worker hands the state dict to ``SpyreCausalLM.update_weights_in_place``,
-which uses this module:
+The worker hands the state dict to ``SpyreCausalLM.update_weights_in_place``
+(``FmsModelCode.update_weights_in_place``), which uses this module:
 
 * ``CheckpointLayout.read`` takes the names and shapes the model was
   loaded from (its safetensors headers, Hugging Face naming);

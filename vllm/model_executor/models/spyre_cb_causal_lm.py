@@ -1,6 +1,6 @@
-"""SpyrePagedCausalLM: the FMS decoder over a paged key/value cache.
+"""SpyreCBCausalLM: a Spyre decoder under continuous batching.
 
-Continuous batching's model: the same FMS load and ``torch.compile`` as
+The same model code (FMS's or vLLM's) and ``torch.compile`` as every
 ``SpyreCausalLM``, with attention through ``paged_cache``'s block pools
 instead of a cache per warm-up shape.  Two graphs serve every step:
 
@@ -35,11 +35,10 @@ from vllm.model_executor.models.spyre_causal_lm import SpyreCausalLM
 logger = init_logger(__name__)
 
 
-class SpyrePagedCausalLM(SpyreCausalLM):
-    """FMS causal LM reading and writing a block pool."""
+class SpyreCBCausalLM(SpyreCausalLM):
+    """A decoder reading and writing a block pool."""
 
-    ATTN_NAMES = (paged_cache.ATTN_NAME,
-                  paged_cache.ATTN_NAME_CPU_KERNEL)
+    attention = paged_cache
 
     def __init__(self, *, vllm_config: VllmConfig,
                  spyre_config: SpyreConfig) -> None:
@@ -58,8 +57,9 @@ class SpyrePagedCausalLM(SpyreCausalLM):
         #: Range of the dynamic prefill length on the paged C++ kernel, or
         #: None where a prefill runs in static chunks of ``CB_BLOCK_SIZE``.
         #: A chunk pays for its padding and for the LM head, read whole
-        #: per chunk to keep one row of logits; the kernel scores one query position at a time, so a
-        #: whole prompt costs it no more memory than a chunk.  A hybrid
+        #: per chunk to keep one row of logits; the kernel scores one query
+        #: position at a time, so a whole prompt costs it no more memory
+        #: than a chunk.  A hybrid
         #: model's Mamba-2 scan cuts its positions into chunks, which a
         #: dynamic length would specialise (one chunk or several): it
         #: prefills in static chunks, its state carried from one to the
@@ -67,10 +67,6 @@ class SpyrePagedCausalLM(SpyreCausalLM):
         self.prefill_len_range = (MIN_PREFILL_LEN, max(
             self.max_model_len, MIN_PREFILL_LEN + 1)) if (
                 self.native and self.state_layout is None) else None
-
-    @staticmethod
-    def _register_attention() -> None:
-        paged_cache.register()
 
     def block_bytes(self) -> int:
         """Bytes one block of the pool takes on this rank."""
@@ -128,27 +124,17 @@ class SpyrePagedCausalLM(SpyreCausalLM):
             f"continuous-batching decode {limits}",
         }
 
-    def forward(self, step: PagedInputs,  # type: ignore[override]
+    def forward(self, step: PagedInputs,
                 states: Optional[spyre_mamba.StateRows] = None
                 ) -> torch.Tensor:
         """One prefill ([1, L]) or one decode step ([B, 1]); ``states``:
         the rows' Mamba-2 state slots, for a hybrid model.  Returns the
         logits of each row's last position: [B, vocab]."""
         is_decode = self._mark_dynamic(step, states)
-        logits, _ = self.model(
+        return self.code.paged_step(
+            self.model,
             self.paged_graph_name(not is_decode, step.block_table.shape[1]),
-            step.input_ids,
-            position_ids=step.position_ids,
-            past_key_value_states=self._pool_caches(states),
-            use_cache=True,
-            last_n_tokens=1,
-            attn_name=self.attn_name,
-            cache_slots=step.cache_slots,
-            block_table=step.block_table,
-            ctx_lens=step.ctx_lens,
-            spyre_window=self.window,
-        )
-        return logits[:, -1, :]  # [B, vocab]
+            step, self._pool_caches(states), self.window)
 
     def _pool_caches(self, states: Optional[spyre_mamba.StateRows]) -> list:
         """The pools as the model takes them; a hybrid model's Mamba-2

@@ -1,6 +1,6 @@
 """The FMS decoder families Spyre runs, and how each is loaded.
 
-``SpyreCausalLM`` builds its model with FMS's ``get_model`` from a Hugging
+``FmsModelCode`` builds its model with FMS's ``get_model`` from a Hugging
 Face folder.  FMS 1.13.1 maps a Hugging Face ``config.json`` to its own
 model config (``fms.models.hf.config_utils``), but for some families that
 mapping drops a field, so a checkpoint whose value differs from FMS's

@@ -1,14 +1,14 @@
-"""vLLM's own model code on Spyre (``--model-impl vllm``): the RFC's P5.
+"""vLLM's own model code in a Spyre decoder (``--model-impl vllm``): the
+RFC's P5.
 
-``SpyreVllmCausalLM`` (static batching) and ``SpyreVllmPagedCausalLM``
-(continuous batching) are the FMS models' twins: the same runners call
-them the same way, with the same step inputs, caches, warm-up and graphs.
+The same Spyre LMs (``SpyreStaticCausalLM``, ``SpyreCBCausalLM``) run it
+as they run FMS's, with the same step inputs, caches, warm-up and graphs.
 What differs is the model inside:
 
-* vLLM's model class, loaded by vLLM's loader (``spyre_vllm``), its linear
-  layers moved to the packed CPU kernels (``spyre_linear_method``);
+* vLLM's model class, loaded by vLLM's loader (``spyre_vllm_loader``), its
+  linear layers moved to the packed CPU kernels (``spyre_linear_method``);
 * its ``Attention`` layers on the Spyre attention backend (``spyre_attn``),
-  each called as an ``InlineAttention``: the compiled model's forward
+  each called as an ``InlineAttention``: the compiled module's forward
   takes the step's tensors and the caches as inputs and hands them to its
   layers (``AttentionStep``), so the Spyre cache ops and kernels run
   inside the graph, as they do for FMS;
@@ -19,7 +19,7 @@ What differs is the model inside:
 
 The caches are the FMS path's (``spyre_kv_layout``): one per static
 warm-up shape, or the block pool, each layer's ``(keys, values)`` pair
-given to the compiled model with every step.  The step's metadata is also
+given to the compiled module with every step.  The step's metadata is also
 vLLM's forward context, for any layer of vLLM's that reads it.
 """
 from __future__ import annotations
@@ -36,7 +36,6 @@ from vllm.attention.backends.spyre_attn import (CAUSAL, AttentionStep,
                                                inline_attention)
 from vllm.attention.ops.spyre_kv_layout import CacheLayout
 from vllm.attention.ops.spyre_paged_inputs import PagedInputs
-from vllm.config import VllmConfig
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization.spyre_quant import (
@@ -44,9 +43,7 @@ from vllm.model_executor.layers.quantization.spyre_quant import (
 from vllm.model_executor.layers.spyre_linear_method import use_spyre_linears
 from vllm.model_executor.model_loader.spyre_vllm_loader import (
     load_vllm_decoder)
-from vllm.model_executor.models.spyre_causal_lm import SpyreCausalLM
-from vllm.model_executor.models.spyre_paged_causal_lm import \
-    SpyrePagedCausalLM
+from vllm.model_executor.models.spyre_model_code import ModelCode
 
 logger = init_logger(__name__)
 
@@ -75,25 +72,26 @@ class _LastHidden(nn.Module):
         return hidden.view(rows, length, -1)[:, -1]
 
 
-class SpyreVllmCausalLM(SpyreCausalLM):
-    """vLLM's model class under static batching."""
+class VllmModelCode(ModelCode):
+    """vLLM's model class (``vllm_model``), its attention inlined."""
 
+    name = "vLLM"
     #: Each graph is whole: its attention layers read the step from one
     #: ``AttentionStep``, and dynamo, which keeps no guards on the modules
     #: (``compile_graphs``), would run every layer's split-off code with
     #: the first layer's cache.
     whole_graphs = True
 
-    def _build(self, vllm_config: VllmConfig) -> nn.Module:
-        self.vllm_config = vllm_config
+    def build(self) -> nn.Module:
+        vllm_config = self.vllm_config
         round_inputs = self.precision.linear == torch.bfloat16
         if isinstance(vllm_config.quant_config, SpyreQuantConfig):
             vllm_config.quant_config.finish_on_load(self.native,
                                                     round_inputs)
-        self.vllm_model = load_vllm_decoder(vllm_config, self.dtype)
+        self.vllm_model = load_vllm_decoder(vllm_config,
+                                            self.precision.model)
         logger.info("Spyre model implementation: vLLM (%s)",
                     type(self.vllm_model).__name__)
-        #: Names the attention in the graph cache's keys.
         self.attn_name = "vllm-" + ("kernel" if self.native else "torch")
         quantized = finish_quantized_layers(self.vllm_model, self.native,
                                             round_inputs=round_inputs)
@@ -128,36 +126,33 @@ class SpyreVllmCausalLM(SpyreCausalLM):
         self.metadata = SpyreAttentionMetadataBuilder(on_kernel=self.native)
         return _LastHidden(self.vllm_model, self.step)
 
-    def _run(self, graph: str, input_ids: torch.Tensor,
+    def _run(self, graphs, graph: str, input_ids: torch.Tensor,
              positions: torch.Tensor, caches: list,
              meta: SpyreAttentionMetadata) -> torch.Tensor:
-        """The compiled model on the step ``meta`` describes (also vLLM's
+        """The compiled module on the step ``meta`` describes (also vLLM's
         forward context), then vLLM's logits: ``[B, vocab]``."""
         with set_forward_context(meta, self.vllm_config):
-            hidden = self.model(graph, input_ids, positions, caches,
-                                meta.kind, meta.mask, meta.cache_slots,
-                                meta.block_table, meta.ctx_lens)
+            hidden = graphs(graph, input_ids, positions, caches, meta.kind,
+                            meta.mask, meta.cache_slots, meta.block_table,
+                            meta.ctx_lens)
         return self.vllm_model.compute_logits(hidden, None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor, cache_slots: torch.Tensor,
-                cache_len: int, is_prompt: bool) -> torch.Tensor:
-        """One static step, as ``SpyreCausalLM.forward``."""
-        if is_prompt:
-            self.kv_cache = self._cache_for(input_ids.shape[0], cache_len)
-        elif self.kv_cache is None:
-            raise RuntimeError("decode step without a prefill")
+    def static_step(self, graphs, graph, input_ids, positions, caches, mask,
+                    cache_slots, is_prompt):
         self.metadata.static(input_ids, mask, cache_slots, is_prompt)
-        return self._run(
-            self.graph_name(is_prompt, input_ids.shape[0],
-                            input_ids.shape[1], cache_len), input_ids,
-            positions, self.kv_cache,
-            self.metadata.build([], [], 0, input_ids.shape[0]))
+        return self._run(graphs, graph, input_ids, positions, caches,
+                         self.metadata.build([], [], 0, input_ids.shape[0]))
+
+    def paged_step(self, graphs, graph, step: PagedInputs, caches, window):
+        self.metadata.paged(step)
+        return self._run(graphs, graph, step.input_ids, step.position_ids,
+                         caches,
+                         self.metadata.build([], [], 0,
+                                             step.input_ids.shape[0]))
 
     # ---- prompt log-probabilities -----------------------------------------
     def prompt_hidden(self, ids: torch.Tensor) -> torch.Tensor:
-        """``SpyreCausalLM.prompt_hidden`` on vLLM's model: uncompiled,
-        attention causal over the prompt, no cache."""
+        """Attention causal over the prompt, uncompiled, no cache."""
         self.metadata.causal(ids.shape[1])
         meta = self.metadata.build([], [], 0, 1)
         self.step.begin(CAUSAL, 1, ids.shape[1])
@@ -169,26 +164,11 @@ class SpyreVllmCausalLM(SpyreCausalLM):
         return hidden.unsqueeze(0)
 
     def prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """vLLM's logits (head, gather, logit scale) of ``[1, n, hidden]``:
-        ``[n, vocab]`` float32."""
+        """vLLM's logits (head, gather, logit scale)."""
         return self.vllm_model.compute_logits(hidden[0], None).float()
 
-    def update_weights_in_place(self, state_dict) -> int:
+    def update_weights_in_place(self, state_dict, frozen: bool) -> int:
         raise NotImplementedError(
             "In-place weight updates are not supported on Spyre with "
             "--model-impl vllm: they load into FMS's model code "
             "(--model-impl auto, for an architecture FMS has)")
-
-
-class SpyreVllmPagedCausalLM(SpyreVllmCausalLM, SpyrePagedCausalLM):
-    """vLLM's model class under continuous batching, on the block pool."""
-
-    def forward(self, step: PagedInputs) -> torch.Tensor:  # type: ignore
-        """One prefill ([1, L]) or decode step ([B, 1]), as
-        ``SpyrePagedCausalLM.forward``."""
-        is_decode = self._mark_dynamic(step)
-        self.metadata.paged(step)
-        return self._run(
-            self.paged_graph_name(not is_decode, step.block_table.shape[1]),
-            step.input_ids, step.position_ids, self.kv_pool,
-            self.metadata.build([], [], 0, step.input_ids.shape[0]))

@@ -20,9 +20,8 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.layers.quantization.spyre_quant_schemes import (
     Scheme)
-from vllm.model_executor.layers.spyre_quant_linear import (QuantWeight,
-                                                           fake_quantize_fp8,
-                                                           kernel_rows, pack)
+from vllm.model_executor.layers.quantization.spyre_quant_linear import (
+    QuantWeight, fake_quantize_fp8, kernel_rows, pack)
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead)
 from vllm.model_executor.parameter import (BasevLLMParameter,

@@ -1,0 +1,95 @@
+"""The model code inside a Spyre decoder: FMS's or vLLM's own.
+
+A Spyre causal LM is composed of three parts: its model code (this
+module's ``ModelCode``: ``spyre_fms_model_code.FmsModelCode`` or
+``spyre_vllm_model_code.VllmModelCode``), its cache (one per static
+warm-up shape, ``SpyreStaticCausalLM``, or the block pool of continuous
+batching, ``SpyreCBCausalLM``) and its compiled graphs
+(``vllm.compilation.spyre_compile``).  The model code builds the module
+that is compiled, runs one step of it on the caches the LM hands over, and
+answers what only it knows: the attention op's name, the cache's geometry,
+a whole prompt's hidden states and logits, in-place weight updates.
+
+``spyre_causal_lm.model_code_for`` picks the code ``SpyreConfig.model_impl``
+names.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Optional
+
+import torch
+from torch import nn
+
+from vllm.attention.ops.spyre_kv_layout import CacheLayout
+from vllm.attention.ops.spyre_paged_inputs import PagedInputs
+from vllm.config import VllmConfig
+from vllm.config.spyre import SpyreConfig
+from vllm.model_executor.layers import spyre_mamba
+from vllm.model_executor.models.spyre_dtypes import Precision
+
+
+class ModelCode(nn.Module):
+    """One decoder's model code; ``build`` returns the module to compile,
+    whose weights this module holds."""
+
+    #: How the log and the probes name the code.
+    name = ""
+    #: Whether a break in a graph is an error (``compile_graphs``'s
+    #: ``fullgraph``) where the graph cache is off.
+    whole_graphs = False
+
+    def __init__(self, vllm_config: VllmConfig, spyre_config: SpyreConfig,
+                 precision: Precision, native: bool,
+                 attention: ModuleType) -> None:
+        """``attention``: the FMS attention ops of the LM's cache
+        (``spyre_static_cache`` or ``spyre_paged_cache``), with their
+        ``ATTN_NAME``, ``ATTN_NAME_CPU_KERNEL`` and ``register``."""
+        super().__init__()
+        self.vllm_config = vllm_config
+        self.spyre_config = spyre_config
+        self.precision = precision
+        self.native = native
+        self.attention = attention
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        #: The attention op of every forward, in the graph cache's key.
+        self.attn_name = ""
+        #: Every attention layer's cache geometry.
+        self.cache_layout: Optional[CacheLayout] = None
+        #: A hybrid model's Mamba-2 state geometry (None without such
+        #: layers) and which of its layers they are (``spyre_mamba``).
+        self.state_layout: Optional[spyre_mamba.StateLayout] = None
+        self.is_ssm: list[bool] = []
+
+    def build(self) -> nn.Module:
+        raise NotImplementedError
+
+    def static_step(self, graphs, graph: str, input_ids: torch.Tensor,
+                    positions: torch.Tensor, caches: list,
+                    mask: torch.Tensor, cache_slots: torch.Tensor,
+                    is_prompt: bool) -> torch.Tensor:
+        """One step of a padded static batch on ``graphs`` (the compiled
+        module): ``[B, vocab]`` logits of each row's last position."""
+        raise NotImplementedError
+
+    def paged_step(self, graphs, graph: str, step: PagedInputs,
+                   caches: list, window: int) -> torch.Tensor:
+        """One continuous-batching prefill or decode step on the block
+        pool: ``[B, vocab]`` logits of each row's last position."""
+        raise NotImplementedError
+
+    def prompt_hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        """The last hidden states of one whole prompt (``[1, L]``), run
+        uncompiled and without a cache: ``[1, L, hidden]``."""
+        raise NotImplementedError
+
+    def prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of ``[1, n, hidden]`` hidden states: ``[n,
+        vocab]``."""
+        raise NotImplementedError
+
+    def update_weights_in_place(self, state_dict, frozen: bool) -> int:
+        raise NotImplementedError(
+            f"In-place weight updates are not supported on Spyre with "
+            f"{self.name}'s model code")
+
