@@ -56,7 +56,7 @@ def tiny_run(request, tiny_llama):
                      for m in model.code.fms_model.modules())
         fused = sum(type(m).__name__ == "KernelRMSNorm"
                     for m in model.code.fms_model.modules())
-        kernels = dict(native=model.native, attn_name=model.attn_name,
+        kernels = dict(native=model.native, attn_name=model.code.attn_name,
                        packed=packed, fused_norms=fused,
                        rotary=type(model.code.fms_model.base_model.rot_emb)
                        .__name__)

@@ -137,7 +137,7 @@ def test_static_shapes_and_requests_they_hold():
 @pytest.mark.parametrize("source, fmt, values, key, seconds", [
     ("vllm/worker/spyre_runner_base.py", "Spyre model load took %.1f s",
      (3.25, ), "load_s", 3.25),
-    ("vllm/worker/spyre_static_model_runner.py",
+    ("vllm/worker/spyre_runner_base.py",
      "Spyre warm-up of %d shape(s) took %.1f s", (2, 61.04), "warmup_s",
      61.04),
     ("vllm/worker/spyre_cb_model_runner.py",

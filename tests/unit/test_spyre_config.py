@@ -180,8 +180,7 @@ def test_every_field_reaches_the_workers():
         use_cb=True, backend_reason="reason", world_size=2,
         devices=("0", "1"), ignored_vars=("VLLM_SPYRE_WARMUP_NEW_TOKENS", ),
         graph_cache_dir="/tmp/g", require_precompiled=True,
-        inductor_freezing=False, native_kernels=False, pooling=True,
-        model_impl="vllm", sliding_window=4096)
+        inductor_freezing=False, native_kernels=False, pooling=True)
     # A field added later must be set here too.
     assert all(getattr(cfg, f.name) != f.default for f in fields(cfg)
                if f.default is not MISSING)

@@ -74,11 +74,11 @@ def test_the_platform_records_the_choice_and_refuses_the_card():
     model = SimpleNamespace(model_impl="auto", quantization=None,
                             hf_config=config("Qwen2ForCausalLM"))
     cpu = SpyreConfig(dynamo_backend="inductor", warmup_shapes=())
-    assert spyre._choose_model_impl(model, cpu).model_impl == VLLM
+    assert spyre._choose_model_impl(model, cpu) == VLLM
     model.hf_config = config("LlamaForCausalLM")
-    assert spyre._choose_model_impl(model, cpu).model_impl == FMS
+    assert spyre._choose_model_impl(model, cpu) == FMS
     card = SpyreConfig(dynamo_backend="sendnn", warmup_shapes=())
-    assert spyre._choose_model_impl(model, card).model_impl == FMS
+    assert spyre._choose_model_impl(model, card) == FMS
     model.model_impl = "vllm"
     with pytest.raises(NotImplementedError, match="not yet on the card"):
         spyre._choose_model_impl(model, card)
@@ -94,7 +94,7 @@ def test_quantized_checkpoints_take_vllm_model_code():
     model = SimpleNamespace(model_impl="auto", quantization="spyre",
                             hf_config=config("LlamaForCausalLM"))
     cpu = SpyreConfig(dynamo_backend="inductor", warmup_shapes=())
-    assert spyre._choose_model_impl(model, cpu).model_impl == VLLM
+    assert spyre._choose_model_impl(model, cpu) == VLLM
     assert resolve("auto", config("LlamaForCausalLM"), True) == (
         VLLM, "LlamaForCausalLM")
     with pytest.raises(ValueError, match="Quantized checkpoints of "
@@ -103,3 +103,22 @@ def test_quantized_checkpoints_take_vllm_model_code():
     card = SpyreConfig(dynamo_backend="sendnn", warmup_shapes=())
     with pytest.raises(NotImplementedError, match="Quantized checkpoints"):
         spyre._choose_model_impl(model, card)
+
+
+def test_the_facts_reach_the_workers_beside_the_settings():
+    """The platform stores the model code and window it resolved beside
+    the settings; every process reads them back from the vLLM config
+    (after a JSON round trip too); a config without them (a pooling
+    model) reads the defaults."""
+    import json
+
+    from vllm.config.spyre_model_facts import SpyreModelFacts
+    vllm_config = SimpleNamespace(additional_config={"spyre": {"x": 1}})
+    facts = SpyreModelFacts(model_impl=VLLM, sliding_window=4096)
+    facts.store(vllm_config)
+    assert vllm_config.additional_config["spyre"] == {"x": 1}
+    vllm_config.additional_config = json.loads(
+        json.dumps(vllm_config.additional_config))
+    assert SpyreModelFacts.from_vllm_config(vllm_config) == facts
+    none = SimpleNamespace(additional_config=None)
+    assert SpyreModelFacts.from_vllm_config(none) == SpyreModelFacts(FMS, 0)

@@ -160,14 +160,6 @@ class SpyreConfig:
     native_kernels: bool = True
     #: A pooling model (embeddings, scores): shapes generate no tokens.
     pooling: bool = False
-    #: The decoder's model code: FMS's (``"fms"``) or vLLM's own
-    #: (``"vllm"``), resolved from ``--model-impl`` at start-up
-    #: (``spyre_model_impl``).
-    model_impl: str = "fms"
-    #: The sliding window of the decoder's attention (0: whole context),
-    #: resolved from the model's config at start-up; the Spyre attention
-    #: ops apply it (vLLM's own window setting is cleared).
-    sliding_window: int = 0
 
     @classmethod
     def from_env(cls,

@@ -63,6 +63,11 @@ class SpyreExecutorMixin:
             env["SPYRE_DEVICE"] = devices[rank]
         return env
 
+    def _rank_preload(self) -> list[str]:
+        """The Spyre workers of every mode, with all they import (vLLM,
+        torch, FMS, the model code)."""
+        return ["vllm.worker.worker_base", *SPYRE_RANK_MODULES]
+
 
 class SpyreExecutor(SpyreExecutorMixin, UniProcExecutor):
     """One Spyre card, one worker, in the engine's process."""
@@ -80,6 +85,13 @@ class SpyreExecutor(SpyreExecutorMixin, UniProcExecutor):
         self._check_devices()
         os.environ.update(self._rank_env(0))
         super()._init_executor()
+
+
+#: The modules a Spyre rank imports for its worker: named, not imported
+#: here (executors import no worker code).
+SPYRE_RANK_MODULES = ("vllm.worker.spyre_static_worker",
+                      "vllm.worker.spyre_cb_worker",
+                      "vllm.worker.spyre_pooling_worker")
 
 
 def threads_per_rank(world_size: int) -> int:

@@ -20,7 +20,9 @@ Device specifics go through four hooks that a device mixin overrides:
   its process starts (and to the engine process for rank 0);
 * ``_worker_kwargs(rank, init_method)``: the worker constructor's
   arguments;
-* ``_distributed_init_method()``: where the ranks meet.
+* ``_distributed_init_method()``: where the ranks meet;
+* ``_rank_preload()``: the modules a rank imports before its worker
+  exists, which the fork server the ranks start from imports once.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import os
 from multiprocessing.connection import wait
 from typing import Any, Callable, Iterator, Optional, Union
 
+from vllm import envs
 from vllm.executor.executor_base import DistributedExecutorBase
 from vllm.executor.multiproc_worker_utils import (ProcessWorkerWrapper,
                                                   ResultHandler,
@@ -60,6 +63,9 @@ class MultiprocessingExecutor(DistributedExecutorBase):
 
     def _distributed_init_method(self) -> str:
         return get_distributed_init_method("127.0.0.1", get_open_port())
+
+    def _rank_preload(self) -> list[str]:
+        return ["vllm.worker.worker_base"]
 
     def _worker_kwargs(self, rank: int, init_method: str) -> dict[str, Any]:
         return dict(vllm_config=self.vllm_config,
@@ -93,7 +99,7 @@ class MultiprocessingExecutor(DistributedExecutorBase):
     def _start_workers(self, world_size: int) -> list:
         """Starts ranks 1..world_size-1; returns handles whose
         ``execute_method`` gives a future with ``get()``."""
-        start_method = rank_start_method()
+        start_method = rank_start_method(self._rank_preload())
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = start_method
         self.result_handler = ResultHandler()
         workers = []
@@ -231,23 +237,16 @@ class RankMonitor(WorkerMonitor):
         super().run()
 
 
-#: What a rank imports before its worker exists: the fork server loads
-#: these once, and each rank forked from it starts with them loaded.
-RANK_PRELOAD = ["vllm.worker.worker_base", "vllm.worker.spyre_static_worker",
-                "vllm.worker.spyre_cb_worker",
-                "vllm.worker.spyre_pooling_worker"]
-
-
-def rank_start_method() -> str:
-    """How rank processes start: ``forkserver`` (a server process that has
-    imported ``RANK_PRELOAD`` once forks each rank), unless
-    ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` asks for a fresh interpreter per
-    rank.  Never a fork of the engine: its OpenMP threads do not survive
-    one."""
-    if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn":
+def rank_start_method(preload: list[str]) -> str:
+    """How rank processes start: ``forkserver`` (a server process that
+    imports ``preload`` once, the first time this process starts ranks,
+    forks each rank), unless ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` asks
+    for a fresh interpreter per rank.  Never a fork of the engine: its
+    OpenMP threads do not survive one."""
+    if envs.VLLM_WORKER_MULTIPROC_METHOD == "spawn":
         return "spawn"
     import multiprocessing
-    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    multiprocessing.set_forkserver_preload(preload)
     return "forkserver"
 
 

@@ -19,7 +19,6 @@ imports them, at configuration time, and no other module imports it;
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import TYPE_CHECKING, Mapping, Optional
 
@@ -141,6 +140,7 @@ class SpyrePlatform(Platform):
         # vllm/config/__init__.py, which resolves the platform, this class;
         # vllm.model_executor imports vllm.config as well.
         from vllm.config.spyre import ADDITIONAL_CONFIG_KEY, SpyreConfig
+        from vllm.config.spyre_model_facts import SpyreModelFacts
         from vllm.platforms import spyre_modes
         model_config = vllm_config.model_config
         pooling = (model_config is not None
@@ -206,16 +206,19 @@ class SpyrePlatform(Platform):
                            parallel_config.tensor_parallel_size)
             spyre_modes.configure_pooling(vllm_config, spyre)
         else:
-            spyre = _choose_model_impl(model_config, spyre)
+            impl = _choose_model_impl(model_config, spyre)
             _check_hybrid(model_config.hf_config, vllm_config.cache_config)
             if spyre.use_cb:
                 spyre_modes.configure_continuous_batching(vllm_config,
                                                           spyre)
             else:
                 spyre_modes.configure_static_batching(vllm_config, spyre)
-            spyre = dataclasses.replace(spyre, sliding_window=_sliding_window(
-                model_config.hf_config, spyre) or 0)
-            _log_sliding_window(spyre.sliding_window,
+            facts = SpyreModelFacts(
+                model_impl=impl,
+                sliding_window=_sliding_window(model_config.hf_config, impl)
+                or 0)
+            facts.store(vllm_config)
+            _log_sliding_window(facts.sliding_window,
                                 model_config.max_model_len)
         # The Spyre attention ops apply a sliding window themselves, over
         # caches laid out by this backend, which keep every token: vLLM's
@@ -234,7 +237,7 @@ class SpyrePlatform(Platform):
         vllm_config.additional_config = extra
 
 
-def _choose_model_impl(model_config, spyre: SpyreConfig) -> SpyreConfig:
+def _choose_model_impl(model_config, spyre: SpyreConfig) -> str:
     """The decoder's model code from ``--model-impl`` and the architecture
     (``spyre_model_impl.resolve``); an architecture neither runs is
     refused here, before anything loads."""
@@ -260,7 +263,7 @@ def _choose_model_impl(model_config, spyre: SpyreConfig) -> SpyreConfig:
         "Spyre model implementation: %s for %s (--model-impl %s)",
         "FMS" if impl == spyre_model_impl.FMS else "vLLM", arch,
         spyre_model_impl.flag_value(model_config.model_impl))
-    return dataclasses.replace(spyre, model_impl=impl)
+    return impl
 
 
 def _check_hybrid(hf_config, cache_config) -> None:
@@ -279,13 +282,13 @@ def _check_hybrid(hf_config, cache_config) -> None:
             "--enable-prefix-caching")
 
 
-def _sliding_window(hf_config, spyre: SpyreConfig) -> Optional[int]:
+def _sliding_window(hf_config, model_impl: str) -> Optional[int]:
     """The window a decoder's attention slides over, if any: the FMS
     family's, or for vLLM's model code the config's own."""
+    from vllm.config.spyre_model_facts import FMS
     from vllm.model_executor.models.spyre_families import (family_of,
                                                            window_of)
-    from vllm.model_executor.models.spyre_model_impl import FMS
-    if spyre.model_impl == FMS:
+    if model_impl == FMS:
         return family_of(hf_config).sliding_window(hf_config)
     return window_of(hf_config)
 

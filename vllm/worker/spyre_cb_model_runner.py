@@ -215,13 +215,9 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                     decode)
             seq_lens += lens
             query_lens += [1] * len(seqs)
-        sampling_metadata = SamplingMetadata.prepare(
-            metas,
-            seq_lens,
-            query_lens,
-            self.device_config.device,
-            pin_memory=False,
-            generators=self.get_generators(finished_requests_ids))
+        sampling_metadata = self.sampling_metadata(metas, seq_lens,
+                                                   query_lens,
+                                                   finished_requests_ids)
         return SpyreCBModelInput(prefill=prefill,
                                  decode=decode,
                                  num_live=len(decodes),

@@ -11,7 +11,6 @@ once, so serving compiles nothing.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -51,31 +50,7 @@ class SpyrePoolingModelRunner(SpyreRunnerBase[SpyrePoolingModelInput]):
     def warmup(self) -> None:
         """Compiles every warm-up shape by running it once, every row
         full."""
-        from tqdm import tqdm
-        assert self.model is not None
-        shapes = self.spyre_config.warmup_shapes
-        logger.info("Spyre warm-up: compiling %d pooling shape(s) with "
-                    "backend %s", len(shapes),
-                    self.spyre_config.dynamo_backend)
-        total = time.perf_counter()
-        vocab = self.model_config.get_vocab_size()
-        gen = torch.Generator().manual_seed(0)
-        bar = tqdm(shapes, desc="Spyre warm-up", unit="shape")
-        for done, shape in enumerate(bar, 1):
-            start = time.perf_counter()
-            texts = torch.randint(0, vocab,
-                                  (shape.batch_size, shape.prompt_len),
-                                  generator=gen).tolist()
-            self._run_shape(shape, texts)
-            seconds = time.perf_counter() - start
-            bar.set_postfix_str(f"{shape.prompt_len}x{shape.batch_size}")
-            self.startup_timings[f"warmup {_describe(shape)}"] = seconds
-            logger.info(
-                "Spyre warm-up of pooling shape %s (%d/%d) took %.1f s; "
-                "%.1f s elapsed", _describe(shape), done, len(shapes),
-                seconds, time.perf_counter() - total)
-        logger.info("Spyre warm-up of %d shape(s) took %.1f s", len(shapes),
-                    time.perf_counter() - total)
+        self.warm_up_shapes("pooling shape", _describe)
 
     @current_platform.inference_mode()
     def _run_shape(self, shape: WarmupShape, texts: list[list[int]]) -> None:

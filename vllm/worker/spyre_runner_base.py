@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 from torch import nn
 
 from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.config.spyre import SpyreConfig
+from vllm.config.spyre import SpyreConfig, WarmupShape
+from vllm.config.spyre_model_facts import VLLM, SpyreModelFacts
 from vllm.logger import init_logger
 from vllm.model_executor.layers.sampler import SamplerOutput
-from vllm.model_executor.models import spyre_model_impl
 from vllm.model_executor.sampling_metadata import SamplingMetadata
 from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors, SequenceGroupMetadata
@@ -115,6 +115,8 @@ class SpyreRunnerBase(ModelRunnerBase[T]):
                  spyre_config: SpyreConfig) -> None:
         super().__init__(vllm_config)
         self.spyre_config = spyre_config
+        #: The model code and sliding window the platform resolved.
+        self.model_facts = SpyreModelFacts.from_vllm_config(vllm_config)
         self.generators: dict[str, torch.Generator] = {}
         self.model: Optional[nn.Module] = None
         self.pad_id = 0
@@ -122,7 +124,7 @@ class SpyreRunnerBase(ModelRunnerBase[T]):
         self.startup_timings: dict[str, float] = {}
 
     def load_model(self) -> None:
-        if self.spyre_config.model_impl == spyre_model_impl.VLLM and \
+        if self.model_facts.model_impl == VLLM and \
                 not self.runs_vllm_model_code:
             raise NotImplementedError(
                 f"{type(self).__name__} does not run vLLM's model code")
@@ -165,6 +167,59 @@ class SpyreRunnerBase(ModelRunnerBase[T]):
         """One step of ``model_input``: the driver's outputs (sampled
         tokens or pooled vectors), ``[]`` on every other rank."""
         raise NotImplementedError
+
+    def warm_up_shapes(self, kind: str,
+                       label: Callable[[WarmupShape], str]) -> None:
+        """Runs ``_run_shape`` once per configured shape (``kind``, e.g.
+        "shape" or "pooling shape", in the log; ``label`` names a shape)
+        on random full-length prompts, logging and timing each: what
+        serving will run, compiled (or loaded) before it starts."""
+        from tqdm import tqdm
+        assert self.model is not None
+        shapes = self.spyre_config.warmup_shapes
+        logger.info("Spyre warm-up: compiling %d %s(s) with backend %s",
+                    len(shapes), kind, self.spyre_config.dynamo_backend)
+        total = time.perf_counter()
+        vocab = self.model_config.get_vocab_size()
+        gen = torch.Generator().manual_seed(0)
+        bar = tqdm(shapes, desc="Spyre warm-up", unit="shape")
+        for done, shape in enumerate(bar, 1):
+            start = time.perf_counter()
+            before = self.model.graph_cache_stats()
+            prompts = torch.randint(0, vocab,
+                                    (shape.batch_size, shape.prompt_len),
+                                    generator=gen).tolist()
+            self._run_shape(shape, prompts)
+            seconds = time.perf_counter() - start
+            how = self.graph_source(before)
+            bar.set_postfix_str(f"{label(shape)}: {how}")
+            self.startup_timings[f"warmup {label(shape)}"] = seconds
+            logger.info(
+                "Spyre warm-up of %s %s (%d/%d) took %.1f s (%s); "
+                "%.1f s elapsed", kind, label(shape), done, len(shapes),
+                seconds, how, time.perf_counter() - total)
+        logger.info("Spyre warm-up of %d shape(s) took %.1f s", len(shapes),
+                    time.perf_counter() - total)
+
+    def _run_shape(self, shape: WarmupShape,
+                   prompts: list[list[int]]) -> None:
+        """Warm-up of one shape (``warm_up_shapes``)."""
+        raise NotImplementedError
+
+    def sampling_metadata(self, metas: list[SequenceGroupMetadata],
+                          seq_lens: Optional[list[int]],
+                          query_lens: Optional[list[int]],
+                          finished_requests_ids: Optional[list[str]]
+                          ) -> SamplingMetadata:
+        """vLLM's sampling metadata of a step's groups, with this runner's
+        per-request generators."""
+        return SamplingMetadata.prepare(
+            metas,
+            seq_lens,
+            query_lens,
+            self.device_config.device,
+            pin_memory=False,
+            generators=self.get_generators(finished_requests_ids))
 
     def graph_source(self, before: dict[str, int]) -> str:
         """How the graphs run since ``before`` (the model's cache stats

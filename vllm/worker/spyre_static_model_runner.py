@@ -11,7 +11,6 @@ forward -> live rows -> vLLM logits processor -> vLLM sampler.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -81,39 +80,14 @@ class SpyreStaticModelRunner(SpyreRunnerBase[SpyreStaticModelInput]):
         """Compiles every warm-up shape by running exactly the sequence of
         forward calls a batch of that shape runs while serving: one prefill
         and ``new_tokens - 1`` decode steps."""
-        from tqdm import tqdm
         assert self.model is not None
         self.model.require_precompiled()
-        shapes = self.spyre_config.warmup_shapes
-        backend = self.spyre_config.dynamo_backend
-        logger.info("Spyre warm-up: compiling %d shape(s) with backend %s",
-                    len(shapes), backend)
-        total = time.perf_counter()
-        vocab = self.model_config.get_vocab_size()
-        gen = torch.Generator().manual_seed(0)
-        bar = tqdm(shapes, desc="Spyre warm-up", unit="shape")
-        for done, shape in enumerate(bar, 1):
-            start = time.perf_counter()
-            before = self.model.graph_cache_stats()
-            prompts = torch.randint(0, vocab,
-                                    (shape.batch_size, shape.prompt_len),
-                                    generator=gen).tolist()
-            self._run_shape(shape, prompts)
-            seconds = time.perf_counter() - start
-            how = self.graph_source(before)
-            bar.set_postfix_str(f"{shape}: {how}")
-            self.startup_timings[f"warmup {shape}"] = seconds
-            logger.info(
-                "Spyre warm-up of shape %s (%d/%d) took %.1f s (%s); "
-                "%.1f s elapsed", shape, done, len(shapes), seconds, how,
-                time.perf_counter() - total)
-        logger.info("Spyre warm-up of %d shape(s) took %.1f s", len(shapes),
-                    time.perf_counter() - total)
+        self.warm_up_shapes("shape", str)
 
     @current_platform.inference_mode()
     def _run_shape(self, shape: WarmupShape, prompts: list[list[int]]):
         assert self.model is not None
-        window = self.spyre_config.sliding_window
+        window = self.model_facts.sliding_window
         step = prefill_inputs(prompts, shape, self.pad_id, window)
         logits = self._forward(True, step)
         decode = DecodeSteps([len(p) for p in prompts], shape, window)
@@ -145,18 +119,14 @@ class SpyreStaticModelRunner(SpyreRunnerBase[SpyreStaticModelInput]):
         else:
             inputs, rows = self._continue_batch(metas)
             seq_lens = None
-        sampling_metadata = SamplingMetadata.prepare(
-            metas,
-            seq_lens,
-            seq_lens,
-            self.device_config.device,
-            pin_memory=False,
-            generators=self.get_generators(finished_requests_ids))
-        return SpyreStaticModelInput(is_prompt=is_prompt,
-                               inputs=inputs,
-                               live_rows=torch.tensor(rows, dtype=torch.long),
-                               sampling_metadata=sampling_metadata,
-                               logprob_rows=logprob_rows)
+        return SpyreStaticModelInput(
+            is_prompt=is_prompt,
+            inputs=inputs,
+            live_rows=torch.tensor(rows, dtype=torch.long),
+            sampling_metadata=self.sampling_metadata(metas, seq_lens,
+                                                     seq_lens,
+                                                     finished_requests_ids),
+            logprob_rows=logprob_rows)
 
     def _start_batch(self, metas: list[SequenceGroupMetadata]):
         prompts = [only_seq(m).prompt_token_ids for m in metas]
@@ -169,7 +139,7 @@ class SpyreStaticModelRunner(SpyreRunnerBase[SpyreStaticModelInput]):
             raise RuntimeError(
                 f"no compiled shape holds this batch of {len(sizes)} "
                 f"requests {sizes}; the scheduler should not have formed it")
-        window = self.spyre_config.sliding_window
+        window = self.model_facts.sliding_window
         inputs = prefill_inputs(prompts, shape, self.pad_id, window)
         pad_rows = shape.batch_size - len(prompts)
         self.batch = _Batch(

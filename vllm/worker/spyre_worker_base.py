@@ -18,6 +18,7 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.config.spyre import SpyreConfig
+from vllm.config.spyre_model_facts import FMS, SpyreModelFacts
 from vllm.distributed import (ensure_model_parallel_initialized,
                               init_distributed_environment)
 from vllm.logger import init_logger
@@ -157,7 +158,8 @@ class SpyreWorkerBase(LocalOrDistributedWorkerBase):
         float32 copy of them is ever made."""
         precision = precision_of(self.model_config.dtype,
                                  self.spyre_config.dynamo_backend)
-        return (self.spyre_config.model_impl == "fms"
+        facts = SpyreModelFacts.from_vllm_config(self.vllm_config)
+        return (facts.model_impl == FMS
                 and precision.linear != precision.model
                 and load_dtype(precision, stored_dtypes(
                     self.model_config.model)) == precision.linear)

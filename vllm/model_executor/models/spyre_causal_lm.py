@@ -23,11 +23,11 @@ from vllm.compilation import spyre_graph_cache
 from vllm.compilation.spyre_compile import compile_graphs
 from vllm.config import VllmConfig
 from vllm.config.spyre import SpyreConfig
+from vllm.config.spyre_model_facts import VLLM, SpyreModelFacts
 from vllm.logger import init_logger
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.sampler import SamplerOutput
 from vllm.model_executor.layers.spyre_sampler import SpyreSampler
-from vllm.model_executor.models import spyre_model_impl
 from vllm.model_executor.models.spyre_dtypes import (precision_of,
                                                      serving_dtype)
 from vllm.model_executor.models.spyre_fms_model_code import FmsModelCode
@@ -39,9 +39,9 @@ from vllm.spyre_kernels import ops as native
 logger = init_logger(__name__)
 
 
-def model_code_for(spyre_config: SpyreConfig) -> type[ModelCode]:
-    """The model code ``SpyreConfig.model_impl`` names."""
-    if spyre_config.model_impl == spyre_model_impl.VLLM:
+def model_code_for(facts: SpyreModelFacts) -> type[ModelCode]:
+    """The model code the platform chose (``SpyreModelFacts.model_impl``)."""
+    if facts.model_impl == VLLM:
         return VllmModelCode
     return FmsModelCode
 
@@ -77,7 +77,8 @@ class SpyreCausalLM(nn.Module):
         #: The sliding window every attention layer applies (0: none): in
         #: the static steps' masks (``spyre_static_inputs``), given to the
         #: paged ops as ``spyre_window``, and in a whole prompt's mask.
-        self.window = spyre_config.sliding_window
+        facts = SpyreModelFacts.from_vllm_config(vllm_config)
+        self.window = facts.sliding_window
         #: Whether the graphs hold the weights as constants (inductor
         #: freezing) rather than reading them as inputs.
         self.frozen = False
@@ -87,9 +88,9 @@ class SpyreCausalLM(nn.Module):
         logger.info("Spyre native CPU kernels %s (%s)",
                     "in use" if self.native else "not in use", why)
         #: The model code (FMS's or vLLM's), which holds the weights.
-        self.code = model_code_for(spyre_config)(vllm_config, spyre_config,
-                                                 self.precision, self.native,
-                                                 self.attention)
+        self.code = model_code_for(facts)(vllm_config, spyre_config,
+                                          self.precision, self.native,
+                                          self.attention)
         module = self.code.build()
         #: Every attention layer's cache geometry; a hybrid model's Mamba-2
         #: state geometry (None without such layers) and which of its

@@ -120,7 +120,7 @@ class FmsModelCode(ModelCode):
     # ---- prompt log-probabilities (``spyre_prompt_logprobs``) -----------
     def prompt_hidden(self, ids: torch.Tensor) -> torch.Tensor:
         length = ids.shape[1]
-        window = self.spyre_config.sliding_window
+        window = self.window
         # FMS's attention is causal over the whole prompt; a sliding window
         # needs its own mask.
         mask = {"mask": causal_mask(length, window)} if window else {}

@@ -10,8 +10,8 @@ that is compiled, runs one step of it on the caches the LM hands over, and
 answers what only it knows: the attention op's name, the cache's geometry,
 a whole prompt's hidden states and logits, in-place weight updates.
 
-``spyre_causal_lm.model_code_for`` picks the code ``SpyreConfig.model_impl``
-names.
+``spyre_causal_lm.model_code_for`` picks the code
+``SpyreModelFacts.model_impl`` names.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from vllm.attention.ops.spyre_kv_layout import CacheLayout
 from vllm.attention.ops.spyre_paged_inputs import PagedInputs
 from vllm.config import VllmConfig
 from vllm.config.spyre import SpyreConfig
+from vllm.config.spyre_model_facts import SpyreModelFacts
 from vllm.model_executor.layers import spyre_mamba
 from vllm.model_executor.models.spyre_dtypes import Precision
 
@@ -52,6 +53,9 @@ class ModelCode(nn.Module):
         self.native = native
         self.attention = attention
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        #: The sliding window of the model's attention (0: none).
+        self.window = SpyreModelFacts.from_vllm_config(
+            vllm_config).sliding_window
         #: The attention op of every forward, in the graph cache's key.
         self.attn_name = ""
         #: Every attention layer's cache geometry.

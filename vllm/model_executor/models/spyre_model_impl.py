@@ -18,11 +18,9 @@ anything is loaded.
 """
 from __future__ import annotations
 
+# The implementations, as ``SpyreModelFacts.model_impl`` records them.
+from vllm.config.spyre_model_facts import FMS, VLLM
 from vllm.model_executor.models.spyre_families import FAMILIES
-
-#: Implementations, as ``SpyreConfig.model_impl`` records them.
-FMS = "fms"
-VLLM = "vllm"
 
 #: Architectures whose vLLM model class runs on Spyre.
 VLLM_ARCHITECTURES: tuple[str, ...] = (

@@ -117,7 +117,7 @@ class VllmModelCode(ModelCode):
         for layer in self.attention_layers:
             # The model's sliding window where vLLM gave the layer none
             # (the platform clears vLLM's own window setting).
-            layer.impl.use_model_window(self.spyre_config.sliding_window)
+            layer.impl.use_model_window(self.window)
         impl = self.attention_layers[0].impl
         self.cache_layout = CacheLayout(layers=len(self.attention_layers),
                                         kv_heads=impl.num_kv_heads,
