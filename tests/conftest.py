@@ -1,7 +1,6 @@
 """Shared fixtures: the installed-code check, tiny random Llama checkpoints,
-the default model, Hugging Face references, and the engine kept between
-tests (``spyre_support.engines``) torn down at the end.  Helpers are
-imported from ``spyre_support``, never from here."""
+the default model and Hugging Face references.  Helpers are imported from
+``spyre_support``, never from here."""
 from __future__ import annotations
 
 import filecmp
@@ -11,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from spyre_support.engines import drop_shared
 from spyre_support.paths import REPO, SMOLLM2_DIR
 from spyre_support.reference import HFReference
 from spyre_support.tiny_models import build_tiny_llama
@@ -78,10 +76,3 @@ def smollm2() -> Path:
 def hf_tiny(tiny_llama) -> HFReference:
     """transformers' greedy reference of the tiny Llama."""
     return HFReference(tiny_llama)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def shared_engine():
-    """Tears down the engine ``shared_llm`` kept, after the last test."""
-    yield
-    drop_shared()

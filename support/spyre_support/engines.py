@@ -2,11 +2,10 @@
 and the greedy helpers the tests run through them.
 
 Building an engine (load, warm-up compilation) is most of an end-to-end
-test's time, so ``shared_llm`` keeps the last engine it built alive for the
-next caller that asks for the same one: the same model, settings and
-engine arguments.  Only one engine lives in a process at a time (they
-share vLLM's process groups and dynamo's state): asking for another, or
-for a private one with ``spyre_llm``, tears the kept one down first.
+test's time: tests that need the same engine share it, or its results,
+through a module-scoped fixture of their file.  Only one engine lives in
+a process at a time (they share vLLM's process groups and dynamo's
+state): each is torn down (``release_engine``) before the next starts.
 """
 from __future__ import annotations
 
@@ -40,32 +39,6 @@ def release_engine() -> None:
     gc.collect()
 
 
-class _Kept:
-    """The engine ``shared_llm`` keeps, and what it was built from."""
-    key: Optional[tuple] = None
-    llm = None
-    built = 0
-    reused = 0
-
-
-def _key(model: Path, env: dict, kwargs: dict) -> tuple:
-    return (str(model), tuple(sorted(env.items())),
-            tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
-
-
-def drop_shared() -> None:
-    """Tears down the kept engine, if any."""
-    if _Kept.llm is not None:
-        _Kept.llm = _Kept.key = None
-        release_engine()
-
-
-def shared_stats() -> dict[str, int]:
-    """How many engines ``shared_llm`` built, and how many times it handed
-    out a kept one instead."""
-    return dict(built=_Kept.built, reused=_Kept.reused)
-
-
 def _build(model: Path, env: dict, kwargs: dict):
     from vllm import LLM
     with mock.patch.dict(os.environ, env):
@@ -73,33 +46,10 @@ def _build(model: Path, env: dict, kwargs: dict):
 
 
 @contextlib.contextmanager
-def shared_llm(model: Path, env: dict, **kwargs) -> Iterator:
-    """A ``vllm.LLM`` under ``env``, shared with every other caller asking
-    for the same (model, settings, arguments).  Callers must leave it as
-    they found it: no request left running, no setting changed.  An
-    exception inside the block tears it down, so the next caller never
-    gets an engine in an unknown state."""
-    key = _key(model, env, kwargs)
-    if _Kept.key == key:
-        _Kept.reused += 1
-    else:
-        drop_shared()
-        _Kept.llm = _build(model, env, kwargs)
-        _Kept.key = key
-        _Kept.built += 1
-    try:
-        yield _Kept.llm
-    except BaseException:
-        drop_shared()
-        raise
-
-
-@contextlib.contextmanager
 def spyre_llm(model: Path, env: dict, **kwargs) -> Iterator:
     """A private ``vllm.LLM`` on the Spyre backend under ``env``, torn down
     after the block: for tests that change the engine or count what it
     does from its start."""
-    drop_shared()
     llm = _build(model, env, kwargs)
     try:
         yield llm
@@ -121,19 +71,17 @@ def mode_env(mode: str, backend: str, prompt_lens, new_tokens, batch_sizes,
 
 
 def mode_llm(model: Path, mode: str, backend: str, prompt_lens, new_tokens,
-             batch_sizes, max_model_len: int, shared: bool = False,
-             **kwargs):
-    """``spyre_llm`` (or ``shared_llm``) in the mode ``mode_env`` sets."""
+             batch_sizes, max_model_len: int, **kwargs):
+    """``spyre_llm`` in the mode ``mode_env`` sets."""
     env, kwargs = mode_env(mode, backend, prompt_lens, new_tokens,
                            batch_sizes, max_model_len, kwargs)
-    return (shared_llm if shared else spyre_llm)(model, env, **kwargs)
+    return spyre_llm(model, env, **kwargs)
 
 
 @contextlib.contextmanager
 def spyre_engine(model: Path, env: dict, **kwargs) -> Iterator:
     """A bare ``LLMEngine`` on the Spyre backend, for stepping by hand."""
     from vllm import EngineArgs, LLMEngine
-    drop_shared()
     with mock.patch.dict(os.environ, env):
         engine = LLMEngine.from_engine_args(
             EngineArgs(model=str(model), **kwargs))

@@ -238,22 +238,35 @@ def smollm2_expected(smollm2):
     return [hf.greedy(p, m)[0] for p, m in REQUESTS]
 
 
+@pytest.fixture(scope="module")
+def smollm2_static_on_vllm_code(smollm2):
+    """SmolLM2 on vLLM's model code, static batching, one rank: one engine
+    for the two tests that compare it (with transformers, with FMS's
+    model code)."""
+    return run(smollm2, "static", model_impl="vllm")
+
+
 @pytest.mark.smollm2
 @pytest.mark.parametrize("mode, ranks", [("static", 1), ("cb", 1),
                                          ("static", 3)])
-def test_smollm2_equals_transformers(smollm2, smollm2_expected, mode, ranks):
-    got, _, probes = run(smollm2, mode, model_impl="vllm",
-                         tensor_parallel_size=ranks)
+def test_smollm2_equals_transformers(request, smollm2, smollm2_expected,
+                                     mode, ranks):
+    if (mode, ranks) == ("static", 1):
+        got, _, probes = request.getfixturevalue(
+            "smollm2_static_on_vllm_code")
+    else:
+        got, _, probes = run(smollm2, mode, model_impl="vllm",
+                             tensor_parallel_size=ranks)
     assert got == smollm2_expected, (mode, ranks)
     assert len(probes) == ranks and on_vllm_code(probes), probes
 
 
 @pytest.mark.smollm2
-def test_smollm2_equals_the_fms_path(smollm2):
+def test_smollm2_equals_the_fms_path(smollm2, smollm2_static_on_vllm_code):
     """The same requests on FMS's model code (``auto``) and on vLLM's:
     the same ids."""
     fms, _, fms_probes = run(smollm2, "static")
-    ours, _, probes = run(smollm2, "static", model_impl="vllm")
+    ours, _, probes = smollm2_static_on_vllm_code
     assert fms_probes == [dict(cls="FmsModelCode")]
     assert on_vllm_code(probes), probes
     assert ours == fms
