@@ -74,10 +74,10 @@ class SpyreCausalLM(nn.Module):
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.model_path = model_config.model
         self.hf_config = model_config.hf_config
+        facts = SpyreModelFacts.from_vllm_config(vllm_config)
         #: The sliding window every attention layer applies (0: none): in
         #: the static steps' masks (``spyre_static_inputs``), given to the
         #: paged ops as ``spyre_window``, and in a whole prompt's mask.
-        facts = SpyreModelFacts.from_vllm_config(vllm_config)
         self.window = facts.sliding_window
         #: Whether the graphs hold the weights as constants (inductor
         #: freezing) rather than reading them as inputs.
