@@ -8,6 +8,8 @@ import os
 
 from vllm.executor import spyre_multiproc_executor_base as base
 from vllm.executor.spyre_executor import SPYRE_RANK_MODULES
+from vllm.executor.spyre_multiproc_executor import (
+    MultiprocessingSpyreExecutor)
 from vllm.platforms import spyre_modes
 
 
@@ -18,6 +20,9 @@ def test_the_preloaded_modules_are_the_platforms_workers():
     assert {w.rsplit(".", 1)[0] for w in workers} == set(SPYRE_RANK_MODULES)
     # The fork server skips a module it cannot import: each must exist.
     assert all(importlib.util.find_spec(m) for m in SPYRE_RANK_MODULES)
+    executor = object.__new__(MultiprocessingSpyreExecutor)
+    assert executor._rank_preload() == ["vllm.worker.worker_base",
+                                        *SPYRE_RANK_MODULES]
 
 
 def test_spawn_is_kept_when_asked(monkeypatch):

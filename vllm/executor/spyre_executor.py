@@ -64,9 +64,9 @@ class SpyreExecutorMixin:
         return env
 
     def _rank_preload(self) -> list[str]:
-        """The Spyre workers of every mode, with all they import (vLLM,
-        torch, FMS, the model code)."""
-        return ["vllm.worker.worker_base", *SPYRE_RANK_MODULES]
+        """The base's modules and the Spyre workers of every mode, with all
+        they import (vLLM, torch, FMS, the model code)."""
+        return [*super()._rank_preload(), *SPYRE_RANK_MODULES]
 
 
 class SpyreExecutor(SpyreExecutorMixin, UniProcExecutor):

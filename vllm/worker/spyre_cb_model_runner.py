@@ -47,6 +47,7 @@ from vllm.worker.spyre_state_slots import StateSlots
 
 logger = init_logger(__name__)
 
+
 @dataclass(frozen=True)
 class SpyreCBModelInput(SpyreModelInputBase):
     """One step, built on the driver worker: a prefill of one sequence

@@ -29,6 +29,7 @@ from vllm.worker.spyre_runner_base import (SpyreModelInputBase,
 
 logger = init_logger(__name__)
 
+
 @dataclass(frozen=True)
 class SpyrePoolingModelInput(SpyreModelInputBase):
     """The packed passes of one step, built on the driver worker."""

@@ -191,13 +191,13 @@ class SpyreRunnerBase(ModelRunnerBase[T]):
                                     generator=gen).tolist()
             self._run_shape(shape, prompts)
             seconds = time.perf_counter() - start
-            how = self.graph_source(before)
-            bar.set_postfix_str(f"{label(shape)}: {how}")
-            self.startup_timings[f"warmup {label(shape)}"] = seconds
+            how, name = self.graph_source(before), label(shape)
+            bar.set_postfix_str(f"{name}: {how}")
+            self.startup_timings[f"warmup {name}"] = seconds
             logger.info(
                 "Spyre warm-up of %s %s (%d/%d) took %.1f s (%s); "
-                "%.1f s elapsed", kind, label(shape), done, len(shapes),
-                seconds, how, time.perf_counter() - total)
+                "%.1f s elapsed", kind, name, done, len(shapes), seconds,
+                how, time.perf_counter() - total)
         logger.info("Spyre warm-up of %d shape(s) took %.1f s", len(shapes),
                     time.perf_counter() - total)
 

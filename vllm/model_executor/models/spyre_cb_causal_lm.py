@@ -59,11 +59,10 @@ class SpyreCBCausalLM(SpyreCausalLM):
         #: A chunk pays for its padding and for the LM head, read whole
         #: per chunk to keep one row of logits; the kernel scores one query
         #: position at a time, so a whole prompt costs it no more memory
-        #: than a chunk.  A hybrid
-        #: model's Mamba-2 scan cuts its positions into chunks, which a
-        #: dynamic length would specialise (one chunk or several): it
-        #: prefills in static chunks, its state carried from one to the
-        #: next.
+        #: than a chunk.  A hybrid model's Mamba-2 scan cuts its positions
+        #: into chunks, which a dynamic length would specialise (one chunk
+        #: or several): it prefills in static chunks, its state carried
+        #: from one to the next.
         self.prefill_len_range = (MIN_PREFILL_LEN, max(
             self.max_model_len, MIN_PREFILL_LEN + 1)) if (
                 self.native and self.state_layout is None) else None

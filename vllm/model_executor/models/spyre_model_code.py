@@ -96,4 +96,3 @@ class ModelCode(nn.Module):
         raise NotImplementedError(
             f"In-place weight updates are not supported on Spyre with "
             f"{self.name}'s model code")
-

@@ -4,12 +4,12 @@ The model runner (``vllm.worker.spyre_static_model_runner``) calls
 ``forward`` once per engine step with the fixed-shape tensors built by
 ``vllm.worker.spyre_static_inputs``: a prefill over a whole padded batch
 fills the first ``prompt_len`` slots of the batch's key/value cache, each
-decode step writes one more slot.  The caches belong to this module: one per warm-up
-shape, allocated when the shape is first run (at warm-up) and written in
-place ever after (``vllm.attention.ops.spyre_static_cache``).  ``forward``
-returns the next-token logits of every row; vLLM's own ``LogitsProcessor``
-and ``Sampler`` then run on the rows that are still live, as in vLLM's
-Neuron backend.
+decode step writes one more slot.  The caches belong to this module: one
+per warm-up shape, allocated when the shape is first run (at warm-up) and
+written in place ever after (``vllm.attention.ops.spyre_static_cache``).
+``forward`` returns the next-token logits of every row; vLLM's own
+``LogitsProcessor`` and ``Sampler`` then run on the rows that are still
+live, as in vLLM's Neuron backend.
 """
 from __future__ import annotations
 
