@@ -41,6 +41,65 @@ def pytest_configure(config):
             "re-installs the project first.", returncode=3)
 
 
+# The files that take longest, longest first.  `scripts/run_tests.sh`
+# hands whole files to its workers in collection order: a long file handed
+# out last would leave one worker running it alone while the other has
+# nothing left.  Every other end-to-end file follows in its own order, then
+# the unit tests, which fill the gaps.  Order only: a file missing here, or
+# a name left after a rename, changes when a file runs, not whether.
+LONGEST_FIRST = (
+    "test_graph_cache.py", "test_benchmarks.py", "test_model_families.py",
+    "test_quantization.py", "test_model_impl.py", "test_server_robustness.py",
+    "test_external_launcher.py", "test_lm_eval.py", "test_embeddings.py",
+    "test_tensor_parallel.py", "test_examples.py", "test_hybrid.py",
+)
+
+
+# Files whose tests run on the same shared engine (``shared_llm``): handed
+# to one worker as a single unit, one after the other.
+SAME_WORKER = {
+    "test_sampling.py": "request_llm",
+    "test_structured_output.py": "request_llm",
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's whole-file scheduling, with the files of ``SAME_WORKER``
+    grouped; other distribution modes are xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class GroupedFiles(LoadFileScheduling):
+
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SAME_WORKER.get(Path(scope).name, scope)
+
+    return GroupedFiles(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Items sorted by their file's place: ``LONGEST_FIRST``, the other
+    end-to-end files, then the unit tests (the sort is stable, so each
+    file keeps its own order)."""
+    def place(item) -> int:
+        path = Path(str(item.fspath))
+        if path.name in LONGEST_FIRST:
+            return LONGEST_FIRST.index(path.name)
+        return len(LONGEST_FIRST) + (path.parent.name != "e2e")
+    items.sort(key=place)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_engine_released():
+    """The session's shared engine (``shared_llm``) is torn down at its
+    end, before the worker exits."""
+    yield
+    from spyre_support.engines import drop_shared
+    drop_shared()
+
+
 # ---- tiny random checkpoints ---------------------------------------------
 
 @pytest.fixture(scope="session")

@@ -2,10 +2,13 @@
 and the greedy helpers the tests run through them.
 
 Building an engine (load, warm-up compilation) is most of an end-to-end
-test's time: tests that need the same engine share it, or its results,
-through a module-scoped fixture of their file.  Only one engine lives in
-a process at a time (they share vLLM's process groups and dynamo's
-state): each is torn down (``release_engine``) before the next starts.
+test's time: tests that need the same engine share it.  ``shared_llm``
+keeps one engine for the whole session, keyed by (model, settings, engine
+arguments), for every test that only generates through it, in any file;
+a module-scoped fixture shares results within a file.  Only one engine
+lives in a process at a time (they share vLLM's process groups and
+dynamo's state): each is torn down (``release_engine``) before the next
+starts, the shared one included.
 """
 from __future__ import annotations
 
@@ -45,11 +48,43 @@ def _build(model: Path, env: dict, kwargs: dict):
         return LLM(model=str(model), **kwargs)
 
 
+#: The session's shared engine: {key: engine}, one entry at most.
+_SHARED: dict = {}
+
+
+def _key(model: Path, env: dict, kwargs: dict) -> tuple:
+    return (str(model), tuple(sorted(env.items())),
+            repr(sorted(kwargs.items())))
+
+
+def shared_llm(model: Path, env: dict, **kwargs):
+    """The session's ``vllm.LLM`` for (``model``, ``env``, ``kwargs``):
+    built on first use and handed to every later caller with the same key,
+    in any test file, until a caller asks for another engine (this one is
+    then torn down first).  Only for tests that generate through it and
+    whose results do not depend on what it ran before: never one that
+    changes its weights or settings, counts what it did from its start, or
+    reads what it cached (prefix caching)."""
+    key = _key(model, env, kwargs)
+    if key not in _SHARED:
+        drop_shared()
+        _SHARED[key] = _build(model, env, kwargs)
+    return _SHARED[key]
+
+
+def drop_shared() -> None:
+    """Tears down the shared engine, if one is held."""
+    if _SHARED:
+        _SHARED.clear()
+        release_engine()
+
+
 @contextlib.contextmanager
 def spyre_llm(model: Path, env: dict, **kwargs) -> Iterator:
     """A private ``vllm.LLM`` on the Spyre backend under ``env``, torn down
     after the block: for tests that change the engine or count what it
     does from its start."""
+    drop_shared()
     llm = _build(model, env, kwargs)
     try:
         yield llm
@@ -78,10 +113,28 @@ def mode_llm(model: Path, mode: str, backend: str, prompt_lens, new_tokens,
     return spyre_llm(model, env, **kwargs)
 
 
+#: Guided decoding by xgrammar with no whitespace between JSON tokens
+#: (the tiny random model would otherwise fill its budget with spaces).
+GUIDED_COMPACT = dict(guided_decoding_backend="xgrammar",
+                      guided_decoding_disable_any_whitespace=True)
+
+
+def request_llm(model: Path, mode: str):
+    """The engine on which the tests of what one request asks for
+    (sampling parameters, structured output) run, shared by their files
+    (tests/conftest.py runs them on one worker): eager, 64-token prompts
+    with up to 64 new tokens at batch 4 (``"static"``) or 4 sequences of
+    128 positions (``"cb"``), ``GUIDED_COMPACT``."""
+    env, kwargs = mode_env(mode, "eager", [64], [64], [4], 128,
+                           GUIDED_COMPACT)
+    return shared_llm(model, env, **kwargs)
+
+
 @contextlib.contextmanager
 def spyre_engine(model: Path, env: dict, **kwargs) -> Iterator:
     """A bare ``LLMEngine`` on the Spyre backend, for stepping by hand."""
     from vllm import EngineArgs, LLMEngine
+    drop_shared()
     with mock.patch.dict(os.environ, env):
         engine = LLMEngine.from_engine_args(
             EngineArgs(model=str(model), **kwargs))

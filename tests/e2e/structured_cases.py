@@ -17,8 +17,6 @@ SCHEMA = {
     "required": ["color", "ok", "n"],
     "additionalProperties": False,
 }
-COMPACT = dict(guided_decoding_backend="xgrammar",
-               guided_decoding_disable_any_whitespace=True)
 MAX_NEW = 64
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spyre_support.engines import spyre_llm
+from spyre_support.engines import shared_llm, spyre_llm
 from spyre_support.envs import cb_env, spyre_env
 
 # Largest batch size 2.
@@ -39,18 +39,18 @@ def generate(llm, prompts, sampling):
     return llm.generate(prompts, sampling, use_tqdm=False)
 
 
-@pytest.fixture(scope="module")
+# Function-scoped: each test takes the session's shared engine as it is
+# then, so no test holds one torn down when the other mode's was built.
+@pytest.fixture
 def static_llm(tiny_llama):
-    with spyre_llm(tiny_llama, STATIC_ENV) as llm:
-        yield llm
+    return shared_llm(tiny_llama, STATIC_ENV)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def cb_llm(tiny_llama):
     # 2 sequences at once, a pool of 4 blocks of 64 tokens.
-    with spyre_llm(tiny_llama, CB_ENV, max_num_seqs=2, max_model_len=512,
-                   num_gpu_blocks_override=4) as llm:
-        yield llm
+    return shared_llm(tiny_llama, CB_ENV, max_num_seqs=2, max_model_len=512,
+                      num_gpu_blocks_override=4)
 
 
 @pytest.mark.parametrize("sampling,n", [

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from spyre_support.engines import mode_llm
+from spyre_support.engines import request_llm
 from spyre_support.tiny_models import BOS_ID, EOS_ID
 
 MAX_NEW = 10
@@ -18,9 +18,7 @@ PROMPT = [11, 42, 99, 7, 250, 31, 8]
 
 @pytest.fixture(scope="module", params=["static", "cb"])
 def llm(request, tiny_llama):
-    with mode_llm(tiny_llama, request.param, "eager", [64], [MAX_NEW], [4],
-                  max_model_len=128) as llm:
-        yield llm
+    return request_llm(tiny_llama, request.param)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from spyre_support.engines import spyre_llm
+from spyre_support.engines import shared_llm
 from spyre_support.envs import spyre_env
 from spyre_support.reference import HFReference
 
@@ -22,10 +22,9 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def llm(smollm2):
-    with spyre_llm(smollm2, spyre_env("eager", [64], [MAX_NEW], [4])) as llm:
-        yield llm
+    return shared_llm(smollm2, spyre_env("eager", [64], [MAX_NEW], [4]))
 
 
 @pytest.fixture(scope="module")

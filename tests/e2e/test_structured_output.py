@@ -21,16 +21,15 @@ import weakref
 
 import pytest
 
-from spyre_support.engines import mode_llm
-from structured_cases import (CHOICES, COMPACT, MAX_NEW, REGEX, SCHEMA,
-                              check_schema)
+from spyre_support.engines import GUIDED_COMPACT, mode_llm, request_llm
+from structured_cases import CHOICES, MAX_NEW, REGEX, SCHEMA, check_schema
 
 
-@pytest.fixture(scope="module", params=["static", "cb"])
+# "cb" first: test_sampling.py, which runs just before on the same worker,
+# ends on the continuous-batching engine, and this file takes it over.
+@pytest.fixture(scope="module", params=["cb", "static"])
 def llm(request, tiny_llama):
-    with mode_llm(tiny_llama, request.param, "eager", [64], [MAX_NEW], [4],
-                  max_model_len=128, **COMPACT) as llm:
-        yield llm
+    return request_llm(tiny_llama, request.param)
 
 
 def guided(**kwargs):
@@ -190,7 +189,7 @@ def test_a_preempted_guided_request_keeps_its_grammar(tiny_llama,
              for m in (60, 50)]
     with mode_llm(tiny_llama, "cb", "eager", [64], [MAX_NEW], [3],
                   max_model_len=576, num_gpu_blocks_override=7,
-                  **COMPACT) as llm:
+                  **GUIDED_COMPACT) as llm:
         alone = llm.generate(prompts[2:], guided(regex=regex),
                              use_tqdm=False)[0].outputs[0].text
         scheduler = llm.llm_engine.scheduler[0]
