@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import platform
 import random
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from spyre_support import preloaded
 from spyre_support.paths import REPO, SMOLLM2_DIR
 
 DEFAULT_MODEL = str(SMOLLM2_DIR)
@@ -210,9 +210,11 @@ def compiled_in_timed_runs(compiled: int) -> bool:
 # ---- child processes -------------------------------------------------------
 
 def _serve(conn, env: dict[str, str], target: Callable, args: tuple) -> None:
-    """Body of a child: environment, threads, ``target(*args)``, then
-    method calls from the parent until 'stop'."""
+    """Body of a child: the parent's environment with the child's own,
+    threads, ``target(*args)``, then method calls from the parent until
+    'stop'."""
     try:
+        os.environ.clear()
         os.environ.update(env)
         import torch
         torch.set_num_threads(cores())  # intra-op threads = cores
@@ -228,16 +230,19 @@ def _serve(conn, env: dict[str, str], target: Callable, args: tuple) -> None:
 
 
 class Child:
-    """A process started with 'spawn' that builds ``target(*args)`` and
-    answers method calls over a Pipe."""
+    """A process that builds ``target(*args)`` and answers method calls
+    over a Pipe: a fork of the preloaded server (``spyre_support.preloaded``:
+    torch, transformers and vLLM imported once for all the children of a
+    benchmark), under ``env`` on top of the benchmark's own environment."""
 
     def __init__(self, name: str, target: Callable, *args,
                  env: Optional[dict[str, str]] = None) -> None:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = preloaded.context()
         self.name = name
         self.conn, theirs = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, name=name,
-                                args=(theirs, env or {}, target, args))
+        self.proc = ctx.Process(
+            target=_serve, name=name,
+            args=(theirs, dict(os.environ, **(env or {})), target, args))
         self.proc.start()
         theirs.close()
 

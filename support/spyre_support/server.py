@@ -11,7 +11,6 @@ import random
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -19,6 +18,7 @@ from typing import Optional
 import httpx
 import requests
 
+from spyre_support import preloaded
 from spyre_support.soak import metric as url_metric
 from spyre_support.soak import (burst, random_requests, soak,
                                 soak_plan, tree_rss)
@@ -41,15 +41,13 @@ class Server:
         self.log_path = log_path or Path(f"/tmp/vllm-serve-{self.port}.log")
         full_env = dict(os.environ, **env)
         full_env.setdefault("VLLM_USE_V1", "0")
-        cmd = [
-            sys.executable, "-m", "vllm.entrypoints.cli.main", "serve",
-            self.model, "--host", "127.0.0.1", "--port",
-            str(self.port), *args
-        ]
+        argv = ["-m", "vllm.entrypoints.cli.main", "serve", self.model,
+                "--host", "127.0.0.1", "--port", str(self.port), *args]
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, env=full_env, stdout=self._log,
-                                     stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        # The API server, forked from a server that has imported vLLM
+        # (it starts its engine process as ``vllm serve`` does).
+        self.proc = preloaded.Popen(argv, full_env, self.log_path,
+                                    new_session=True)
 
     def wait_healthy(self, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout

@@ -6,11 +6,10 @@ and its table printed last."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from spyre_support import preloaded
 from spyre_support.paths import REPO
 
 pytestmark = pytest.mark.smollm2
@@ -23,14 +22,14 @@ def test_offline_benchmark_small(smollm2, tmp_path):
     (what ``--model-impl vllm`` adds beside each engine), the same ids, and
     its decode rate over the FMS engine's."""
     out, png = tmp_path / "offline.json", tmp_path / "plot.png"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "offline.py"),
+    proc = preloaded.run(
+        [str(REPO / "benchmarks" / "offline.py"),
          "--model", str(smollm2), "--engines",
          "spyre-eager,spyre-cb-eager,hf,spyre-eager-vllm",
          "--batch-sizes", "1,2",
          "--prompt-len", "61", "--new-tokens", "4", "--repetitions", "2",
          "--json", str(out), "--plot", str(png)],
-        capture_output=True, text=True, timeout=900, cwd=REPO)
+        timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["compilations"] == 0
@@ -82,11 +81,11 @@ def test_linear_benchmark_small(smollm2, tmp_path):
     int4), outputs compared with the weights each holds, no compilation,
     JSON and table."""
     out = tmp_path / "linear.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "linear.py"),
+    proc = preloaded.run(
+        [str(REPO / "benchmarks" / "linear.py"),
          "--model", str(smollm2), "--rows", "1,4", "--repeats", "1",
          "--json", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=REPO)
+        timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["layers"] == 4 * 30 + 1  # SmolLM2: 30 layers, LM head
@@ -119,11 +118,11 @@ def test_attention_benchmark_small(smollm2, tmp_path):
     """benchmarks/attention.py: the C++ attention kernels against the torch
     ops on SmolLM2's cache geometry; every case agrees, JSON and table."""
     out = tmp_path / "attention.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "attention.py"),
+    proc = preloaded.run(
+        [str(REPO / "benchmarks" / "attention.py"),
          "--model", str(smollm2), "--batch-sizes", "2", "--contexts",
          "70", "--repeats", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=REPO)
+        timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["geometry"] == dict(layers=30, heads=9, kv_heads=3,
@@ -146,11 +145,11 @@ def test_first_batch_benchmark_small(smollm2, tmp_path):
     """benchmarks/first_batch.py: both settings in fresh processes, every
     call timed, nothing compiled after warm-up, JSON and table."""
     out = tmp_path / "first-batch.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "first_batch.py"),
+    proc = preloaded.run(
+        [str(REPO / "benchmarks" / "first_batch.py"),
          "--model", str(smollm2), "--backend", "eager", "--batch-size", "2",
          "--new-tokens", "4", "--batches", "2", "--json", str(out)],
-        capture_output=True, text=True, timeout=900, cwd=REPO)
+        timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())["results"]
     assert set(result) == {"default", "usage stats on"}
@@ -170,12 +169,12 @@ def test_embeddings_benchmark_small(tmp_path):
     and table."""
     from spyre_support.paths import MINILM_DIR
     out, png = tmp_path / "embeddings.json", tmp_path / "embeddings.png"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "embeddings.py"),
+    proc = preloaded.run(
+        [str(REPO / "benchmarks" / "embeddings.py"),
          "--model", str(MINILM_DIR), "--text-lens", "32", "--batch-sizes",
          "2", "--texts", "4", "--repetitions", "1", "--json", str(out),
          "--plot", str(png)],
-        capture_output=True, text=True, timeout=900, cwd=REPO)
+        timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["compilations"] == 0 and png.stat().st_size > 0
@@ -197,11 +196,11 @@ def test_encoder_attention_benchmark_small(tmp_path):
     table."""
     from spyre_support.paths import MINILM_DIR
     out = tmp_path / "encoder-attention.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "encoder_attention.py"),
+    proc = preloaded.run(
+        [str(REPO / "benchmarks" / "encoder_attention.py"),
          "--model", str(MINILM_DIR), "--cases", "4x20", "--repeats", "1",
          "--json", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=REPO)
+        timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (row, ) = json.loads(out.read_text())["results"]
     assert (row["batch"], row["slots"]) == (2, 64)  # three 20-token texts a row
@@ -219,11 +218,11 @@ def test_hybrid_split_benchmark_small(tmp_path):
     from spyre_support.tiny_models import build_tiny_family
     model = build_tiny_family("bamba", tmp_path / "bamba")
     out = tmp_path / "split.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "hybrid_split.py"),
+    proc = preloaded.run(
+        [str(REPO / "benchmarks" / "hybrid_split.py"),
          "--model", str(model), "--batch-sizes", "1,2", "--new-tokens",
          "4", "--json", str(out)],
-        capture_output=True, text=True, timeout=900, cwd=REPO)
+        timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 2]
@@ -243,12 +242,12 @@ def test_prefill_benchmark_small(tmp_path):
     import torch
     model = build_bf16_valued_llama(tmp_path / "bf16", torch.bfloat16)
     out = tmp_path / "prefill.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "prefill.py"),
+    proc = preloaded.run(
+        [str(REPO / "benchmarks" / "prefill.py"),
          "--model", str(model), "--engines", "spyre-eager-bf16",
          "--prompt-len", "64", "--repetitions", "1", "--matrix", "256",
          "--json", str(out)],
-        capture_output=True, text=True, timeout=900, cwd=REPO)
+        timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert set(result["peak_flop_per_s"]) == {"bfloat16", "float32"}

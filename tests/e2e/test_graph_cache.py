@@ -1,6 +1,8 @@
 """The compiled-graph cache (``TORCH_SENDNN_CACHE_ENABLE=1``), end to end:
-every start runs in a fresh process (``spyre_support.engine_start``), so a warm
-start can only skip compiling through the cache directory.
+every start runs in a process of its own (``spyre_support.engine_start``,
+forked from a server that has imported torch and vLLM and compiled
+nothing: ``spyre_support.preloaded``), so a warm start can only skip
+compiling through the cache directory.
 
 * a cold start compiles and keeps every graph; a warm start loads them all,
   compiles nothing (dynamo's counters and the cache's own), and gives the
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from spyre_support import preloaded
 from spyre_support.envs import cb_env, spyre_env
 from spyre_support.reference import HFReference
 
@@ -43,11 +46,14 @@ def start(model: Path, cache: Path, env: dict, engine_args: dict = None,
     run_env = dict(os.environ, **env, TORCH_SENDNN_CACHE_ENABLE="1",
                    TORCH_SENDNN_CACHE_DIR=str(cache),
                    VLLM_SPYRE_REQUIRE_PRECOMPILED="1" if strict else "0")
-    proc = subprocess.run(
-        [*prefix, sys.executable, "-m", "spyre_support.engine_start",
-         str(model), json.dumps(engine_args or {}), json.dumps(PROMPTS),
-         str(MAX_TOKENS)],
-        env=run_env, capture_output=True, text=True, timeout=START_TIMEOUT)
+    argv = ["-m", "spyre_support.engine_start", str(model),
+            json.dumps(engine_args or {}), json.dumps(PROMPTS), str(MAX_TOKENS)]
+    if prefix:  # a command around the interpreter: a process of its own
+        proc = subprocess.run([*prefix, sys.executable, *argv], env=run_env,
+                              capture_output=True, text=True,
+                              timeout=START_TIMEOUT)
+    else:
+        proc = preloaded.run(argv, env=run_env, timeout=START_TIMEOUT)
     log = proc.stdout + proc.stderr
     if not expect_ok:
         assert proc.returncode != 0, log[-3000:]
