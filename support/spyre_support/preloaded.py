@@ -53,6 +53,9 @@ def _main(argv: list[str], env: dict[str, str], cwd: str, out: str,
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    # As in a fresh interpreter, no start method is chosen yet (vLLM's API
+    # server sets one under VLLM_WORKER_MULTIPROC_METHOD=forkserver).
+    multiprocessing.set_start_method(None, force=True)
     code = 0
     try:
         if argv[0] == "-m":
