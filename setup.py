@@ -38,6 +38,8 @@ setup(
             "spyre_admission = vllm.engine.spyre_admission:install",
             "spyre_error_status = "
             "vllm.entrypoints.openai.spyre_error_status:install",
+            "spyre_request_checks = "
+            "vllm.entrypoints.openai.spyre_request_checks:install",
             "spyre_model_inspection = "
             "vllm.model_executor.models.spyre_inspection:install",
             "spyre_quantization = "

@@ -180,7 +180,9 @@ def test_every_field_reaches_the_workers():
         use_cb=True, backend_reason="reason", world_size=2,
         devices=("0", "1"), ignored_vars=("VLLM_SPYRE_WARMUP_NEW_TOKENS", ),
         graph_cache_dir="/tmp/g", require_precompiled=True,
-        inductor_freezing=False, native_kernels=False, pooling=True)
+        inductor_freezing=False, native_kernels=False, pooling=True,
+        guided_max_repeat=100, guided_max_depth=8, guided_max_bytes=5000,
+        guided_compile_timeout_s=2.5)
     # A field added later must be set here too.
     assert all(getattr(cfg, f.name) != f.default for f in fields(cfg)
                if f.default is not MISSING)
@@ -328,6 +330,10 @@ def test_env_var_declarations_are_consistent(no_sendnn):
         "VLLM_SPYRE_REQUIRE_PRECOMPILED",
         "VLLM_SPYRE_INDUCTOR_FREEZING",
         "VLLM_SPYRE_NATIVE_KERNELS",
+        "VLLM_SPYRE_GUIDED_MAX_REPEAT",
+        "VLLM_SPYRE_GUIDED_MAX_DEPTH",
+        "VLLM_SPYRE_GUIDED_COMPILE_TIMEOUT_S",
+        "VLLM_SPYRE_GUIDED_MAX_BYTES",
     }
     # Every declared default parses: the defaults spelled out explicitly
     # give the same config as no environment at all.

@@ -122,6 +122,8 @@ NOT_GRAPH_CODE = (
     "model_executor/layers/spyre_sampler.py",
     "model_executor/model_loader/spyre_weight_update.py",
     "model_executor/models/spyre_inspection.py",
+    # Start-up's tensor-parallel size check: what may split, not how.
+    "model_executor/models/spyre_tp_dims.py",
     # The quantized-checkpoint writer: a tool, never imported when serving.
     "model_executor/layers/quantization/spyre_quant_files.py",
     "model_executor/layers/quantization/spyre_quant_writer.py",

@@ -132,8 +132,36 @@ SPYRE_ENV_VARS: tuple[EnvVar, ...] = (
         "they build; `0` keeps PyTorch's own ops (MKL/oneDNN products, "
         "attention in torch ops), to compare the two. The card (`sendnn`) "
         "never uses them."),
+    EnvVar(
+        "VLLM_SPYRE_GUIDED_MAX_REPEAT", lambda: "4096", "`4096`",
+        "Structured output: the largest repetition a request's grammar may "
+        "unroll (a string's `minLength`/`maxLength`, an array's "
+        "`minItems`/`maxItems`, a regex `{n,m}`, nested regex repetitions "
+        "multiplied). xgrammar compiles one grammar element per repeat; a "
+        "request asking for more is refused with HTTP 400."),
+    EnvVar(
+        "VLLM_SPYRE_GUIDED_MAX_DEPTH", lambda: "64", "`64`",
+        "Structured output: how deep the objects and arrays of a request's "
+        "JSON schema may nest (a level of `properties` counts as one); a "
+        "deeper schema is refused with HTTP 400."),
+    EnvVar(
+        "VLLM_SPYRE_GUIDED_COMPILE_TIMEOUT_S", lambda: "10", "`10`",
+        "Structured output: seconds a request's grammar may take to "
+        "compile (xgrammar, in a child process of the engine, killed when "
+        "the time is up); a request whose grammar takes longer is refused "
+        "with HTTP 400. The engine waits for the compilation: a grammar "
+        "seen before compiles nothing."),
+    EnvVar(
+        "VLLM_SPYRE_GUIDED_MAX_BYTES", lambda: "1048576", "`1048576` (1 MiB)",
+        "Structured output: the largest schema, regex, grammar or choice "
+        "list a request may send, in bytes; a larger one is refused with "
+        "HTTP 400."),
 )
 _ENV_BY_NAME = {v.name: v for v in SPYRE_ENV_VARS}
+#: The structured-output limits, by their fields in ``SpyreConfig``.
+GUIDED_LIMIT_VARS = (("guided_max_repeat", "VLLM_SPYRE_GUIDED_MAX_REPEAT"),
+                     ("guided_max_depth", "VLLM_SPYRE_GUIDED_MAX_DEPTH"),
+                     ("guided_max_bytes", "VLLM_SPYRE_GUIDED_MAX_BYTES"))
 
 
 @dataclass(frozen=True)
@@ -160,6 +188,11 @@ class SpyreConfig:
     native_kernels: bool = True
     #: A pooling model (embeddings, scores): shapes generate no tokens.
     pooling: bool = False
+    #: Structured output's bounds (``vllm.engine.spyre_guided_limits``).
+    guided_max_repeat: int = 4096
+    guided_max_depth: int = 64
+    guided_max_bytes: int = 1 << 20
+    guided_compile_timeout_s: float = 10.0
 
     @classmethod
     def from_env(cls,
@@ -230,6 +263,11 @@ class SpyreConfig:
         native = _parse_switch(
             "VLLM_SPYRE_NATIVE_KERNELS", get("VLLM_SPYRE_NATIVE_KERNELS"),
             "1 (the C++ kernels where they build) or 0 (PyTorch's own ops)")
+        guided = {field: _parse_positive(name, get(name))
+                  for field, name in GUIDED_LIMIT_VARS}
+        guided["guided_compile_timeout_s"] = _parse_seconds(
+            "VLLM_SPYRE_GUIDED_COMPILE_TIMEOUT_S",
+            get("VLLM_SPYRE_GUIDED_COMPILE_TIMEOUT_S"))
         return cls(dynamo_backend=backend,
                    warmup_shapes=shapes,
                    use_cb=use_cb == "1",
@@ -241,7 +279,8 @@ class SpyreConfig:
                    require_precompiled=strict,
                    inductor_freezing=freezing,
                    native_kernels=native,
-                   pooling=pooling)
+                   pooling=pooling,
+                   **guided)
 
     @property
     def card_count(self) -> Optional[int]:
@@ -319,6 +358,24 @@ def _parse_switch(name: str, raw: str, meaning: str) -> bool:
     if raw not in ("0", "1"):
         raise ValueError(f"{name}={raw!r} is invalid: use {meaning}.")
     return raw == "1"
+
+
+def _parse_positive(name: str, raw: str) -> int:
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{name}={raw!r} is invalid: give a positive "
+                         "integer.")
+    return int(raw)
+
+
+def _parse_seconds(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name}={raw!r} is invalid: give a positive "
+                         "number of seconds.")
+    return value
 
 
 def _parse_cards(world: str,

@@ -36,6 +36,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from vllm.config.spyre import SpyreConfig
+from vllm.engine import spyre_guided_limits
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
 
@@ -45,13 +47,18 @@ logger = init_logger(__name__)
 _LIBRARIES = ("xgrammar", "guidance")
 
 
-def _backend_class(name: str):
+def _make_backend(name: str, engine, config: SpyreConfig):
+    """vLLM's backend of library ``name`` for ``engine``; xgrammar's with
+    its compilations bounded in time (``spyre_grammar_compile``)."""
+    kwargs = dict(tokenizer=engine.get_tokenizer(),
+                  vocab_size=engine.model_config.get_vocab_size())
     if name == "xgrammar":
-        from vllm.v1.structured_output.backend_xgrammar import (
-            XgrammarBackend)
-        return XgrammarBackend
+        from vllm.engine.spyre_grammar_compile import BoundedXgrammarBackend
+        return BoundedXgrammarBackend(
+            engine.vllm_config, timeout_s=config.guided_compile_timeout_s,
+            **kwargs)
     from vllm.v1.structured_output.backend_guidance import GuidanceBackend
-    return GuidanceBackend
+    return GuidanceBackend(engine.vllm_config, **kwargs)
 
 
 def _validate(name: str, params: SamplingParams) -> None:
@@ -95,7 +102,8 @@ class GrammarLogitsProcessor:
     """A request's grammar, as a V0 logits processor:
     ``(generated token ids, logits row) -> logits row``."""
 
-    def __init__(self, backend, key: tuple, request: str) -> None:
+    def __init__(self, backend, key: tuple, request: str,
+                 first=None) -> None:
         self.backend = backend
         self.key = key
         self.request = request
@@ -103,6 +111,19 @@ class GrammarLogitsProcessor:
         #: (tokens accepted, matcher) per distinct sequence seen.
         self.matchers: list[tuple[list[int], Any]] = []
         self.failed = False
+        #: The grammar compiled at admission, the first sequence's matcher.
+        self.first = first
+
+    def new_matcher(self):
+        """A matcher at the grammar's start: the one compiled at
+        admission, then copies of its compiled grammar (never a new
+        compilation inside a model step, where a budget could end it)."""
+        if self.first is not None:
+            first, self.first = self.first, None
+            return first
+        if hasattr(self.backend, "grammar"):
+            return self.backend.grammar(self.matchers[0][1].ctx)
+        return self.backend.compile_grammar(*self.key)
 
     def matcher_for(self, generated: list[int]):
         """The matcher of the sequence that generated ``generated``,
@@ -114,7 +135,7 @@ class GrammarLogitsProcessor:
                     and (best is None or len(tokens) > len(best[0]))):
                 best = (tokens, matcher)
         if best is None:
-            best = ([], self.backend.compile_grammar(*self.key))
+            best = ([], self.new_matcher())
             self.matchers.append(best)
         tokens, matcher = best
         new = list(generated[len(tokens):])
@@ -162,33 +183,48 @@ def _backend(engine, name: str):
     with _lock:
         backends = engine.__dict__.setdefault("_spyre_grammar_backends", {})
         if name not in backends:
-            backends[name] = _backend_class(name)(
-                engine.vllm_config, tokenizer=engine.get_tokenizer(),
-                vocab_size=engine.model_config.get_vocab_size())
+            backends[name] = _make_backend(
+                name, engine, SpyreConfig.from_vllm_config(engine.vllm_config))
         return backends[name]
+
+
+def _limits(engine) -> spyre_guided_limits.GuidedLimits:
+    """The engine's structured-output limits, read once."""
+    limits = engine.__dict__.get("_spyre_guided_limits")
+    if limits is None:
+        limits = spyre_guided_limits.GuidedLimits.from_config(
+            SpyreConfig.from_vllm_config(engine.vllm_config))
+        engine.__dict__["_spyre_guided_limits"] = limits
+    return limits
 
 
 def attach(engine, request_id: str, params: SamplingParams) -> SamplingParams:
     """``params`` with its guided decoding turned into a logits processor
     (a copy; the caller's object is untouched), or ``params`` itself when
-    it asks for none.  The grammar is compiled here, so that a bad schema,
-    regex or grammar is a ``ValueError`` before the request is queued."""
+    it asks for none.  The grammar is checked against the engine's limits
+    (``spyre_guided_limits``) and compiled here, so that a bad or too
+    large schema, regex or grammar is a ``ValueError`` before the request
+    is queued."""
     if params.guided_decoding is None:
         return params
     from vllm.v1.structured_output.request import get_structured_output_key
+    try:
+        spyre_guided_limits.check(params.guided_decoding, _limits(engine))
+    except ValueError as e:
+        raise ValueError(f"Guided decoding: {e}") from e
     params = params.clone()
     try:
         name = choose_library(params,
                               engine.vllm_config.decoding_config.backend)
         key = get_structured_output_key(params)
         backend = _backend(engine, name)
-        backend.compile_grammar(*key)
+        first = backend.compile_grammar(*key)
     except ValueError as e:
         raise ValueError(f"Guided decoding: {e}") from e
     except Exception as e:  # the libraries raise RuntimeError and others
         raise ValueError(f"Guided decoding: the grammar could not be "
                          f"compiled: {e}") from e
-    processor = GrammarLogitsProcessor(backend, key, request_id)
+    processor = GrammarLogitsProcessor(backend, key, request_id, first)
     params.logits_processors = [*(params.logits_processors or []),
                                 processor]
     params.guided_decoding = None

@@ -207,6 +207,8 @@ class SpyrePlatform(Platform):
             spyre_modes.configure_pooling(vllm_config, spyre)
         else:
             impl = _choose_model_impl(model_config, spyre)
+            _check_tensor_parallel(model_config, impl,
+                                   parallel_config.tensor_parallel_size)
             _check_hybrid(model_config.hf_config, vllm_config.cache_config)
             if spyre.use_cb:
                 spyre_modes.configure_continuous_batching(vllm_config,
@@ -235,6 +237,21 @@ class SpyrePlatform(Platform):
         extra = dict(vllm_config.additional_config or {})
         extra[ADDITIONAL_CONFIG_KEY] = spyre.to_dict()
         vllm_config.additional_config = extra
+
+
+def _check_tensor_parallel(model_config, impl: str, size: int) -> None:
+    """Refuses, before any rank starts, a tensor-parallel size that does
+    not split the decoder's heads, MLP, experts or vocabulary
+    (``spyre_tp_dims``), naming the sizes that do."""
+    from vllm.config.spyre_model_facts import VLLM
+    from vllm.model_executor.models import spyre_tp_dims
+    if impl == VLLM:
+        dims = spyre_tp_dims.vllm_dims(model_config.hf_text_config)
+    else:
+        from vllm.model_executor.models.spyre_families import family_of
+        hf_config = model_config.hf_config
+        dims = family_of(hf_config).tp_dims(hf_config)
+    spyre_tp_dims.check(dims, size)
 
 
 def _choose_model_impl(model_config, spyre: SpyreConfig) -> str:

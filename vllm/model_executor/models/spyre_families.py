@@ -41,6 +41,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
+from vllm.model_executor.models import spyre_tp_dims as tp
+
 
 def _no_fixes(hf_config) -> dict:
     return {}
@@ -216,6 +218,10 @@ class DecoderFamily:
     #: Another family that runs this config (None: this one does).
     form: Callable[[Any], Optional["DecoderFamily"]] = field(
         default=_same_form)
+    #: The dimensions tensor parallelism splits (``spyre_tp_dims``):
+    #: ``hf_config -> [TPDim]``, attention heads first.
+    tp_dims: Callable[[Any], list] = field(
+        default=tp.fms_mlp("intermediate_size"))
 
     @property
     def serves_checkpoint_layout(self) -> bool:
@@ -233,12 +239,13 @@ FAMILIES: dict[str, DecoderFamily] = {
     for f in (
         DecoderFamily("LlamaForCausalLM", "llama"),
         DecoderFamily("GraniteForCausalLM", "granite"),
-        DecoderFamily("GPTBigCodeForCausalLM", "gpt_bigcode", _no_pad_id),
+        DecoderFamily("GPTBigCodeForCausalLM", "gpt_bigcode", _no_pad_id,
+                      tp_dims=tp.gpt_bigcode),
         DecoderFamily("MistralForCausalLM", "mistral", _mlp_width,
                       has_window=True),
         DecoderFamily("MixtralForCausalLM", "mixtral", _mixtral_fixes,
                       source="spyre_hf", prepare=_dense_experts,
-                      has_window=True),
+                      has_window=True, tp_dims=tp.mixtral),
         DecoderFamily("Qwen3ForCausalLM", "qwen3", _qwen3_fixes,
                       has_window=True),
         DecoderFamily("BambaForCausalLM", "bamba", _bamba_fixes,
@@ -246,9 +253,10 @@ FAMILIES: dict[str, DecoderFamily] = {
                       whole_tensors=_MAMBA_WHOLE),
         DecoderFamily("GraniteMoeHybridForCausalLM", "granite_moe_hybrid",
                       _granite4_fixes, form=_granite4_form,
-                      whole_tensors=_GRANITE4_WHOLE),
+                      whole_tensors=_GRANITE4_WHOLE, tp_dims=tp.granite4),
         DecoderFamily("GptOssForCausalLM", "spyre_gpt_oss", _gpt_oss_fixes,
-                      attention_sinks=True, whole_tensors=_GPT_OSS_WHOLE),
+                      attention_sinks=True, whole_tensors=_GPT_OSS_WHOLE,
+                      tp_dims=tp.attention),
     )
 }
 
@@ -264,7 +272,7 @@ WHOLE_TENSORS = tuple(dict.fromkeys(
 #: Mamba-2 layers: ``spyre_granite4``'s model, built from FMS's layers.
 _GRANITE4_OTHER = DecoderFamily(
     "GraniteMoeHybridForCausalLM", "spyre_granite4", _granite4_other_fixes,
-    whole_tensors=_GRANITE4_WHOLE)
+    whole_tensors=_GRANITE4_WHOLE, tp_dims=tp.granite4)
 _GRANITE4_HYBRID = dataclasses.replace(
     _GRANITE4_OTHER, prepare=_mamba_state_slots, hybrid=True)
 

@@ -1,0 +1,184 @@
+"""Requests built to stall or crash the server, through the OpenAI server
+on continuous batching with prefix caching, a plain stream decoding
+beside them: each is answered 400 naming the field and the setting, in
+about a second at most, and the stream keeps its pace to its last token.
+
+* structured output too large to compile (``minLength`` 1,000,000,
+  ``minItems`` 100,000, a regex ``a{1000000}``: refused by the size
+  limits before anything compiles), nested 300 objects deep (refused
+  before the API server passes it to the engine, where pickling it
+  failed with a 500), and within the limits but slow to compile (refused
+  when its compilation, in a child process of the engine, outlives
+  ``VLLM_SPYRE_GUIDED_COMPILE_TIMEOUT_S``);
+* a field the endpoint does not take: a 400 naming it, not silence;
+  ``bad_words``, which vLLM's completion request lacks, is honoured on
+  ``/v1/completions`` as on ``/v1/chat/completions``.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+
+from spyre_support.envs import cb_env
+from spyre_support.server import Server
+
+#: The budget of this server's grammar compilations, and the repetition
+#: limit raised so that a slow string bound reaches the compiler.
+TIMEOUT_S = 1
+MAX_REPEAT = 50000
+STREAM_TOKENS = 1500
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_2k):
+    env = dict(cb_env("eager"),
+               VLLM_SPYRE_GUIDED_COMPILE_TIMEOUT_S=str(TIMEOUT_S),
+               VLLM_SPYRE_GUIDED_MAX_REPEAT=str(MAX_REPEAT))
+    with Server(tiny_llama_2k, env,
+                args=("--max-num-seqs", "4", "--max-model-len", "2048",
+                      "--enable-prefix-caching",
+                      "--guided-decoding-backend", "xgrammar",
+                      "--guided-decoding-disable-any-whitespace")) as srv:
+        yield srv
+
+
+def nested(levels: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def post(server, path: str, **body) -> requests.Response:
+    body.setdefault("model", server.model)
+    body.setdefault("max_tokens", 8)
+    if path.endswith("chat/completions"):
+        body.setdefault("messages", [{"role": "user", "content": "hi"}])
+    else:
+        body.setdefault("prompt", "hi")
+    return requests.post(server.url + path, json=body, timeout=120)
+
+
+class Stream(threading.Thread):
+    """A greedy streamed completion; the arrival time of every chunk."""
+
+    def __init__(self, server) -> None:
+        super().__init__(daemon=True)
+        self.server = server
+        self.times: list[float] = []
+        self.finish = None
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        body = dict(model=self.server.model, prompt=[5, 6, 7, 8],
+                    max_tokens=STREAM_TOKENS, temperature=0,
+                    ignore_eos=True, stream=True)
+        with requests.post(self.server.url + "/v1/completions", json=body,
+                           stream=True, timeout=300) as resp:
+            for line in resp.iter_lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                self.times.append(time.monotonic())
+                self.started.set()
+                self.finish = chunk["choices"][0]["finish_reason"] or \
+                    self.finish
+
+
+HOSTILE = [
+    # (endpoint, body, words the answer must name)
+    ("/v1/completions", dict(guided_json={"type": "string",
+                                          "minLength": 1000000}),
+     ["minLength", "1,000,000", "VLLM_SPYRE_GUIDED_MAX_REPEAT"]),
+    ("/v1/chat/completions", dict(response_format=dict(
+        type="json_schema", json_schema=dict(name="list", schema={
+            "type": "array", "items": {"type": "integer"},
+            "minItems": 100000}))),
+     ["minItems", "100,000", "VLLM_SPYRE_GUIDED_MAX_REPEAT"]),
+    ("/v1/completions", dict(guided_regex="a{1000000}"),
+     ["guided_regex", "{1000000}", "VLLM_SPYRE_GUIDED_MAX_REPEAT"]),
+    ("/v1/completions", dict(guided_json=nested(300)),
+     ["guided_json", "VLLM_SPYRE_GUIDED_MAX_DEPTH"]),
+    ("/v1/chat/completions", dict(guided_json=nested(300)),
+     ["guided_json", "VLLM_SPYRE_GUIDED_MAX_DEPTH"]),
+    ("/v1/chat/completions", dict(guided_json=json.dumps(nested(300))),
+     ["guided_json", "VLLM_SPYRE_GUIDED_MAX_DEPTH"]),
+    ("/v1/completions", dict(guided_json="{"), ["guided_json", "JSON"]),
+    # Within the limits, slow to compile: the budget ends it.
+    ("/v1/completions", dict(guided_json={"type": "string",
+                                          "minLength": 40000}),
+     ["did not compile within 1 s", "VLLM_SPYRE_GUIDED_COMPILE_TIMEOUT_S"]),
+]
+
+
+def test_hostile_structured_output_is_400_while_a_stream_keeps_its_pace(
+        server):
+    stream = Stream(server)
+    stream.start()
+    assert stream.started.wait(120)
+    for path, body, words in HOSTILE:
+        start = time.monotonic()
+        reply = post(server, path, **body)
+        took = time.monotonic() - start
+        assert reply.status_code == 400, (body, reply.text[:500])
+        message = reply.json()["error"]["message"]
+        for word in words:
+            assert word in message, (word, message)
+        assert took < TIMEOUT_S + 2, (body, took)
+    stream.join(300)
+    assert not stream.is_alive()
+    assert stream.finish == "length"
+    assert len(stream.times) == STREAM_TOKENS
+    gaps = [b - a for a, b in zip(stream.times, stream.times[1:])]
+    # The slow grammar held the engine for its budget at most.
+    assert max(gaps) < TIMEOUT_S + 1.5, max(gaps)
+    # And the server still constrains what fits.
+    reply = post(server, "/v1/completions", max_tokens=16,
+                 guided_json={"enum": ["red", "green"]})
+    assert reply.status_code == 200, reply.text
+    assert json.loads(reply.json()["choices"][0]["text"]) in ("red", "green")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_field_the_endpoint_lacks_is_400_naming_it(server, path):
+    reply = post(server, path, no_such_field=1, another_one="x")
+    assert reply.status_code == 400, reply.text
+    message = reply.json()["error"]["message"]
+    assert "another_one, no_such_field" in message and path in message
+    assert post(server, path).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_bad_words_are_honoured(server, path):
+    """The first whole word the greedy answer generates, banned: its token
+    appears nowhere in the answer any more."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(server.model)
+    chat = path.endswith("chat/completions")
+
+    def generated(**extra) -> list[int]:
+        logprobs = dict(logprobs=True, top_logprobs=0) if chat else \
+            dict(logprobs=0)
+        reply = post(server, path, temperature=0, max_tokens=24,
+                     ignore_eos=True, return_tokens_as_token_ids=True,
+                     **logprobs, **extra)
+        assert reply.status_code == 200, reply.text
+        got = reply.json()["choices"][0]["logprobs"]
+        tokens = ([t["token"] for t in got["content"]] if chat else
+                  got["tokens"])
+        return [int(t.removeprefix("token_id:")) for t in tokens]
+
+    free = generated()
+    token, word = next(
+        (t, w) for t in free
+        for w in [tokenizer.decode([t]).strip()]
+        if w.isascii() and w.isalpha() and len(w) > 1)
+    banned = generated(bad_words=[word])
+    assert token not in banned, (word, banned)
+    assert banned != free
+    reply = post(server, path, bad_words="not a list")
+    assert reply.status_code == 400
