@@ -5,8 +5,6 @@ endpoint does not take is a ``ValueError`` naming it, and a schema nested
 too deep to pickle is refused before anything tries."""
 from __future__ import annotations
 
-import pickle
-
 import pytest
 
 from vllm.entrypoints.openai import spyre_request_checks
@@ -68,9 +66,10 @@ def test_fields_an_endpoint_lacks_are_refused(make, params, endpoint):
 
 
 def test_a_schema_too_deep_to_pickle_is_refused_first():
+    """Nested 300 objects deep: refused here, in the API server (passing
+    it to the engine pickled it, over Python's recursion limit in the
+    server's deeper stack: an HTTP 500 before)."""
     deep = nested(300)
-    with pytest.raises(RecursionError):
-        pickle.dumps(deep)
     for request, params in ((completion(guided_json=deep),
                              completion_params),
                             (chat(guided_json=deep), chat_params)):
