@@ -36,17 +36,23 @@ class Server:
     def __init__(self, model: Path, env: dict, args: tuple = (),
                  log_path: Optional[Path] = None):
         self.model = str(model)
+        self.env = dict(os.environ, **env)
+        self.env.setdefault("VLLM_USE_V1", "0")
+        self.args = args
+        self.given_log_path = log_path
+        self._start()
+
+    def _start(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path or Path(f"/tmp/vllm-serve-{self.port}.log")
-        full_env = dict(os.environ, **env)
-        full_env.setdefault("VLLM_USE_V1", "0")
+        self.log_path = self.given_log_path or Path(
+            f"/tmp/vllm-serve-{self.port}.log")
         argv = ["-m", "vllm.entrypoints.cli.main", "serve", self.model,
-                "--host", "127.0.0.1", "--port", str(self.port), *args]
+                "--host", "127.0.0.1", "--port", str(self.port), *self.args]
         self._log = open(self.log_path, "w")
         # The API server, forked from a server that has imported vLLM
         # (it starts its engine process as ``vllm serve`` does).
-        self.proc = preloaded.Popen(argv, full_env, self.log_path,
+        self.proc = preloaded.Popen(argv, self.env, self.log_path,
                                     new_session=True)
 
     def wait_healthy(self, timeout: float = 600) -> None:
@@ -81,11 +87,18 @@ class Server:
         self._log.close()
 
     def __enter__(self) -> "Server":
-        try:
-            self.wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in range(3):
+            try:
+                self.wait_healthy()
+                return self
+            except BaseException as e:
+                self.stop()
+                # The free port was taken (by another process's outgoing
+                # connection) between choosing it and binding it.
+                if attempt < 2 and "Address already in use" in str(e):
+                    self._start()
+                    continue
+                raise
         return self
 
     def __exit__(self, *exc) -> None:
