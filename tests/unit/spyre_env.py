@@ -3,19 +3,19 @@ tests: whether torch_sendnn (the card's compile backend) seems importable,
 whatever machine the tests run on, and warm-up shape variables."""
 import pytest
 
-from vllm.config import spyre as spyre_config
+from vllm.compilation import spyre_sendnn
 
 
 @pytest.fixture
 def no_sendnn(monkeypatch):
     """Behave as on a machine without torch_sendnn, wherever tests run."""
-    monkeypatch.setattr(spyre_config, "sendnn_available", lambda: False)
+    monkeypatch.setattr(spyre_sendnn, "sendnn_available", lambda: False)
 
 
 @pytest.fixture
 def with_sendnn(monkeypatch):
     """Behave as on a machine where torch_sendnn imports."""
-    monkeypatch.setattr(spyre_config, "sendnn_available", lambda: True)
+    monkeypatch.setattr(spyre_sendnn, "sendnn_available", lambda: True)
 
 
 def shapes_env(prompt_lens, new_tokens, batch_sizes, **extra):

@@ -6,11 +6,10 @@ import re
 
 import pytest
 
-from vllm.config import spyre as spyre_config
+from vllm.compilation import spyre_sendnn
 from vllm.platforms import spyre as spyre_platform
-from vllm.config.spyre import (ADDITIONAL_CONFIG_KEY,
-                               DYNAMO_BACKENDS, SPYRE_ENV_VARS,
-                               SpyreConfig, render_env_var_table)
+from vllm.config.spyre import (ADDITIONAL_CONFIG_KEY, SPYRE_ENV_VARS,
+                               SpyreConfig)
 from vllm.worker import spyre_heap
 from vllm.config.spyre_warmup_shapes import (WarmupShape,
                                              parse_warmup_shapes)
@@ -36,7 +35,7 @@ def test_default_backend_is_sendnn_where_torch_sendnn_imports(with_sendnn):
 
 def test_default_backend_follows_real_sendnn_availability():
     cfg = SpyreConfig.from_env(environ={})
-    if spyre_config.sendnn_available():
+    if spyre_sendnn.sendnn_available():
         assert cfg.dynamo_backend == "sendnn"
     else:
         assert cfg.dynamo_backend == "inductor"
@@ -298,52 +297,6 @@ def test_config_is_frozen():
     cfg = SpyreConfig("eager", (WarmupShape(64, 20, 1), ))
     with pytest.raises(Exception):
         cfg.dynamo_backend = "inductor"  # type: ignore[misc]
-
-
-# ------------------------------------------------------------------ docs
-def test_render_env_var_table_lists_every_variable():
-    table = render_env_var_table()
-    lines = table.rstrip("\n").split("\n")
-    assert lines[0] == "| Variable | Default | Meaning |"
-    assert lines[1] == "|---|---|---|"
-    assert len(lines) == 2 + len(SPYRE_ENV_VARS)
-    for var, line in zip(SPYRE_ENV_VARS, lines[2:]):
-        assert line.startswith(f"| `{var.name}` | {var.default_doc} | ")
-        assert var.help in line
-    names = re.findall(r"^\| `(\w+)`", table, flags=re.M)
-    assert {v.name for v in SPYRE_ENV_VARS} <= set(names)
-
-
-def test_env_var_declarations_are_consistent(no_sendnn):
-    names = [v.name for v in SPYRE_ENV_VARS]
-    assert len(names) == len(set(names))
-    assert set(names) == {
-        "VLLM_SPYRE_DYNAMO_BACKEND",
-        "VLLM_SPYRE_WARMUP_PROMPT_LENS",
-        "VLLM_SPYRE_WARMUP_NEW_TOKENS",
-        "VLLM_SPYRE_WARMUP_BATCH_SIZES",
-        "VLLM_SPYRE_USE_CB",
-        "AIU_WORLD_SIZE",
-        "SPYRE_DEVICES",
-        "TORCH_SENDNN_CACHE_ENABLE",
-        "TORCH_SENDNN_CACHE_DIR",
-        "VLLM_SPYRE_REQUIRE_PRECOMPILED",
-        "VLLM_SPYRE_INDUCTOR_FREEZING",
-        "VLLM_SPYRE_NATIVE_KERNELS",
-        "VLLM_SPYRE_GUIDED_MAX_REPEAT",
-        "VLLM_SPYRE_GUIDED_MAX_DEPTH",
-        "VLLM_SPYRE_GUIDED_COMPILE_TIMEOUT_S",
-        "VLLM_SPYRE_GUIDED_MAX_BYTES",
-    }
-    # Every declared default parses: the defaults spelled out explicitly
-    # give the same config as no environment at all.
-    explicit = {v.name: v.default() for v in SPYRE_ENV_VARS}
-    implicit_cfg = SpyreConfig.from_env(environ={})
-    explicit_cfg = SpyreConfig.from_env(environ=explicit)
-    assert explicit_cfg.warmup_shapes == implicit_cfg.warmup_shapes
-    assert explicit_cfg.dynamo_backend == implicit_cfg.dynamo_backend
-    assert implicit_cfg.dynamo_backend in DYNAMO_BACKENDS
-    assert explicit_cfg.card_count is None and implicit_cfg.card_count is None
 
 
 # ------------------------------------------------------------ card count

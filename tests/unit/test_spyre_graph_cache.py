@@ -17,7 +17,7 @@ from vllm.compilation import spyre_graph_cache as gc
 from vllm.compilation.spyre_compiled_graphs import PrecompiledGraphs
 from vllm.compilation.spyre_graph_cache import (GraphCache,
                                                 MAGIC)
-from vllm.config import spyre as spyre_config
+from vllm.compilation import spyre_sendnn
 from vllm.config.spyre import SpyreConfig
 
 PARTS = {"model": "/m", "weights": "w1", "backend": "inductor", "dtype": "f"}
@@ -261,7 +261,7 @@ def test_key_parts_cover_what_changes_a_graph(tmp_path):
 @pytest.fixture
 def no_sendnn(monkeypatch):
     """Behave as on a machine without torch_sendnn, wherever tests run."""
-    monkeypatch.setattr(spyre_config, "sendnn_available", lambda: False)
+    monkeypatch.setattr(spyre_sendnn, "sendnn_available", lambda: False)
 
 
 def test_graph_cache_is_off_by_default(no_sendnn):
@@ -307,7 +307,7 @@ def test_graph_cache_settings_errors(no_sendnn, env, needle):
 
 
 def test_strict_mode_is_refused_with_sendnn(monkeypatch):
-    monkeypatch.setattr(spyre_config, "sendnn_available", lambda: True)
+    monkeypatch.setattr(spyre_sendnn, "sendnn_available", lambda: True)
     with pytest.raises(ValueError, match="with sendnn the cache is "
                        "torch_sendnn's own"):
         SpyreConfig.from_env(environ={

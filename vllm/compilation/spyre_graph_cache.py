@@ -58,6 +58,7 @@ GRAPH_CODE = (
     # The settings the graphs are built with, and the platform that
     # derives them.
     "config/spyre.py",
+    "config/spyre_env_vars.py",
     "platforms/spyre.py",
     "platforms/spyre_modes.py",
     # The compile set-up.
