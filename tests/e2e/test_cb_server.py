@@ -62,9 +62,11 @@ def test_echo_with_logprobs_as_lm_eval_asks(server, tiny_llama):
 def test_streams_join_a_running_batch(server):
     """A long stream is decoding when three more arrive: they get their
     first tokens before it ends, and every text equals the same request
-    served alone."""
-    long = ([9] * 30, 120)
-    later = [([5 + i] * (10 + 40 * i), 12) for i in range(3)]
+    served alone.  The four fit the pool together (3 blocks for the long
+    one, one each for the others), so none of them waits for blocks: a
+    later request that did would start only when the long one ends."""
+    long = ([9] * 30, 162)
+    later = [([5 + i] * (10 + 20 * i), 12) for i in range(3)]
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as client:
@@ -82,7 +84,7 @@ def test_streams_join_a_running_batch(server):
 
     (long_text, long_times), rest = asyncio.run(
         asyncio.wait_for(main(), timeout=300))
-    assert len(long_times) == 120
+    assert len(long_times) == 162
     for (text, times), (prompt, n) in zip(rest, later):
         assert len(times) == n
         assert times[0] < long_times[-1], "did not join the running batch"
