@@ -36,10 +36,11 @@ from spyre_support.envs import cb_env, warmup_env
 
 TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
 TASKS = ("spyre_facts", "spyre_arith", "spyre_text")
-#: The static server's one warm-up shape: the longest prompt of the tasks
-#: fits 256 tokens; answers are at most 8 tokens;
-#: one request a batch (static batching would pad the rest).
-STATIC_SHAPE = (256, 8, 1)
+#: The static server's one warm-up shape: the longest request of the tasks
+#: is 49 tokens (SmolLM2's tokenizer, with lm-eval's leading token on a
+#: rolling one), answers are at most 8 tokens, and lm-eval keeps 4 requests
+#: in flight, which one batch of 4 takes together.
+STATIC_SHAPE = (64, 8, 4)
 #: The continuous-batching server's limits.
 CB_ARGS = ("--max-num-seqs", "4", "--max-model-len", "512")
 MODES = ("static", "cb")

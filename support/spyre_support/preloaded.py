@@ -10,7 +10,9 @@ that has done those imports and nothing else: no engine, no compiled
 graph, no OpenMP thread, so each child starts as clean as a fresh
 interpreter, under the environment, working directory and arguments it is
 given.  What the server read from the environment at import (OpenMP's
-settings, transformers' offline switches) is the caller's.
+settings, transformers' offline switches) is the caller's, except vLLM's
+settings that a module bound at import (``from vllm.envs import X``),
+which each child reads again from its own environment.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ import traceback
 from typing import Optional, Sequence
 
 #: What the server imports once.
-PRELOAD = ["torch", "transformers", "vllm.entrypoints.llm"]
+PRELOAD = ["torch", "transformers", "vllm.entrypoints.llm",
+           "vllm.entrypoints.openai.api_server"]
 
 
 def context():
@@ -34,6 +37,21 @@ def context():
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def _reread_vllm_settings() -> None:
+    """Module globals bound from ``vllm.envs`` at import (the API client's
+    ``VLLM_RPC_TIMEOUT``) take this process's values."""
+    envs = sys.modules.get("vllm.envs")
+    if envs is None:
+        return
+    names = set(envs.environment_variables)
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("vllm.") or module is envs:
+            continue
+        bound = names.intersection(getattr(module, "__dict__", {}))
+        for var in bound:
+            setattr(module, var, getattr(envs, var))
 
 
 def _main(argv: list[str], env: dict[str, str], cwd: str, out: str,
@@ -56,6 +74,7 @@ def _main(argv: list[str], env: dict[str, str], cwd: str, out: str,
     # As in a fresh interpreter, no start method is chosen yet (vLLM's API
     # server sets one under VLLM_WORKER_MULTIPROC_METHOD=forkserver).
     multiprocessing.set_start_method(None, force=True)
+    _reread_vllm_settings()
     code = 0
     try:
         if argv[0] == "-m":

@@ -34,8 +34,9 @@ class Server:
     """Starts ``vllm serve MODEL`` under ``env`` and waits until healthy."""
 
     def __init__(self, model: Path, env: dict, args: tuple = (),
-                 log_path: Optional[Path] = None):
+                 log_path: Optional[Path] = None, fork_engine: bool = True):
         self.model = str(model)
+        self.fork_engine = fork_engine
         self.env = dict(os.environ, **env)
         self.env.setdefault("VLLM_USE_V1", "0")
         self.args = args
@@ -47,11 +48,14 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = self.given_log_path or Path(
             f"/tmp/vllm-serve-{self.port}.log")
-        argv = ["-m", "vllm.entrypoints.cli.main", "serve", self.model,
+        # The engine process a fork of the API server (forked_serve), or
+        # started as ``vllm serve`` starts it.
+        entry = ("spyre_support.forked_serve" if self.fork_engine
+                 else "vllm.entrypoints.cli.main")
+        argv = ["-m", entry, "serve", self.model,
                 "--host", "127.0.0.1", "--port", str(self.port), *self.args]
         self._log = open(self.log_path, "w")
-        # The API server, forked from a server that has imported vLLM
-        # (it starts its engine process as ``vllm serve`` does).
+        # The API server, forked from a server that has imported vLLM.
         self.proc = preloaded.Popen(argv, self.env, self.log_path,
                                     new_session=True)
 

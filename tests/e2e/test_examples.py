@@ -21,7 +21,9 @@ pytestmark = pytest.mark.smollm2
 @pytest.fixture(scope="module")
 def server(smollm2):
     # SmolLM2's chat template adds a system prompt: chat prompts need 128.
-    with Server(smollm2, spyre_env("eager", [128], [16], [2])) as srv:
+    # The README's ``vllm serve``, its engine process spawned.
+    with Server(smollm2, spyre_env("eager", [128], [16], [2]),
+                fork_engine=False) as srv:
         yield srv
 
 

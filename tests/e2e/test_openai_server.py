@@ -27,7 +27,8 @@ MAX_TOKENS = [16, 5, 12, 8]
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    with Server(tiny_llama, ENV) as srv:
+    # Its engine process started as ``vllm serve`` starts it (spawned).
+    with Server(tiny_llama, ENV, fork_engine=False) as srv:
         yield srv
 
 
