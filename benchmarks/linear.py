@@ -89,6 +89,28 @@ def quantize_rtn(w, kind: str):
     return QuantWeight("fp8", (w / scale).to(torch.float8_e4m3fn), scale)
 
 
+#: The weights of one quantized kind, packed and dequantized, kept while
+#: the kernels of that kind run at every row count (the kernels' loop is
+#: grouped by kind, so one kind is held at a time).
+_QUANTIZED: dict = {}
+
+
+def quantized(w, kind: str):
+    """``w`` quantized to ``kind`` and packed for the kernel: (packed, the
+    weight it stands for, bytes held)."""
+    from vllm.model_executor.layers.quantization import spyre_quant_linear
+    key = (kind, w.data_ptr())
+    if key not in _QUANTIZED:
+        if any(k != kind for k, _ in _QUANTIZED):
+            _QUANTIZED.clear()
+        q = quantize_rtn(w, kind)
+        p = spyre_quant_linear.pack(q)
+        held = sum(t.numel() * t.element_size()
+                   for t in (p.packed, p.scales, p.offsets) if t is not None)
+        _QUANTIZED[key] = (p, q.dequantize(), held)
+    return _QUANTIZED[key]
+
+
 def kernels(rows: int):
     """name -> (prepare(weight) -> (held, weight it stands for, bytes[,
     whether it rounds its inputs to bfloat16]), apply(x, held))."""
@@ -126,12 +148,7 @@ def kernels(rows: int):
                 x, p[0], p[1]))
         for kind in ("int8", "fp8", "int4"):
             def prepare(w, kind=kind):
-                q = quantize_rtn(w, kind)
-                p = spyre_quant_linear.pack(q)
-                held = sum(t.numel() * t.element_size()
-                           for t in (p.packed, p.scales, p.offsets)
-                           if t is not None)
-                return p, q.dequantize(), held
+                return quantized(w, kind)
             ops[f"spyre-{kind}"] = (
                 prepare,
                 lambda x, p: spyre_quant_linear.quant_linear(x, p, None))
@@ -223,10 +240,13 @@ def main() -> int:
         if args.kernels else None
     results, mismatches = [], 0
     compiles_before = compile_count()
-    for n in args.rows:
-        for name, (prepare, apply) in kernels(n).items():
-            if wanted is not None and name not in wanted:
-                continue
+    # Kernel by kernel, every row count, so that what a kernel prepares
+    # once (a quantized kind) serves all of them.
+    for name in kernels(args.rows[0]):
+        if wanted is not None and name not in wanted:
+            continue
+        for n in args.rows:
+            prepare, apply = kernels(n)[name]
             with torch.inference_mode():
                 best, held, same = time_pass(weights, prepare, apply, n,
                                              args.repeats)
