@@ -48,10 +48,11 @@ def pytest_configure(config):
 # the unit tests, which fill the gaps.  Order only: a file missing here, or
 # a name left after a rename, changes when a file runs, not whether.
 LONGEST_FIRST = (
-    "test_graph_cache.py", "test_benchmarks.py", "test_model_families.py",
-    "test_quantization.py", "test_model_impl.py", "test_server_robustness.py",
-    "test_external_launcher.py", "test_lm_eval.py", "test_embeddings.py",
-    "test_tensor_parallel.py", "test_examples.py", "test_hybrid.py",
+    "test_model_impl.py", "test_model_families.py", "test_graph_cache.py",
+    "test_quantization.py", "test_external_launcher.py", "test_benchmarks.py",
+    "test_embeddings.py", "test_hybrid.py", "test_tensor_parallel.py",
+    "test_continuous_batching.py", "test_examples.py", "test_lm_eval.py",
+    "test_bf16.py", "test_server_robustness.py",
 )
 
 
