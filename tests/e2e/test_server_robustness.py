@@ -1,21 +1,24 @@
 """The Spyre OpenAI server under stress: clients that cancel mid-stream, a
 sustained load, a burst counted by request id, a soak (memory flat, every
 slot free, outputs equal to those run alone), a dead engine or
-tensor-parallel rank, and a warm-up shape the model cannot hold.
+tensor-parallel rank (in static batching, and with 16 streams in one
+continuous batch), and a warm-up shape the model cannot hold.
 Every loop is bounded in count and time; all traffic stays on loopback."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
 import subprocess
 import time
 
+import httpx
 import pytest
 import requests
 
-from spyre_support.envs import spyre_env
+from spyre_support.envs import cb_env, spyre_env
 from spyre_support.load import run_load
 from spyre_support.server import (abort_storm, check_burst, check_soak, Server,
                                   wait_until_zero)
@@ -152,6 +155,105 @@ def test_dead_tensor_parallel_rank_is_reported_fast(tiny_llama_3kv):
         log = srv.log()
     assert f"rank 2 (process {pid}) died" in log
     assert "rank(s) [2] died" in log
+
+
+# Continuous batching: 16 streams in one batch when a rank (or the engine
+# process) dies.  Each asks for more tokens than it can get in the time the
+# test allows, so that every stream is still decoding at the kill.
+CB_STREAMS = 16
+CB_TOKENS = 900
+CB_ARGS = ("--max-num-seqs", str(CB_STREAMS), "--max-model-len", "1024")
+
+
+async def _stream_until_end(client, srv, started: asyncio.Event) -> dict:
+    """One stream: its tokens, how it ended (``complete``, ``error``: an
+    error event or status, ``cut``: the connection closed without
+    ``[DONE]``) and when."""
+    body = dict(model=srv.model, prompt=[5] * 9, max_tokens=CB_TOKENS,
+                ignore_eos=True, stream=True)
+    tokens, how = 0, "cut"
+    try:
+        async with client.stream("POST", srv.url + "/v1/completions",
+                                 json=body) as resp:
+            if resp.status_code != 200:
+                how = "error"
+            else:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        how = "complete"
+                        break
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        how = "error"
+                        break
+                    if chunk.get("choices"):
+                        tokens += 1
+                        started.set()
+    except httpx.HTTPError:
+        how = "cut"
+    return dict(tokens=tokens, how=how, ended=time.monotonic())
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_death_mid_batch_under_continuous_batching(request, ranks):
+    """16 streams decode in one continuous batch; once each has a token,
+    SIGKILL the last tensor-parallel rank (``ranks`` 2 and 3: worker
+    processes) or the engine process (``ranks`` 1).  Within 10 s every
+    client has an error or its whole answer (none is cut short as if it
+    had finished), ``/health`` has stopped answering 200; the server then
+    exits, its log naming the rank."""
+    model = request.getfixturevalue(
+        "tiny_llama_3kv" if ranks == 3 else "tiny_llama")
+    args = CB_ARGS + (("--tensor-parallel-size", str(ranks))
+                      if ranks > 1 else ())
+    # VLLM_RPC_TIMEOUT as `make serve` and Dockerfile.spyre set it: the API
+    # server hears of a dead engine process within 3 s (docs/serving.md).
+    env = dict(cb_env("eager"), VLLM_RPC_TIMEOUT="3000")
+    with Server(model, env, args=args) as srv:
+        if ranks == 1:
+            pid = engine_pid(srv)
+        else:
+            pid = int(re.search(rf"rank {ranks - 1} runs in process (\d+)",
+                                srv.log()).group(1))
+
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as client:
+                started = [asyncio.Event() for _ in range(CB_STREAMS)]
+                streams = [asyncio.create_task(
+                    _stream_until_end(client, srv, event))
+                    for event in started]
+                await asyncio.wait_for(
+                    asyncio.gather(*(e.wait() for e in started)), 120)
+                os.kill(pid, signal.SIGKILL)
+                killed = time.monotonic()
+                return killed, await asyncio.wait_for(
+                    asyncio.gather(*streams), 60)
+
+        killed, ends = asyncio.run(main())
+        for end in ends:
+            assert end["ended"] - killed < 10, end
+            assert end["how"] in ("error", "cut") or (
+                end["how"] == "complete" and end["tokens"] == CB_TOKENS), end
+        deadline = killed + 10
+        while True:
+            try:
+                healthy = requests.get(srv.url + "/health",
+                                       timeout=2).status_code == 200
+            except requests.RequestException:
+                healthy = False
+            if not healthy:
+                break
+            assert time.monotonic() < deadline, "still healthy 10 s on"
+            time.sleep(0.2)
+        # The server then exits on its own (vLLM's default without
+        # VLLM_KEEP_ALIVE_ON_ENGINE_DEATH).
+        srv.proc.wait(timeout=30)
+        log = srv.log()
+    if ranks > 1:
+        assert f"rank {ranks - 1} (process {pid}) died" in log
+        assert f"rank(s) [{ranks - 1}] died" in log
 
 
 class _any_outcome:
