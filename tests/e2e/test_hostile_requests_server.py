@@ -12,7 +12,11 @@ about a second at most, and the stream keeps its pace to its last token.
   ``VLLM_SPYRE_GUIDED_COMPILE_TIMEOUT_S``);
 * a field the endpoint does not take: a 400 naming it, not silence;
   ``bad_words``, which vLLM's completion request lacks, is honoured on
-  ``/v1/completions`` as on ``/v1/chat/completions``.
+  ``/v1/completions`` as on ``/v1/chat/completions``; a field the
+  requests declare but nothing here would act on (``vllm_xargs``,
+  ``kv_transfer_params``, ``length_penalty`` without beam search,
+  ``prompt_embeds``, ``reasoning_effort`` for a model without it): a 400
+  naming it.
 """
 from __future__ import annotations
 
@@ -182,3 +186,38 @@ def test_bad_words_are_honoured(server, path):
     assert banned != free
     reply = post(server, path, bad_words="not a list")
     assert reply.status_code == 400
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("field, value, words", [
+    ("vllm_xargs", {"a": 1}, ["vllm_xargs: ", "V1"]),
+    ("kv_transfer_params", {"do_remote_decode": True},
+     ["kv_transfer_params: ", "KV transfer connector"]),
+    ("length_penalty", 2.0, ["length_penalty=2.0", "beam search only"]),
+])
+def test_a_field_nothing_here_acts_on_is_400_naming_it(server, path, field,
+                                                       value, words):
+    """Declared by vLLM's requests, but the V0 engine on Spyre would act
+    on none of them (vLLM answered 200 as if it had)."""
+    reply = post(server, path, **{field: value})
+    assert reply.status_code == 400, reply.text
+    for word in words:
+        assert word in reply.json()["error"]["message"]
+
+
+def test_prompt_embeds_are_400_not_500(server):
+    """vLLM decoded the field before anything refused it: a malformed
+    value was an HTTP 500, a well-formed one reached an engine that
+    refuses prompt embeddings."""
+    reply = post(server, "/v1/completions", prompt_embeds="AAAA")
+    assert reply.status_code == 400, reply.text
+    assert "prompt_embeds: prompt embeddings are not supported on Spyre" \
+        in reply.json()["error"]["message"]
+
+
+def test_reasoning_effort_for_a_model_without_it_is_400(server):
+    reply = post(server, "/v1/chat/completions", reasoning_effort="high")
+    assert reply.status_code == 400, reply.text
+    message = reply.json()["error"]["message"]
+    assert message.startswith("reasoning_effort: ") and "(llama)" in message
+    assert post(server, "/v1/chat/completions").status_code == 200
