@@ -56,11 +56,15 @@ LONGEST_FIRST = (
 )
 
 
-# Files whose tests run on the same shared engine (``shared_llm``): handed
-# to one worker as a single unit, one after the other.
+# Files handed to one worker as a single unit, one after the other: those
+# whose tests run on the same shared engine (``shared_llm``), and those
+# that start a local Ray cluster (two clusters started at once on one
+# machine broke each other: a node "crashed" and Ray ended the worker).
 SAME_WORKER = {
     "test_sampling.py": "request_llm",
     "test_structured_output.py": "request_llm",
+    "test_tensor_parallel.py": "local_ray_cluster",
+    "test_continuous_batching.py": "local_ray_cluster",
 }
 
 
