@@ -36,11 +36,7 @@ class Server:
     def __init__(self, model: Path, env: dict, args: tuple = (),
                  log_path: Optional[Path] = None, fork_engine: bool = True):
         self.model = str(model)
-        # Tensor-parallel engines keep the spawned engine process: a forked
-        # one inherits the API server's fork-server client and started its
-        # ranks from the wrong server in a full run.
-        self.fork_engine = fork_engine and "--tensor-parallel-size" \
-            not in args
+        self.fork_engine = fork_engine
         self.env = dict(os.environ, **env)
         self.env.setdefault("VLLM_USE_V1", "0")
         self.args = args
