@@ -88,17 +88,23 @@ def kill_mid_stream_and_time(srv, pid: int, tokens: int) -> float:
         with _any_outcome():
             rest = b"\n".join(lines)
         assert b"[DONE]" not in rest or b"error" in rest.lower(), rest[-500:]
-    deadline = start + 30
-    while time.monotonic() < deadline:
+    wait_unhealthy(srv, start, 30)
+    return time.monotonic() - start
+
+
+def wait_unhealthy(srv, since: float, within: float) -> None:
+    """Waits until ``/health`` stops answering 200 (or the server is gone);
+    fails once ``within`` seconds have passed ``since``."""
+    while True:
         try:
             if requests.get(srv.url + "/health", timeout=5).status_code != 200:
-                break
+                return
         except requests.RequestException:
-            break  # the server shut itself down
+            return  # the server shut itself down
+        if time.monotonic() > since + within:
+            pytest.fail(f"server still reports healthy {within} s after "
+                        "the kill")
         time.sleep(0.2)
-    else:
-        pytest.fail("server still reports healthy 30 s after the kill")
-    return time.monotonic() - start
 
 
 def assert_new_requests_fail(srv) -> None:
@@ -236,17 +242,7 @@ def test_death_mid_batch_under_continuous_batching(request, ranks):
             assert end["ended"] - killed < 10, end
             assert end["how"] in ("error", "cut") or (
                 end["how"] == "complete" and end["tokens"] == CB_TOKENS), end
-        deadline = killed + 10
-        while True:
-            try:
-                healthy = requests.get(srv.url + "/health",
-                                       timeout=2).status_code == 200
-            except requests.RequestException:
-                healthy = False
-            if not healthy:
-                break
-            assert time.monotonic() < deadline, "still healthy 10 s on"
-            time.sleep(0.2)
+        wait_unhealthy(srv, killed, 10)
         # The server then exits on its own (vLLM's default without
         # VLLM_KEEP_ALIVE_ON_ENGINE_DEATH).
         srv.proc.wait(timeout=30)
