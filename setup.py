@@ -36,6 +36,8 @@ setup(
         "vllm.platform_plugins": ["spyre = vllm.platforms.spyre:register"],
         "vllm.general_plugins": [
             "spyre_admission = vllm.engine.spyre_admission:install",
+            "spyre_pending_grammars = "
+            "vllm.engine.spyre_pending_grammars:install",
             "spyre_error_status = "
             "vllm.entrypoints.openai.spyre_error_status:install",
             "spyre_request_checks = "

@@ -15,8 +15,10 @@ few tokens.
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import re
+import time
 import weakref
 
 import pytest
@@ -168,6 +170,127 @@ def test_an_aborted_requests_grammar_state_is_freed(llm, made):
     gc.collect()
     assert made[0]() is None
     assert re.fullmatch(REGEX, text(llm, guided(regex=REGEX)))
+
+
+@pytest.fixture
+def beside_steps(llm):
+    """The shared engine compiling grammars beside its steps, as the
+    OpenAI server's engine does, for one test."""
+    from vllm.engine import spyre_pending_grammars as pg
+    engine = llm.llm_engine
+    pg.compile_beside_steps(engine)
+    yield engine
+    assert not pg.held(engine) and not pg.take_failures(engine)
+    for key in ("_spyre_compile_beside_steps", "_spyre_held_for_grammar",
+                "_spyre_grammar_failures"):
+        del engine.__dict__[key]
+    for scheduler in engine.scheduler:
+        del scheduler.schedule
+
+
+#: String bounds never compiled before in this process (compiled grammars
+#: are kept).
+_bounds = itertools.count(250)
+
+
+@pytest.fixture
+def slow_compiles(beside_steps, monkeypatch):
+    """Every compilation takes ``seconds`` longer (the tiny model's
+    vocabulary compiles any grammar the limits let through in well under
+    a second): its child process sleeps first."""
+    from vllm.engine import spyre_structured_output as so
+    backend = so._backend(beside_steps, "xgrammar")
+    compile_and_send = backend._compile_and_send
+
+    def slowly(seconds: float) -> None:
+
+        def sleep_then_compile(*args):
+            time.sleep(seconds)
+            compile_and_send(*args)
+
+        monkeypatch.setattr(backend, "_compile_and_send", sleep_then_compile)
+
+    return slowly
+
+
+def test_a_compiling_grammar_holds_back_only_its_request(llm, beside_steps,
+                                                         slow_compiles):
+    """Step by step: while a grammar compiles, its request waits in the
+    queue and a plain request added with it decodes; once compiled, the
+    guided request runs and gives the same tokens as when its grammar was
+    compiled at admission."""
+    from vllm import SamplingParams
+    from vllm.engine import spyre_pending_grammars as pg
+    engine = beside_steps
+    slow_compiles(1.0)
+    params = guided(json={"type": "string", "maxLength": next(_bounds)})
+    engine.add_request("plain", "a plain prompt",
+                       SamplingParams(temperature=0.0, max_tokens=MAX_NEW,
+                                      ignore_eos=True))
+    engine.add_request("guided", "the spyre card", params)
+    processor = pg.held(engine)["guided"]
+    assert processor.pending.pending
+    steps = []  # (grammar still compiling, {request: tokens so far})
+    while engine.has_unfinished_requests():
+        outs = {o.request_id: o.outputs[0].token_ids for o in engine.step()}
+        # Still compiling after the step: it was during the step.
+        steps.append((processor.pending is not None, outs))
+    assert all("guided" not in outs for compiling, outs in steps if
+               compiling)
+    assert any("plain" in outs for compiling, outs in steps if compiling)
+    assert not pg.held(engine)
+    guided_ids = [outs["guided"] for _, outs in steps if "guided" in outs]
+    alone = llm.generate(["the spyre card"], params,
+                         use_tqdm=False)[0].outputs[0].token_ids
+    assert list(guided_ids[-1]) == list(alone)
+
+
+def test_a_grammar_over_its_budget_is_refused_between_steps(
+        llm, beside_steps, slow_compiles, monkeypatch):
+    """A grammar still compiling when its budget ends: the request is
+    aborted with a ValueError naming the budget, its compiler killed, and
+    a request sharing the engine finishes."""
+    from vllm import SamplingParams
+    from vllm.engine import spyre_pending_grammars as pg
+    from vllm.engine import spyre_structured_output as so
+    engine = beside_steps
+    backend = so._backend(engine, "xgrammar")
+    monkeypatch.setattr(backend, "timeout_s", 0.5)
+    slow_compiles(30.0)
+    engine.add_request("slow", "x", guided(
+        json={"type": "string", "maxLength": next(_bounds)}))
+    compilation = pg.held(engine)["slow"].pending
+    engine.add_request("plain", "a plain prompt",
+                       SamplingParams(temperature=0.0, max_tokens=4))
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o.request_id for o in engine.step() if o.finished]
+    assert done == ["plain"]
+    [(request, error)] = pg.take_failures(engine)
+    assert request == "slow"
+    assert "did not compile within 0.5 s" in str(error)
+    assert "VLLM_SPYRE_GUIDED_COMPILE_TIMEOUT_S" in str(error)
+    assert not compilation.child.is_alive()
+
+
+def test_an_aborted_request_gives_up_its_compilation(llm, beside_steps,
+                                                     slow_compiles):
+    """A request aborted while its grammar compiles (its client went):
+    the compiling child is killed; a second request for the same grammar
+    shares one compilation, which outlives the first one's abort."""
+    from vllm.engine import spyre_pending_grammars as pg
+    engine = beside_steps
+    slow_compiles(30.0)
+    params = guided(json={"type": "string", "maxLength": next(_bounds)})
+    engine.add_request("a", "x", params)
+    engine.add_request("b", "y", params)
+    first, second = (pg.held(engine)[r].pending for r in "ab")
+    assert first is second and first.child.is_alive()
+    engine.abort_request("a")
+    assert first.child.is_alive()
+    engine.abort_request("b")
+    assert not first.child.is_alive() and not pg.held(engine)
+    assert not engine.has_unfinished_requests()
 
 
 def test_a_preempted_guided_request_keeps_its_grammar(tiny_llama,

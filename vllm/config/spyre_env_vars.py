@@ -121,8 +121,9 @@ SPYRE_ENV_VARS: tuple[EnvVar, ...] = (
         "Structured output: seconds a request's grammar may take to "
         "compile (xgrammar, in a child process of the engine, killed when "
         "the time is up); a request whose grammar takes longer is refused "
-        "with HTTP 400. The engine waits for the compilation: a grammar "
-        "seen before compiles nothing."),
+        "with HTTP 400. The OpenAI server's engine compiles beside its "
+        "steps (the request waits in the queue); `LLM(...)` waits at "
+        "`add_request`. A grammar seen before compiles nothing."),
     EnvVar(
         "VLLM_SPYRE_GUIDED_MAX_BYTES", lambda: "1048576", "`1048576` (1 MiB)",
         "Structured output: the largest schema, regex, grammar or choice "

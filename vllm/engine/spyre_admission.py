@@ -26,14 +26,12 @@ request whose ``add_request`` raised.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
+from vllm.engine.spyre_upstream_wraps import wrap_once
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
-
-_INSTALLED_MARK = "_spyre_wrapper"
 
 
 def install() -> None:
@@ -42,18 +40,6 @@ def install() -> None:
     from vllm.entrypoints.llm import LLM
     wrap_once(LLMEngine, "_add_processed_request", _refuse_before_fan_out)
     wrap_once(LLM, "_validate_and_add_requests", _add_all_or_none)
-
-
-def wrap_once(owner, name: str, make_wrapper) -> None:
-    """Replaces ``owner.name`` (a class's method or a module's function)
-    with ``make_wrapper(original)``, unless it is already such a wrapper:
-    a plugin may be loaded more than once in a process."""
-    original = getattr(owner, name)
-    if getattr(original, _INSTALLED_MARK, False):
-        return
-    wrapper = functools.wraps(original)(make_wrapper(original))
-    setattr(wrapper, _INSTALLED_MARK, True)
-    setattr(owner, name, wrapper)
 
 
 def _refuse_before_fan_out(original):

@@ -13,13 +13,24 @@ only xgrammar: no model code, no OpenMP, nothing the engine's threads hold.
 
 Compiled grammars are kept, most recently used first, within vLLM's
 ``VLLM_XGRAMMAR_CACHE_MB``, so a schema seen before compiles nothing.
+
+A compilation is a ``Compilation``: ``compile_grammar`` waits for one
+(offline, where a refusal reaches the caller of ``add_request``), while
+the OpenAI server's engine polls it between steps
+(``spyre_pending_grammars``).  Requests asking for the same grammar share
+one compilation; at most half the CPUs' worth of children compile at once
+(as vLLM's V1 engine bounds its compiling threads), the rest wait their
+turn, their budget counted from their own start.
 """
 from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Optional
 
 import xgrammar as xgr
 
@@ -40,6 +51,9 @@ class BoundedXgrammarBackend(XgrammarBackend):
     _compiled: OrderedDict = field(default_factory=OrderedDict, init=False,
                                    repr=False)
     _tokenizer_info: object = field(default=None, init=False, repr=False)
+    #: Compilations running or queued, oldest first, by grammar.
+    _inflight: OrderedDict = field(default_factory=OrderedDict, init=False,
+                                   repr=False)
 
     def __post_init__(self):
         super().__post_init__()
@@ -49,14 +63,49 @@ class BoundedXgrammarBackend(XgrammarBackend):
             "a").tokenizer_info
 
     def compile_grammar(self, request_type, grammar_spec: str):
+        return self.grammar(self.compilation(request_type,
+                                             grammar_spec).wait())
+
+    def compilation(self, request_type, grammar_spec: str) -> "Compilation":
+        """The compilation of this grammar: done already if it was
+        compiled before, shared with the requests that asked for it while
+        it compiles, started if a child is free, else queued."""
         key = (request_type, grammar_spec)
         ctx = self._compiled.get(key)
-        if ctx is None:
-            ctx = self._compile_in_child(request_type, grammar_spec)
-            self._keep(key, ctx)
-        else:
+        if ctx is not None:
             self._compiled.move_to_end(key)
-        return self.grammar(ctx)
+            return Compilation(self, key, ctx=ctx)
+        compilation = self._inflight.get(key)
+        if compilation is None:
+            compilation = self._inflight[key] = Compilation(self, key)
+        compilation.waiters += 1
+        self.advance()
+        return compilation
+
+    @property
+    def max_children(self) -> int:
+        """Children compiling at once: half the CPUs, at least one."""
+        return max(1, ((os.cpu_count() or 1) + 1) // 2)
+
+    def advance(self) -> None:
+        """Starts queued compilations, oldest first, while children are
+        free."""
+        running = sum(c.child is not None for c in self._inflight.values())
+        for compilation in self._inflight.values():
+            if running >= self.max_children:
+                break
+            if compilation.child is None:
+                compilation.start()
+                running += 1
+
+    def ended(self, compilation: "Compilation") -> None:
+        """A compilation finished, failed or was given up: its result kept
+        if any, its child's place given to the next."""
+        if self._inflight.get(compilation.key) is compilation:
+            del self._inflight[compilation.key]
+        if compilation.ctx is not None:
+            self._keep(compilation.key, compilation.ctx)
+        self.advance()
 
     def grammar(self, ctx) -> XgrammarGrammar:
         """A fresh matcher over the compiled grammar ``ctx``."""
@@ -73,39 +122,6 @@ class BoundedXgrammarBackend(XgrammarBackend):
             _, dropped = self._compiled.popitem(last=False)
             held -= dropped.memory_size_bytes
 
-    def _compile_in_child(self, request_type, grammar_spec: str):
-        context = multiprocessing.get_context("fork")
-        ours, theirs = context.Pipe(duplex=False)
-        child = context.Process(target=self._compile_and_send,
-                                args=(theirs, request_type, grammar_spec),
-                                name="spyre-grammar-compile", daemon=True)
-        child.start()
-        theirs.close()
-        try:
-            if not ours.poll(self.timeout_s):
-                raise ValueError(
-                    f"the grammar did not compile within "
-                    f"{self.timeout_s:g} s "
-                    "(VLLM_SPYRE_GUIDED_COMPILE_TIMEOUT_S); simplify it, "
-                    "e.g. smaller repetition bounds (minLength, maxLength, "
-                    "minItems, maxItems, {n,m}) or fewer enum values")
-            try:
-                kind, payload = ours.recv()
-            except EOFError:
-                child.join(5)
-                raise ValueError(
-                    "the grammar could not be compiled: its compiler "
-                    f"process ended with code {child.exitcode}") from None
-        finally:
-            if child.is_alive():
-                child.kill()
-            child.join()
-            ours.close()
-        if kind == "error":
-            raise ValueError(payload)
-        return xgr.CompiledGrammar.deserialize_json(payload,
-                                                    self._tokenizer_info)
-
     def _compile_and_send(self, conn, request_type, grammar_spec) -> None:
         """Body of the child: vLLM's compilation with the compiler this
         process inherited, the result sent serialized."""
@@ -118,3 +134,99 @@ class BoundedXgrammarBackend(XgrammarBackend):
         finally:
             conn.close()
             os._exit(0)
+
+
+class Compilation:
+    """One grammar's compilation, in a child process of its own: queued
+    (``child`` None), compiling, then done (``ctx``) or failed (``error``,
+    a ``ValueError`` for the client).  ``poll`` never blocks beyond its
+    ``timeout``; ``wait`` blocks until the end, within the budget."""
+
+    def __init__(self, backend: BoundedXgrammarBackend, key: tuple,
+                 ctx=None) -> None:
+        self.backend = backend
+        self.key = key
+        self.ctx = ctx
+        self.error: Optional[ValueError] = None
+        self.child: Optional[multiprocessing.Process] = None
+        self.conn: Optional[Connection] = None
+        self.deadline = 0.0
+        #: Requests waiting for it; the last to give up ends it.
+        self.waiters = 0
+
+    @property
+    def pending(self) -> bool:
+        return self.ctx is None and self.error is None
+
+    def start(self) -> None:
+        context = multiprocessing.get_context("fork")
+        self.conn, theirs = context.Pipe(duplex=False)
+        self.child = context.Process(target=self.backend._compile_and_send,
+                                     args=(theirs, *self.key),
+                                     name="spyre-grammar-compile",
+                                     daemon=True)
+        self.child.start()
+        theirs.close()
+        self.deadline = time.monotonic() + self.backend.timeout_s
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        """Whether the compilation has ended (compiled or failed), after
+        waiting at most ``timeout`` seconds for it."""
+        if not self.pending:
+            return True
+        if self.child is None:
+            return False
+        left = self.deadline - time.monotonic()
+        if self.conn.poll(max(0.0, min(timeout, left))):
+            try:
+                kind, payload = self.conn.recv()
+            except EOFError:
+                self.child.join(5)
+                self._fail("the grammar could not be compiled: its "
+                           "compiler process ended with code "
+                           f"{self.child.exitcode}")
+            else:
+                if kind == "error":
+                    self._fail(payload)
+                else:
+                    self.ctx = xgr.CompiledGrammar.deserialize_json(
+                        payload, self.backend._tokenizer_info)
+                    self._end()
+        elif time.monotonic() >= self.deadline:
+            self._fail(
+                f"the grammar did not compile within "
+                f"{self.backend.timeout_s:g} s "
+                "(VLLM_SPYRE_GUIDED_COMPILE_TIMEOUT_S); simplify it, "
+                "e.g. smaller repetition bounds (minLength, maxLength, "
+                "minItems, maxItems, {n,m}) or fewer enum values")
+        return not self.pending
+
+    def wait(self):
+        """The compiled grammar, or its ``ValueError``, blocking."""
+        if self.pending and self.child is None:
+            self.start()
+        while not self.poll(timeout=3600.0):
+            pass
+        if self.error is not None:
+            raise self.error
+        return self.ctx
+
+    def give_up(self) -> None:
+        """A waiting request no longer needs it (aborted): the last one to
+        give up kills the child."""
+        self.waiters -= 1
+        if self.waiters <= 0 and self.pending:
+            self.error = ValueError("the request was aborted")
+            self._end()
+
+    def _fail(self, message: str) -> None:
+        self.error = ValueError(message)
+        self._end()
+
+    def _end(self) -> None:
+        if self.child is not None:
+            if self.child.is_alive():
+                self.child.kill()
+            self.child.join()
+            self.conn.close()
+        self.backend.ended(self)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from vllm.config.spyre import SpyreConfig
-from vllm.engine import spyre_guided_limits
+from vllm.engine import spyre_guided_limits, spyre_pending_grammars
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
 
@@ -102,8 +102,8 @@ class GrammarLogitsProcessor:
     """A request's grammar, as a V0 logits processor:
     ``(generated token ids, logits row) -> logits row``."""
 
-    def __init__(self, backend, key: tuple, request: str,
-                 first=None) -> None:
+    def __init__(self, backend, key: tuple, request: str, first=None,
+                 pending=None) -> None:
         self.backend = backend
         self.key = key
         self.request = request
@@ -113,11 +113,38 @@ class GrammarLogitsProcessor:
         self.failed = False
         #: The grammar compiled at admission, the first sequence's matcher.
         self.first = first
+        #: The compilation the request waits for, while it compiles
+        #: beside the engine's steps (``spyre_pending_grammars``).
+        self.pending = pending
+
+    def grammar_ready(self) -> bool:
+        """Whether the grammar has compiled, asking its compilation once
+        without waiting; a ``ValueError`` if it failed."""
+        if self.pending is None:
+            return True
+        if not self.pending.poll():
+            return False
+        compilation, self.pending = self.pending, None
+        if compilation.error is not None:
+            raise ValueError(f"Guided decoding: {compilation.error}")
+        self.first = self.backend.grammar(compilation.ctx)
+        return True
+
+    def give_up(self) -> None:
+        """The request went (aborted) while its grammar compiled."""
+        if self.pending is not None:
+            self.pending.give_up()
+            self.pending = None
 
     def new_matcher(self):
         """A matcher at the grammar's start: the one compiled at
         admission, then copies of its compiled grammar (never a new
         compilation inside a model step, where a budget could end it)."""
+        if self.pending is not None:
+            # Only a request scheduled before its grammar compiled (which
+            # the engine's hold-back prevents) gets here.
+            compilation, self.pending = self.pending, None
+            self.first = self.backend.grammar(compilation.wait())
         if self.first is not None:
             first, self.first = self.first, None
             return first
@@ -202,9 +229,11 @@ def attach(engine, request_id: str, params: SamplingParams) -> SamplingParams:
     """``params`` with its guided decoding turned into a logits processor
     (a copy; the caller's object is untouched), or ``params`` itself when
     it asks for none.  The grammar is checked against the engine's limits
-    (``spyre_guided_limits``) and compiled here, so that a bad or too
-    large schema, regex or grammar is a ``ValueError`` before the request
-    is queued."""
+    (``spyre_guided_limits``) here, so that a bad or too large schema,
+    regex or grammar is a ``ValueError`` before the request is queued,
+    and compiled here too, unless the engine compiles beside its steps
+    (``spyre_pending_grammars``): then an xgrammar grammar not compiled
+    before starts compiling and the request waits for it in the queue."""
     if params.guided_decoding is None:
         return params
     from vllm.v1.structured_output.request import get_structured_output_key
@@ -218,13 +247,23 @@ def attach(engine, request_id: str, params: SamplingParams) -> SamplingParams:
                               engine.vllm_config.decoding_config.backend)
         key = get_structured_output_key(params)
         backend = _backend(engine, name)
-        first = backend.compile_grammar(*key)
+        first = pending = None
+        if spyre_pending_grammars.beside_steps(engine) and hasattr(
+                backend, "compilation"):
+            pending = backend.compilation(*key)
+            if pending.poll():
+                first, pending = backend.grammar(pending.wait()), None
+        else:
+            first = backend.compile_grammar(*key)
     except ValueError as e:
         raise ValueError(f"Guided decoding: {e}") from e
     except Exception as e:  # the libraries raise RuntimeError and others
         raise ValueError(f"Guided decoding: the grammar could not be "
                          f"compiled: {e}") from e
-    processor = GrammarLogitsProcessor(backend, key, request_id, first)
+    processor = GrammarLogitsProcessor(backend, key, request_id, first,
+                                       pending)
+    if pending is not None:
+        spyre_pending_grammars.hold(engine, processor)
     params.logits_processors = [*(params.logits_processors or []),
                                 processor]
     params.guided_decoding = None

@@ -19,7 +19,7 @@ import json
 import sys
 from typing import Optional
 
-from vllm.engine.spyre_admission import wrap_once
+from vllm.engine.spyre_upstream_wraps import wrap_once
 
 _API_SERVER = "vllm.entrypoints.openai.api_server"
 _ERROR_PREFIX = b'{"error"'

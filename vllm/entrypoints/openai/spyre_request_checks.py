@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 
-from vllm.engine.spyre_admission import wrap_once
+from vllm.engine.spyre_upstream_wraps import wrap_once
 
 #: Fields a request model does not declare but the Spyre server honours.
 HONOURED_EXTRA = {"CompletionRequest": ("bad_words", )}
