@@ -38,6 +38,8 @@ setup(
             "spyre_admission = vllm.engine.spyre_admission:install",
             "spyre_pending_grammars = "
             "vllm.engine.spyre_pending_grammars:install",
+            "spyre_parallel_streams = "
+            "vllm.engine.spyre_parallel_streams:install",
             "spyre_error_status = "
             "vllm.entrypoints.openai.spyre_error_status:install",
             "spyre_request_checks = "

@@ -16,6 +16,15 @@ the first ``--baseline`` requests and at the end, and their ratio (within
 every slot or block is free); completed streams whose tokens differ from
 their reference (0).
 
+``features``: the soak with every feature on at once
+(``spyre_support.feature_soak``): continuous batching with prefix caching,
+chunked prefill (``--chunk`` tokens a step) and structured output, a pool
+asking in turn for plain, structured, prompt-log-probability, ``n`` = 2
+and long-prompt (``--long-prompt``) requests, half sharing a prefix.  The
+same checks, memory at the end within 3 % of its level after the first
+quarter of the requests, and as many server processes as then (no grammar
+compiler left behind).
+
 Each run starts ``vllm serve`` on loopback (static batching over
 ``--static-shapes``, or continuous batching with ``--batching cb``), or
 uses ``--url`` (then without the memory figures).  The exit code is
@@ -25,6 +34,8 @@ non-zero if any check fails.
         [--requests 500] [--backend eager] [--json FILE]
     python benchmarks/serving_soak.py soak [--batching static|cb]
         [--requests 2000] [--concurrency 16] [--json FILE]
+    python benchmarks/serving_soak.py features [--requests 2000]
+        [--concurrency 16] [--max-model-len 1024] [--chunk 256]
 """
 from __future__ import annotations
 
@@ -37,9 +48,11 @@ from pathlib import Path
 
 import httpx
 
+from spyre_support.feature_soak import feature_requests, server_args
 from spyre_support.paths import SMOLLM2_DIR
 from spyre_support.server import Server
-from spyre_support.soak import burst, random_requests, soak, soak_plan, tree_rss
+from spyre_support.soak import (burst, random_requests, soak, soak_plan,
+                                tree_rss, tree_size)
 
 DEFAULT_MODEL = str(SMOLLM2_DIR)
 
@@ -48,6 +61,10 @@ DEFAULT_MODEL = str(SMOLLM2_DIR)
 
 def server_env(args) -> tuple[dict, tuple]:
     env = {"VLLM_SPYRE_DYNAMO_BACKEND": args.backend}
+    if args.kind == "features":
+        env["VLLM_SPYRE_USE_CB"] = "1"
+        return env, server_args(args.max_model_len, args.chunk,
+                                args.max_num_seqs)
     if args.batching == "cb":
         env["VLLM_SPYRE_USE_CB"] = "1"
         return env, ("--max-num-seqs", str(args.max_num_seqs),
@@ -61,7 +78,7 @@ def server_env(args) -> tuple[dict, tuple]:
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kind", choices=["burst", "soak"])
+    ap.add_argument("kind", choices=["burst", "soak", "features"])
     ap.add_argument("--url", help="a running server; default: start one")
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--batching", choices=["static", "cb"], default="static")
@@ -71,7 +88,12 @@ def parse_args() -> argparse.Namespace:
                     help="prompt_len:new_tokens:batch_size of the static "
                     "server")
     ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--max-model-len", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int,
+                    help="continuous batching: 256; features: 1024")
+    ap.add_argument("--chunk", type=int, default=256,
+                    help="features: tokens prefilled a step")
+    ap.add_argument("--long-prompt", default="300:700",
+                    help="features: min:max tokens of the long prompts")
     ap.add_argument("--requests", type=int,
                     help="burst: 500 (all at once); soak: 2000")
     ap.add_argument("--concurrency", type=int, default=16, help="soak")
@@ -88,21 +110,34 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     if args.requests is None:
         args.requests = 500 if args.kind == "burst" else 2000
+    if args.max_model_len is None:
+        args.max_model_len = 1024 if args.kind == "features" else 256
+    if args.kind == "features":
+        args.batching = "cb"
     return args
 
 
-def run(args, url: str, model: str, rss) -> tuple[dict, bool]:
+def run(args, url: str, model: str, rss, processes) -> tuple[dict, bool]:
     tokens = (args.min_tokens, args.max_tokens)
     if args.kind == "burst":
         reqs = random_requests(args.requests, args.seed, args.max_prompt,
                                tokens)
         result = asyncio.run(burst(url, model, reqs))
-    else:
+    elif args.kind == "soak":
         pool = random_requests(args.distinct, args.seed, args.max_prompt,
                                tokens)
         plan = soak_plan(args.requests, pool, args.seed)
         result = asyncio.run(soak(url, model, pool, plan, args.concurrency,
                                   args.baseline, rss))
+    else:
+        long_prompt = tuple(int(x) for x in args.long_prompt.split(":"))
+        pool = feature_requests(args.distinct, args.seed, args.max_prompt,
+                                tokens, long_prompt)
+        plan = soak_plan(args.requests, pool, args.seed)
+        args.baseline = args.requests // 4
+        result = asyncio.run(soak(url, model, pool, plan, args.concurrency,
+                                  args.baseline, rss, processes,
+                                  rss_within=0.03))
     return dict(asdict(result), ok=result.ok), result.ok
 
 
@@ -131,6 +166,9 @@ def print_table(kind: str, f: dict) -> None:
               f"| {ratio} | {end['vllm:num_requests_running']:g} / "
               f"{end['vllm:num_requests_waiting']:g} / "
               f"{end['vllm:gpu_cache_usage_perc']:g} | {f['wall_s']:.0f} s |")
+        if f["processes_end"] is not None:
+            print(f"server processes after {s['baseline']}: "
+                  f"{f['processes_baseline']}, at end: {f['processes_end']}")
     for sample in f["error_samples"]:
         print("  ", sample)
 
@@ -140,7 +178,7 @@ def main() -> int:
     if args.url:
         model = httpx.get(args.url + "/v1/models",
                           timeout=30).json()["data"][0]["id"]
-        figures, ok = run(args, args.url.rstrip("/"), model, None)
+        figures, ok = run(args, args.url.rstrip("/"), model, None, None)
     else:
         env, cli = server_env(args)
         print(f"starting vllm serve {args.model} ({args.batching}, "
@@ -151,7 +189,8 @@ def main() -> int:
         try:
             server.wait_healthy(timeout=args.start_timeout)
             figures, ok = run(args, server.url, args.model,
-                              lambda: tree_rss(server.proc.pid))
+                              lambda: tree_rss(server.proc.pid),
+                              lambda: tree_size(server.proc.pid))
         finally:
             server.stop()
     figures["settings"] = {k: v for k, v in vars(args).items()}

@@ -25,6 +25,18 @@ LOW_ID, HIGH_ID = 3, 380
 class Request:
     prompt: tuple[int, ...]
     max_tokens: int
+    #: More fields of the request's body, as JSON (``feature_soak``).
+    extra: str = ""
+
+    @property
+    def fields(self) -> dict:
+        return json.loads(self.extra) if self.extra else {}
+
+    @property
+    def streams(self) -> bool:
+        """Whether the soak streams it (vLLM returns prompt
+        log-probabilities only in a whole answer)."""
+        return "prompt_logprobs" not in self.fields
 
 
 def random_requests(n: int, seed: int, max_prompt: int,
@@ -51,9 +63,10 @@ def soak_plan(n: int, pool: list[Request], seed: int,
 
 
 def body(model: str, req: Request, **extra) -> dict:
-    return dict(model=model, prompt=list(req.prompt),
-                max_tokens=req.max_tokens, temperature=0, ignore_eos=True,
-                logprobs=0, return_tokens_as_token_ids=True, **extra)
+    return {**dict(model=model, prompt=list(req.prompt),
+                   max_tokens=req.max_tokens, temperature=0, ignore_eos=True,
+                   logprobs=0, return_tokens_as_token_ids=True),
+            **req.fields, **extra}
 
 
 def token_ids(logprobs: Optional[dict]) -> list[int]:
@@ -89,6 +102,12 @@ def wait_idle(url: str, timeout: float = 60) -> dict[str, float]:
         if not any(seen.values()) or time.monotonic() > deadline:
             return seen
         time.sleep(0.2)
+
+
+def tree_size(pid: int) -> int:
+    """How many processes a process and its descendants are."""
+    import psutil
+    return 1 + len(psutil.Process(pid).children(recursive=True))
 
 
 def tree_rss(pid: int) -> int:
@@ -185,30 +204,80 @@ class SoakResult:
     end_metrics: dict[str, float]
     wall_s: float
     error_samples: list[str] = field(default_factory=list)
+    #: How far from 1 ``rss_ratio`` may be.
+    rss_within: float = 0.05
+    #: The server's processes after the baseline requests and at the end
+    #: (a process left behind, such as a grammar's compiler, shows here).
+    processes_baseline: Optional[int] = None
+    processes_end: Optional[int] = None
 
     @property
     def ok(self) -> bool:
         return (self.errors == 0 and self.mismatched == 0
                 and not any(self.end_metrics.values())
                 and (self.rss_ratio is None
-                     or abs(self.rss_ratio - 1) <= 0.05))
+                     or abs(self.rss_ratio - 1) <= self.rss_within)
+                and self.processes_end == self.processes_baseline)
 
 
-async def alone(url: str, model: str, pool: list[Request]) -> list[list[int]]:
+@dataclass
+class Answer:
+    """Token ids per choice, and the prompt's log-probabilities if asked
+    for (``{token id: logprob}`` per prompt position)."""
+    choices: dict[int, list[int]]
+    prompt_logprobs: Optional[list] = None
+
+    def matches(self, ref: "Answer", complete: bool) -> bool:
+        """Equal to ``ref`` (``complete``), or each choice a prefix of
+        ref's (a dropped stream); prompt log-probabilities equal within
+        1e-4 (another batch may sum in another order)."""
+        # A dropped stream may not have reached every choice.
+        if (set(self.choices) != set(ref.choices) if complete else
+                not set(self.choices) <= set(ref.choices)):
+            return False
+        for i, ids in self.choices.items():
+            if (ids != ref.choices[i] if complete else
+                    ids != ref.choices[i][:len(ids)]):
+                return False
+        if (self.prompt_logprobs is None) != (ref.prompt_logprobs is None):
+            return False
+        for got, want in zip(self.prompt_logprobs or (),
+                             ref.prompt_logprobs or ()):
+            if (got is None) != (want is None):
+                return False
+            if got is not None and (set(got) != set(want) or any(
+                    abs(got[t] - want[t]) > 1e-4 for t in got)):
+                return False
+        return len(self.prompt_logprobs or ()) == len(
+            ref.prompt_logprobs or ())
+
+
+def _whole(data: dict) -> Answer:
+    choices = {c["index"]: token_ids(c["logprobs"]) for c in data["choices"]}
+    plp = data["choices"][0].get("prompt_logprobs")
+    if plp is not None:
+        plp = [None if p is None else
+               {int(t): v["logprob"] for t, v in p.items()} for p in plp]
+    return Answer(choices, plp)
+
+
+async def alone(url: str, model: str, pool: list[Request]) -> list[Answer]:
     """Each request run by itself: the greedy reference."""
     out = []
     async with httpx.AsyncClient(timeout=600) as client:
         for req in pool:
             resp = await client.post(url + "/v1/completions",
                                      json=body(model, req))
-            resp.raise_for_status()
-            out.append(token_ids(resp.json()["choices"][0]["logprobs"]))
+            if resp.status_code != 200:
+                raise RuntimeError(f"alone: HTTP {resp.status_code}: "
+                                   f"{resp.text[:300]}")
+            out.append(_whole(resp.json()))
     return out
 
 
 async def _stream(client, url: str, payload: dict,
-                  drop: Optional[int]) -> list[int]:
-    ids: list[int] = []
+                  drop: Optional[int]) -> Answer:
+    ids: dict[int, list[int]] = {}
     async with client.stream("POST", url + "/v1/completions",
                              json=payload) as resp:
         if resp.status_code != 200:
@@ -221,16 +290,33 @@ async def _stream(client, url: str, payload: dict,
             if "error" in chunk:
                 raise RuntimeError(str(chunk["error"])[:200])
             for choice in chunk.get("choices", ()):
-                ids += token_ids(choice.get("logprobs"))
-            if drop is not None and len(ids) >= drop:
+                ids.setdefault(choice["index"], []).extend(
+                    token_ids(choice.get("logprobs")))
+            if drop is not None and len(ids.get(0, ())) >= drop:
                 break  # leaving the block drops the connection
-    return ids
+    return Answer(ids)
+
+
+async def _ask(client, url: str, model: str, req: Request,
+               drop: Optional[int]) -> Answer:
+    if req.streams:
+        return await _stream(client, url, body(model, req, stream=True),
+                             drop)
+    resp = await client.post(url + "/v1/completions", json=body(model, req))
+    if resp.status_code != 200:
+        raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+    return _whole(resp.json())
 
 
 async def soak(url: str, model: str, pool: list[Request],
                plan: list[tuple[int, Optional[int]]], concurrency: int,
                baseline_after: int,
-               rss: Optional[Callable[[], int]] = None) -> SoakResult:
+               rss: Optional[Callable[[], int]] = None,
+               processes: Optional[Callable[[], int]] = None,
+               rss_within: float = 0.05) -> SoakResult:
+    """The plan's requests at ``concurrency``, each compared with the
+    request run alone; a request that does not stream (``Request.streams``)
+    is never dropped."""
     reference = await alone(url, model, pool)
     counts = dict(completed=0, dropped=0, errors=0, mismatched=0, done=0)
     samples: list[str] = []
@@ -240,36 +326,37 @@ async def soak(url: str, model: str, pool: list[Request],
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
 
         async def one(i: int, drop: Optional[int]) -> None:
+            if not pool[i].streams:
+                drop = None
             async with sem:
                 try:
-                    ids = await _stream(client, url,
-                                        body(model, pool[i], stream=True),
-                                        drop)
+                    got = await _ask(client, url, model, pool[i], drop)
                 except (httpx.HTTPError, RuntimeError) as exc:
                     counts["errors"] += 1
-                    samples.append(f"{type(exc).__name__}: {exc}")
-                    ids = None
-            if ids is not None and drop is not None:
-                counts["dropped"] += 1
-                if ids[:drop] != reference[i][:drop]:
+                    samples.append(f"request {i}: {type(exc).__name__}: "
+                                   f"{exc}")
+                    got = None
+            if got is not None:
+                counts["dropped" if drop is not None else "completed"] += 1
+                if not got.matches(reference[i], complete=drop is None):
                     counts["mismatched"] += 1
-            elif ids is not None:
-                counts["completed"] += 1
-                if ids != reference[i]:
-                    counts["mismatched"] += 1
-                    samples.append(f"request {i}: {ids} != {reference[i]}")
+                    samples.append(f"request {i}: {got} != {reference[i]}")
             counts["done"] += 1
-            if counts["done"] == baseline_after and rss is not None:
-                baseline.append(rss())
+            if counts["done"] == baseline_after:
+                baseline.append((rss() if rss is not None else None,
+                                 processes() if processes else None))
 
         start = time.perf_counter()
         await asyncio.gather(*(one(i, d) for i, d in plan))
         wall = time.perf_counter() - start
     end_metrics = wait_idle(url)
-    base = baseline[0] / MIB if baseline else None
+    base_rss, base_procs = baseline[0] if baseline else (None, None)
+    base = base_rss / MIB if base_rss else None
     end = rss() / MIB if rss is not None else None
     counts.pop("done")
     return SoakResult(
         requests=len(plan), rss_baseline_mib=base, rss_end_mib=end,
         rss_ratio=end / base if base else None, end_metrics=end_metrics,
-        wall_s=wall, error_samples=samples[:5], **counts)
+        wall_s=wall, error_samples=samples[:5], rss_within=rss_within,
+        processes_baseline=base_procs,
+        processes_end=processes() if processes else None, **counts)

@@ -140,6 +140,49 @@ def test_n_above_max_num_seqs_is_400(server, extra):
     assert len(ok.json()["choices"]) == 4
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_parallel_samples_stream_with_logprobs(server, path):
+    """``n`` = 2 seeded samples streamed with log-probabilities, ending
+    in the same step: every token of the whole answer arrives, once, and
+    one final chunk per sample, where vLLM V0 sent a second, empty final
+    output that the server answered with a "Did not output logprobs"
+    error event.  (Samples ending in different steps, whose tokens V0
+    lost, come about under load: test_feature_soak_server.py.)"""
+    chat = path.endswith("chat/completions")
+    ask = dict(model=server.model, max_tokens=6, n=2, temperature=1.0,
+               seed=5, ignore_eos=True, return_tokens_as_token_ids=True)
+    if chat:
+        ask.update(messages=[{"role": "user", "content": "hi"}],
+                   logprobs=True, top_logprobs=0)
+    else:
+        ask.update(prompt=[5] * 9, logprobs=0)
+
+    def ids(choice) -> list[str]:
+        got = choice.get("logprobs") or {}
+        return ([t["token"] for t in got.get("content") or ()] if chat
+                else got.get("tokens") or [])
+
+    whole = requests.post(server.url + path, json=ask, timeout=120).json()
+    want = {c["index"]: ids(c) for c in whole["choices"]}
+    assert sorted(want) == [0, 1] and all(len(t) == 6 for t in want.values())
+    got: dict = {0: [], 1: []}
+    finishes = []
+    with requests.post(server.url + path, json=dict(ask, stream=True),
+                       stream=True, timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for c in chunk["choices"]:
+                got[c["index"]] += ids(c)
+                if c.get("finish_reason"):
+                    finishes.append(c["index"])
+    assert sorted(finishes) == [0, 1]
+    assert got == want
+
+
 def test_burst_is_counted_by_id(server):
     check_burst(server, 100, max_prompt=120, max_tokens=32)
 

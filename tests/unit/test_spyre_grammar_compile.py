@@ -100,3 +100,43 @@ def test_compiler_errors_reach_the_caller(tokenizer):
     with pytest.raises(ValueError):
         backend.compile_grammar(StructuredOutputOptions.GRAMMAR,
                                 "root ::= undefined_rule")
+
+
+def test_byte_level_vocabulary_read_as_byte_level(tokenizer):
+    """SmolLM2's decoders include ``ByteFallback``, so xgrammar takes its
+    byte-level vocabulary for a byte-fallback one, and ``Ġ`` for a letter;
+    the backend reads it as byte-level: ``Ġ`` is a space."""
+    import xgrammar as xgr
+
+    from vllm.engine.spyre_grammar_compile import byte_level_info
+    assert xgr.TokenizerInfo.from_huggingface(
+        tokenizer).vocab_type == xgr.VocabType.BYTE_FALLBACK
+    info = byte_level_info(tokenizer, len(tokenizer))
+    assert info.vocab_type == xgr.VocabType.BYTE_LEVEL
+    quote = tokenizer.convert_tokens_to_ids('\u0120"')
+    assert info.decoded_vocab[quote] == b' "'
+    assert bounded(tokenizer).compiler.compile_regex(
+        "a").tokenizer_info.vocab_type == xgr.VocabType.BYTE_LEVEL
+
+
+@pytest.mark.parametrize("spec, text", [
+    # Compact JSON keeps xgrammar's separators ", " and ": ": the grammar
+    # was a dead end after the first key, every token masked.
+    (SCHEMA, '{"color": "red", "n": 12}'),
+    # A choice, or a string, with a space in it.
+    ('root ::= "New York" | "Paris"', "New York"),
+])
+def test_text_with_spaces_follows_the_grammar(tokenizer, spec, text):
+    from vllm.v1.structured_output.backend_types import (
+        StructuredOutputOptions)
+    kind = (StructuredOutputOptions.JSON if spec is SCHEMA else
+            StructuredOutputOptions.GRAMMAR)
+    backend = bounded(tokenizer)
+    grammar = backend.compile_grammar(kind, spec)
+    mask = backend.allocate_token_bitmask(1)
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        grammar.fill_bitmask(mask, 0)
+        assert mask[0, token // 32] >> (token % 32) & 1, (text, token)
+        assert grammar.accept_tokens("r", [token])
+    assert grammar.accept_tokens("r", [tokenizer.eos_token_id])
+    assert grammar.is_terminated()

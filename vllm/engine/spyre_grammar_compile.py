@@ -57,6 +57,11 @@ class BoundedXgrammarBackend(XgrammarBackend):
 
     def __post_init__(self):
         super().__post_init__()
+        info = byte_level_info(self.tokenizer, self.vocab_size)
+        if info is not None:
+            self.compiler = xgr.GrammarCompiler(
+                info, max_threads=8, cache_enabled=True,
+                cache_limit_bytes=envs.VLLM_XGRAMMAR_CACHE_MB * 2**20)
         # The tokenizer tables the compiler was built with, which a
         # serialized grammar is read back against.
         self._tokenizer_info = self.compiler.compile_regex(
@@ -134,6 +139,39 @@ class BoundedXgrammarBackend(XgrammarBackend):
         finally:
             conn.close()
             os._exit(0)
+
+
+def byte_level_info(tokenizer, vocab_size: int):
+    """xgrammar's tokenizer information for a byte-level BPE vocabulary
+    that xgrammar takes for a byte-fallback one, or None when it reads the
+    vocabulary right.
+
+    xgrammar 0.1.21 reads a Hugging Face tokenizer's decoder, and one
+    whose decoders include ``ByteFallback`` before ``ByteLevel`` (SmolLM2's,
+    the default model's) is taken as byte-fallback: its ``Ġ`` stays a
+    letter instead of a space, so no token that starts with a space fits
+    a grammar.  A JSON schema's default separators (``", "``, ``": "``)
+    then end in a dead end after the first key, where every token is
+    masked, and no choice or string with a space can be generated.  A
+    vocabulary with no byte tokens (``<0x..>``) and no ``▁`` but with
+    ``Ġ`` is byte-level."""
+    if not hasattr(tokenizer, "get_vocab"):
+        return None
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer,
+                                              vocab_size=vocab_size)
+    if info.vocab_type != xgr.VocabType.BYTE_FALLBACK:
+        return None
+    vocab = tokenizer.get_vocab()
+    if (any(t.startswith("<0x") or "\u2581" in t for t in vocab)
+            or not any("\u0120" in t for t in vocab)):
+        return None
+    encoded = [""] * (max(vocab.values()) + 1)
+    for token, i in vocab.items():
+        encoded[i] = token
+    return xgr.TokenizerInfo(encoded, xgr.VocabType.BYTE_LEVEL,
+                             vocab_size=vocab_size,
+                             stop_token_ids=info.stop_token_ids,
+                             add_prefix_space=False)
 
 
 class Compilation:
