@@ -10,9 +10,11 @@ the stream keeps its pace to its last token.
   engine, where pickling it failed with a 500), and within the limits
   but slow to compile (refused when its compilation, in a child process
   of the engine, outlives ``VLLM_SPYRE_GUIDED_COMPILE_TIMEOUT_S``, while
-  the engine's steps go on: no gap in the stream comes near the budget);
-  a grammar that takes about a second to compile is answered, the
-  stream decoding meanwhile;
+  the engine's steps go on: no gap in the stream comes near the budget),
+  and empty (a schema, a choice list, a regex or a grammar with nothing
+  in it); a grammar that takes
+  a fraction of a second to compile is answered, the stream decoding
+  meanwhile;
 * a field the endpoint does not take: a 400 naming it, not silence;
   ``bad_words``, which vLLM's completion request lacks, is honoured on
   ``/v1/completions`` as on ``/v1/chat/completions``; a field the
@@ -120,6 +122,13 @@ HOSTILE = [
     ("/v1/chat/completions", dict(guided_json=json.dumps(nested(300))),
      ["guided_json", "VLLM_SPYRE_GUIDED_MAX_DEPTH"]),
     ("/v1/completions", dict(guided_json="{"), ["guided_json", "JSON"]),
+    # Empty.
+    ("/v1/completions", dict(guided_json=""), ["guided_json", "JSON"]),
+    ("/v1/completions", dict(guided_choice=[]), ["guided_choice is empty"]),
+    # xgrammar's compiler crashed on an empty regex (in its child).
+    ("/v1/completions", dict(guided_regex=""), ["guided_regex is empty"]),
+    ("/v1/chat/completions", dict(guided_grammar=""),
+     ["guided_grammar is empty"]),
 ]
 
 

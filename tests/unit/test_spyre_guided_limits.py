@@ -116,6 +116,18 @@ def test_size_over_the_limit_is_refused(guided, field):
     assert "VLLM_SPYRE_GUIDED_MAX_BYTES=1048576" in str(e.value)
 
 
+@pytest.mark.parametrize("guided, field", [
+    (dict(choice=[]), "guided_choice is empty"),
+    (dict(regex=""), "guided_regex is empty"),
+    (dict(grammar=""), "guided_grammar is empty"),
+    (dict(grammar=" \n "), "guided_grammar is empty"),
+    (dict(json=""), "guided_json is not valid JSON"),
+])
+def test_empty_constraints_are_refused(guided, field):
+    with pytest.raises(ValueError, match=field):
+        check(GuidedDecodingParams(**guided), LIMITS)
+
+
 def test_grammar_and_structural_tag_repetitions_are_checked():
     with pytest.raises(ValueError, match=re.escape("guided_grammar: '{9000}'")):
         check(GuidedDecodingParams(grammar='root ::= "a"{9000}'), LIMITS)

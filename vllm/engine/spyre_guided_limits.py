@@ -58,12 +58,22 @@ def check(guided: Any, limits: GuidedLimits) -> None:
             schema = _parse_json("guided_json", schema, limits)
         check_schema("guided_json", schema, limits)
     if guided.regex is not None:
+        if not guided.regex:
+            # xgrammar 0.1.21's compiler crashes on it (SIGSEGV).
+            raise ValueError("guided_regex is empty: it would allow only "
+                             "the empty answer")
         _check_bytes("guided_regex", len(guided.regex.encode()), limits)
         check_regex("guided_regex", guided.regex, limits)
     if guided.grammar is not None:
+        if not guided.grammar.strip():
+            raise ValueError("guided_grammar is empty: a grammar needs at "
+                             "least its root rule")
         _check_bytes("guided_grammar", len(guided.grammar.encode()), limits)
         check_regex("guided_grammar", guided.grammar, limits)
     if guided.choice is not None:
+        if not guided.choice:
+            raise ValueError("guided_choice is empty: no text could follow "
+                             "it; give at least one choice")
         _check_bytes("guided_choice",
                      sum(len(str(c).encode()) for c in guided.choice), limits)
     if guided.structural_tag is not None:
