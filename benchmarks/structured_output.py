@@ -9,6 +9,13 @@ grammars), and per token of a valid 60-token answer, to fill the mask of
 allowed tokens and accept the token (the work added to every step of a
 guided sequence).
 
+Compile times (``--compile-times``, no engine): xgrammar's compilation
+of ``{"type": "string", "minLength": n}`` for each ``--bounds`` n, through
+the Spyre backend as the engine runs it (a child process per grammar,
+killed at ``--budget`` seconds), on the model's tokenizer: how long a
+bound takes, which ``VLLM_SPYRE_GUIDED_MAX_REPEAT`` and
+``VLLM_SPYRE_GUIDED_COMPILE_TIMEOUT_S`` are set against.
+
 Engine (default): our engine with continuous batching (``--max-num-seqs``
 the batch), ``--batch`` requests at once, greedy, ``--new-tokens`` at
 most; ``json`` runs the prompts under a JSON schema (a small record with
@@ -22,6 +29,8 @@ fails the run.
         [--backend inductor] [--batch 8] [--new-tokens 96]
         [--repetitions 3] [--json PATH]
     python benchmarks/structured_output.py --libraries [--model DIR]
+    python benchmarks/structured_output.py --compile-times [--model DIR]
+        [--bounds 64,256,1024] [--budget 120]
 """
 from __future__ import annotations
 
@@ -56,32 +65,64 @@ ANSWER = {"title": "Serving language models on IBM Spyre cards, fast",
           "done": True}
 
 
-def libraries(model: str) -> tuple[list[list], dict]:
+def backend(name: str, model: str, budget: float = 120.0):
+    """The grammar backend of library ``name`` as the engine builds it
+    (xgrammar's compiling in a child process within ``budget`` s), and
+    the tokenizer."""
     from transformers import AutoTokenizer
 
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.engine.spyre_structured_output import _backend_class
-    from vllm.v1.structured_output.backend_types import (
-        StructuredOutputOptions)
     tokenizer = AutoTokenizer.from_pretrained(model)
     config = EngineArgs(model=model).create_engine_config()
-    vocab = config.model_config.get_vocab_size()
-    answer = tokenizer.encode(json.dumps(ANSWER, separators=(",", ":")),
-                              add_special_tokens=False)
+    kwargs = dict(tokenizer=tokenizer,
+                  vocab_size=config.model_config.get_vocab_size())
+    if name == "xgrammar":
+        from vllm.engine.spyre_grammar_compile import BoundedXgrammarBackend
+        return BoundedXgrammarBackend(config, timeout_s=budget,
+                                      **kwargs), tokenizer
+    from vllm.v1.structured_output.backend_guidance import GuidanceBackend
+    return GuidanceBackend(config, **kwargs), tokenizer
+
+
+def compile_times(model: str, bounds: list[int],
+                  budget: float) -> tuple[list[list], dict]:
+    from vllm.v1.structured_output.backend_types import (
+        StructuredOutputOptions)
+    xgrammar, _ = backend("xgrammar", model, budget)
+    rows, results = [], {}
+    for n in bounds:
+        spec = json.dumps({"type": "string", "minLength": n})
+        start = time.perf_counter()
+        try:
+            xgrammar.compile_grammar(StructuredOutputOptions.JSON, spec)
+            outcome = "compiled"
+        except ValueError:
+            outcome = f"over the {budget:g} s budget"
+        seconds = time.perf_counter() - start
+        results[n] = dict(seconds=seconds, outcome=outcome)
+        rows.append([f"{n:,}", f"{seconds:.2f}", outcome])
+    return rows, results
+
+
+def libraries(model: str) -> tuple[list[list], dict]:
+    from vllm.v1.structured_output.backend_types import (
+        StructuredOutputOptions)
     key = (StructuredOutputOptions.JSON, json.dumps(SCHEMA))
     rows, results = [], {}
     for name in ("xgrammar", "guidance"):
         start = time.perf_counter()
-        backend = _backend_class(name)(config, tokenizer=tokenizer,
-                                       vocab_size=vocab)
+        library, tokenizer = backend(name, model)
         setup = time.perf_counter() - start
+        answer = tokenizer.encode(
+            json.dumps(ANSWER, separators=(",", ":")),
+            add_special_tokens=False)
         start = time.perf_counter()
-        backend.compile_grammar(*key)
+        library.compile_grammar(*key)
         first = time.perf_counter() - start
         start = time.perf_counter()
-        grammar = backend.compile_grammar(*key)
+        grammar = library.compile_grammar(*key)
         again = time.perf_counter() - start
-        bitmask = backend.allocate_token_bitmask(1)
+        bitmask = library.allocate_token_bitmask(1)
         start = time.perf_counter()
         for token in answer:
             grammar.fill_bitmask(bitmask, 0)
@@ -146,11 +187,27 @@ def main() -> int:
     ap = benchmark_parser(__doc__, backend=True)
     ap.add_argument("--libraries", action="store_true",
                     help="compare the grammar libraries, no engine")
+    ap.add_argument("--compile-times", action="store_true",
+                    help="xgrammar's compile time per string bound, no "
+                    "engine")
+    ap.add_argument("--bounds", default="64,256,1024",
+                    help="--compile-times: the minLength bounds")
+    ap.add_argument("--budget", type=float, default=120.0,
+                    help="--compile-times: seconds a compilation may take")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--repetitions", type=int, default=3)
     add_json_option(ap, "structured-output.json")
     args = ap.parse_args()
+    if args.compile_times:
+        bounds = [int(b) for b in args.bounds.split(",")]
+        rows, results = compile_times(args.model, bounds, args.budget)
+        write_json(args.json, dict(args=vars(args), machine=machine_info(),
+                                   compile_times=results))
+        print(f"\nmodel {os.path.basename(args.model)}: xgrammar, "
+              '{"type": "string", "minLength": n}, a child process each')
+        print(table(["minLength", "compile s", "outcome"], rows))
+        return 0
     if args.libraries:
         rows, results = libraries(args.model)
         write_json(args.json, dict(args=vars(args), machine=machine_info(),
