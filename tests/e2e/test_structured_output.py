@@ -245,6 +245,32 @@ def test_a_compiling_grammar_holds_back_only_its_request(llm, beside_steps,
     assert list(guided_ids[-1]) == list(alone)
 
 
+def test_requests_answered_whole_keep_their_pace_while_a_grammar_compiles(
+        llm, beside_steps, slow_compiles):
+    """A request answered whole (``FINAL_ONLY``, as the server's
+    non-streaming ones) has no output until it finishes, and its steps are
+    not idle: it finishes its 64 steps while a grammar compiles for 2.5 s
+    (a 50 ms wait after each step would have taken 3.2 s)."""
+    from vllm import SamplingParams
+    from vllm.engine import spyre_pending_grammars as pg
+    from vllm.sampling_params import RequestOutputKind
+    engine = beside_steps
+    slow_compiles(2.5)
+    engine.add_request("guided", "the spyre card", guided(
+        json={"type": "string", "maxLength": next(_bounds)}))
+    processor = pg.held(engine)["guided"]
+    engine.add_request("whole", "a plain prompt", SamplingParams(
+        temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True,
+        output_kind=RequestOutputKind.FINAL_ONLY))
+    while_compiling = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "whole" and out.finished:
+                while_compiling = processor.pending is not None
+                assert len(out.outputs[0].token_ids) == MAX_NEW
+    assert while_compiling is True
+
+
 def test_a_grammar_over_its_budget_is_refused_between_steps(
         llm, beside_steps, slow_compiles, monkeypatch):
     """A grammar still compiling when its budget ends: the request is

@@ -96,7 +96,8 @@ class BoundedXgrammarBackend(XgrammarBackend):
         """Starts queued compilations, oldest first, while children are
         free."""
         running = sum(c.child is not None for c in self._inflight.values())
-        for compilation in self._inflight.values():
+        # A start that fails ends its compilation, which leaves the dict.
+        for compilation in list(self._inflight.values()):
             if running >= self.max_children:
                 break
             if compilation.child is None:
@@ -198,13 +199,20 @@ class Compilation:
 
     def start(self) -> None:
         context = multiprocessing.get_context("fork")
-        self.conn, theirs = context.Pipe(duplex=False)
-        self.child = context.Process(target=self.backend._compile_and_send,
-                                     args=(theirs, *self.key),
-                                     name="spyre-grammar-compile",
-                                     daemon=True)
-        self.child.start()
-        theirs.close()
+        ours, theirs = context.Pipe(duplex=False)
+        child = context.Process(target=self.backend._compile_and_send,
+                                args=(theirs, *self.key),
+                                name="spyre-grammar-compile", daemon=True)
+        try:
+            child.start()
+        except OSError as e:  # fork refused (EAGAIN, ENOMEM)
+            ours.close()
+            self._fail(f"the grammar's compiler process could not start: "
+                       f"{e}")
+            return
+        finally:
+            theirs.close()
+        self.conn, self.child = ours, child
         self.deadline = time.monotonic() + self.backend.timeout_s
 
     def poll(self, timeout: float = 0.0) -> bool:
@@ -227,9 +235,14 @@ class Compilation:
                 if kind == "error":
                     self._fail(payload)
                 else:
-                    self.ctx = xgr.CompiledGrammar.deserialize_json(
-                        payload, self.backend._tokenizer_info)
-                    self._end()
+                    try:
+                        self.ctx = xgr.CompiledGrammar.deserialize_json(
+                            payload, self.backend._tokenizer_info)
+                    except Exception as e:  # noqa: BLE001  for the client
+                        self._fail(f"the compiled grammar could not be "
+                                   f"read back: {e}")
+                    else:
+                        self._end()
         elif time.monotonic() >= self.deadline:
             self._fail(
                 f"the grammar did not compile within "

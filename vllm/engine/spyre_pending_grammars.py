@@ -42,6 +42,8 @@ logger = init_logger(__name__)
 _BESIDE = "_spyre_compile_beside_steps"
 _HELD = "_spyre_held_for_grammar"
 _FAILED = "_spyre_grammar_failures"
+#: Key in a scheduler's ``__dict__``: its last schedule ran nothing.
+_RAN_NOTHING = "_spyre_ran_nothing"
 #: Longest wait for a compilation in a step that ran nothing.
 IDLE_WAIT_S = 0.05
 
@@ -103,7 +105,10 @@ def settle(engine) -> None:
         try:
             if not processor.grammar_ready():
                 continue
-        except ValueError as e:
+        except Exception as e:  # noqa: BLE001  the request's, not the engine's
+            if not isinstance(e, ValueError):
+                e = ValueError(f"Guided decoding: the grammar could not be "
+                               f"used: {type(e).__name__}: {e}")
             del waiting[request_id]
             engine.abort_request(request_id)
             engine.__dict__[_FAILED].append((request_id, e))
@@ -125,13 +130,17 @@ def _holding_back(scheduler, schedule):
         order = list(scheduler.waiting)
         back = [g for g in order if _compiling(g)]
         if not back:
-            return schedule()
-        ids = {id(g) for g in back}
-        scheduler.waiting = deque(g for g in order if id(g) not in ids)
-        try:
-            return schedule()
-        finally:
-            scheduler.waiting = put_back(order, back, scheduler.waiting)
+            out = schedule()
+        else:
+            ids = {id(g) for g in back}
+            scheduler.waiting = deque(g for g in order if id(g) not in ids)
+            try:
+                out = schedule()
+            finally:
+                scheduler.waiting = put_back(order, back, scheduler.waiting)
+        # (sequence groups' metadata, outputs, async allowed): none ran.
+        scheduler.__dict__[_RAN_NOTHING] = not out[0]
+        return out
 
     return schedule_without_compiling
 
@@ -162,7 +171,10 @@ def _settling_first(original):
         settle(engine)
         outputs = original(engine, *args, **kwargs)
         waiting = held(engine)
-        if waiting and not outputs:
+        # Not "no outputs": a step of requests answered whole (the
+        # server's non-streaming ones) has none until they finish.
+        if waiting and all(s.__dict__.get(_RAN_NOTHING, False)
+                           for s in engine.scheduler):
             conns = [p.pending.conn for p in waiting.values()
                      if p.pending is not None and p.pending.conn is not None]
             if conns:
