@@ -72,7 +72,8 @@ def compile_beside_steps(engine) -> None:
     engine.__dict__[_HELD] = {}
     engine.__dict__[_FAILED] = []
     for scheduler in engine.scheduler:
-        scheduler.schedule = _holding_back(scheduler, scheduler.schedule)
+        scheduler.schedule = _holding_back(engine, scheduler,
+                                           scheduler.schedule)
 
 
 def hold(engine, processor) -> None:
@@ -124,10 +125,11 @@ def _compiling(seq_group) -> bool:
         for p in params.logits_processors or ())
 
 
-def _holding_back(scheduler, schedule):
+def _holding_back(engine, scheduler, schedule):
 
     def schedule_without_compiling() -> Any:
-        order = list(scheduler.waiting)
+        # Every step: look through the queue only while grammars compile.
+        order = list(scheduler.waiting) if held(engine) else []
         back = [g for g in order if _compiling(g)]
         if not back:
             out = schedule()
