@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -38,8 +39,9 @@ def complete(server, prompt, max_tokens) -> requests.Response:
                          timeout=120)
 
 
-async def timed_stream(client, server, prompt, max_tokens):
-    """Streams a completion; returns (text, arrival time of each token)."""
+async def timed_stream(client, server, prompt, max_tokens, started=None):
+    """Streams a completion; returns (text, arrival time of each token).
+    Sets the event ``started``, if given, when the first token arrives."""
     body = dict(model=server.model, prompt=prompt, max_tokens=max_tokens,
                 temperature=0, ignore_eos=True, stream=True)
     text, times = "", []
@@ -52,6 +54,8 @@ async def timed_stream(client, server, prompt, max_tokens):
                 if choices:
                     text += choices[0]["text"]
                     times.append(time.monotonic())
+                    if started is not None:
+                        started.set()
     return text, times
 
 
@@ -64,20 +68,20 @@ def test_streams_join_a_running_batch(server):
     first tokens before it ends, and every text equals the same request
     served alone.  The four fit the pool together (3 blocks for the long
     one, one each for the others), so none of them waits for blocks: a
-    later request that did would start only when the long one ends."""
+    later request that did would start only when the long one ends.
+
+    The later ones are sent when the long one's first token arrives: the
+    long one takes about a third of a second on the tiny model, short
+    enough to end between two scrapes of /metrics on a busy machine."""
     long = ([9] * 30, 162)
     later = [([5 + i] * (10 + 20 * i), 12) for i in range(3)]
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as client:
+            started = asyncio.Event()
             first = asyncio.create_task(
-                timed_stream(client, server, *long))
-            deadline = time.monotonic() + 60
-            while metric(server, "vllm:num_requests_running") < 1:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.01)
-            # The running request's blocks show in vLLM's metrics.
-            assert metric(server, "vllm:gpu_cache_usage_perc") > 0
+                timed_stream(client, server, *long, started=started))
+            await asyncio.wait_for(started.wait(), timeout=60)
             rest = await asyncio.gather(*(timed_stream(client, server, *r)
                                           for r in later))
             return await first, rest
@@ -95,8 +99,17 @@ def test_streams_join_a_running_batch(server):
 
 def test_abort_storm_frees_every_block(server):
     """30 streams, about a third dropped mid-stream: the others get all
-    their tokens, and afterwards no request and no block is held."""
-    abort_storm(server, n=30, seed=3, max_prompt=150, max_tokens=60)
+    their tokens, and afterwards no request and no block is held.  While
+    they run, the blocks they hold show in vLLM's metrics."""
+    with ThreadPoolExecutor(1) as pool:
+        storm = pool.submit(abort_storm, server, n=30, seed=3,
+                            max_prompt=150, max_tokens=60)
+        in_use = 0.0
+        while not storm.done():
+            in_use = max(in_use, metric(server, "vllm:gpu_cache_usage_perc"))
+            time.sleep(0.02)
+        storm.result()
+    assert in_use > 0
     wait_until_zero(server, ("vllm:num_requests_running",
                              "vllm:num_requests_waiting",
                              "vllm:gpu_cache_usage_perc"))
