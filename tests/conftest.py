@@ -41,6 +41,13 @@ def pytest_configure(config):
             "re-installs the project first.", returncode=3)
 
 
+def pytest_report_header(config):
+    """The machine, in the run's header: the suite's time depends on it
+    (docs/testing.md, "Time")."""
+    from spyre_support.bench import cpu_summary
+    return f"machine: {cpu_summary()}"
+
+
 # The files that take longest, longest first.  `scripts/run_tests.sh`
 # hands whole files to its workers in collection order: a long file handed
 # out last would leave one worker running it alone while the other has

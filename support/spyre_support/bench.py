@@ -298,10 +298,38 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
 
 
+#: The CPU flags that choose the kernels' paths (vllm/spyre_kernels/ops.py).
+KERNEL_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+
+
+def cpu_summary() -> str:
+    """The CPU's model name, the usable cores, which of ``KERNEL_FLAGS``
+    it has and the machine's memory, from Linux's ``/proc``: what a time
+    or a speed measured on this machine depends on."""
+    name, flags, mem_kib = platform.machine(), set(), 0
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+        with open("/proc/meminfo") as f:
+            mem_kib = int(next(line for line in f
+                               if line.startswith("MemTotal")).split()[1])
+    except (OSError, StopIteration, ValueError):
+        pass
+    have = [flag for flag in KERNEL_FLAGS if flag in flags] or ["none"]
+    return (f"{name}, {cores()} usable cores, {mem_kib / 2**20:.1f} GiB, "
+            f"flags {' '.join(have)}")
+
+
 def machine_info() -> dict[str, Any]:
     import torch
     return dict(cpu_count=os.cpu_count(), usable_cores=cores(),
                 processor=platform.processor() or platform.machine(),
+                cpu=cpu_summary(),
                 python=platform.python_version(), torch=torch.__version__,
                 intra_op_threads=cores())
 

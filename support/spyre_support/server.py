@@ -71,7 +71,7 @@ class Server:
                     return
             except requests.RequestException:
                 pass
-            time.sleep(1)
+            time.sleep(0.25)
         raise TimeoutError(f"server not healthy in {timeout} s:\n"
                            + self.log()[-4000:])
 
