@@ -43,16 +43,21 @@ MAX_REPEAT = 200000
 STREAM_TOKENS = 2000
 
 
+ENV = dict(cb_env("eager"),
+           VLLM_SPYRE_GUIDED_COMPILE_TIMEOUT_S=str(TIMEOUT_S),
+           VLLM_SPYRE_GUIDED_MAX_REPEAT=str(MAX_REPEAT))
+ARGS = ("--max-num-seqs", "4", "--max-model-len", "2048",
+        "--enable-prefix-caching", "--guided-decoding-backend", "xgrammar",
+        "--guided-decoding-disable-any-whitespace")
+#: Within the limits, slow to compile (about 11 s): the budget ends it.
+SLOW = {"type": "string", "minLength": 150000}
+#: Compiles in about a quarter of a second, well within the budget.
+QUICK = {"type": "string", "minLength": 3000}
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llama_2k):
-    env = dict(cb_env("eager"),
-               VLLM_SPYRE_GUIDED_COMPILE_TIMEOUT_S=str(TIMEOUT_S),
-               VLLM_SPYRE_GUIDED_MAX_REPEAT=str(MAX_REPEAT))
-    with Server(tiny_llama_2k, env,
-                args=("--max-num-seqs", "4", "--max-model-len", "2048",
-                      "--enable-prefix-caching",
-                      "--guided-decoding-backend", "xgrammar",
-                      "--guided-decoding-disable-any-whitespace")) as srv:
+    with Server(tiny_llama_2k, ENV, args=ARGS) as srv:
         yield srv
 
 
@@ -101,9 +106,7 @@ class Stream(threading.Thread):
 
 HOSTILE = [
     # (endpoint, body, words the answer must name)
-    # Within the limits, slow to compile (about 11 s): the budget ends it.
-    ("/v1/completions", dict(guided_json={"type": "string",
-                                          "minLength": 150000}),
+    ("/v1/completions", dict(guided_json=SLOW),
      ["did not compile within 3 s", "VLLM_SPYRE_GUIDED_COMPILE_TIMEOUT_S"]),
     ("/v1/completions", dict(guided_json={"type": "string",
                                           "minLength": 1000000}),
@@ -147,26 +150,54 @@ def test_hostile_structured_output_is_400_while_a_stream_keeps_its_pace(
             assert word in message, (word, message)
         assert took < TIMEOUT_S + 2, (body, took)
         if "did not compile" in message:
-            # A grammar that compiles in about a quarter of a second, well
-            # within the budget, is answered.
-            reply = post(server, "/v1/completions", max_tokens=4,
-                         guided_json={"type": "string", "minLength": 3000})
-            assert reply.status_code == 200, reply.text
-            assert reply.json()["choices"][0]["text"].startswith('"')
+            quick_grammar_is_answered(server)
             assert stream.is_alive(), "the stream ended before the grammars"
-    stream.join(300)
-    assert not stream.is_alive()
-    assert stream.finish == "length"
-    assert len(stream.times) == STREAM_TOKENS
-    gaps = [b - a for a, b in zip(stream.times, stream.times[1:])]
-    # The engine stepped on while the grammars compiled: waiting for the
-    # slow one would have been a gap of its whole budget.
-    assert max(gaps) < TIMEOUT_S / 2, max(gaps)
+    stream_kept_its_pace(stream)
     # And the server still constrains what fits.
     reply = post(server, "/v1/completions", max_tokens=16,
                  guided_json={"enum": ["red", "green"]})
     assert reply.status_code == 200, reply.text
     assert json.loads(reply.json()["choices"][0]["text"]) in ("red", "green")
+
+
+def quick_grammar_is_answered(server) -> None:
+    reply = post(server, "/v1/completions", max_tokens=4, guided_json=QUICK)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"].startswith('"')
+
+
+def stream_kept_its_pace(stream: Stream) -> None:
+    """The stream got all its tokens, and none of them waited for a
+    grammar: the engine stepped on while the grammars compiled (waiting
+    for the slow one would have been a gap of its whole budget)."""
+    stream.join(300)
+    assert not stream.is_alive()
+    assert stream.finish == "length"
+    assert len(stream.times) == STREAM_TOKENS
+    gaps = [b - a for a, b in zip(stream.times, stream.times[1:])]
+    assert max(gaps) < TIMEOUT_S / 2, max(gaps)
+
+
+def test_grammars_compile_beside_the_steps_without_frontend_processes(
+        tiny_llama_2k):
+    """``vllm serve --disable-frontend-multiprocessing``: the engine steps
+    in the API server's event loop.  A grammar over its budget is refused
+    naming the budget, one within it is answered, and a stream decoding
+    meanwhile never waits for either."""
+    with Server(tiny_llama_2k, ENV,
+                args=(*ARGS, "--disable-frontend-multiprocessing")) as srv:
+        stream = Stream(srv)
+        stream.start()
+        assert stream.started.wait(120)
+        start = time.monotonic()
+        reply = post(srv, "/v1/completions", guided_json=SLOW)
+        assert time.monotonic() - start < TIMEOUT_S + 2
+        assert reply.status_code == 400, reply.text[:500]
+        assert "did not compile within 3 s" in reply.json()["error"][
+            "message"]
+        quick_grammar_is_answered(srv)
+        assert stream.is_alive(), "the stream ended before the grammars"
+        stream_kept_its_pace(stream)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

@@ -21,14 +21,18 @@ a child process (``spyre_grammar_compile.Compilation``), and:
   it up: the child is killed unless another request waits for the same
   grammar.
 
-``LLM(...)`` keeps compiling at ``add_request``: its caller gets a refusal
-there, before anything runs.  The same holds for ``vllm serve
---disable-frontend-multiprocessing``, whose engine compiles within the
-budget at admission.  ``install`` is a ``vllm.general_plugins`` entry
-point and does nothing unless the platform is Spyre.
+The same holds for ``vllm serve --disable-frontend-multiprocessing``,
+whose engine (``AsyncLLMEngine``) steps in the API server's event loop:
+there the wait of a step that ran nothing runs in a thread, so the server
+keeps answering, and a failed grammar ends its request's stream with the
+``ValueError``.  ``LLM(...)`` keeps compiling at ``add_request``: its
+caller gets a refusal there, before anything runs.  ``install`` is a
+``vllm.general_plugins`` entry point and does nothing unless the platform
+is Spyre.
 """
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from multiprocessing.connection import wait
 from typing import Any, Iterable, Union
@@ -50,11 +54,15 @@ IDLE_WAIT_S = 0.05
 
 def install() -> None:
     """Entry point of the ``vllm.general_plugins`` group (idempotent)."""
+    from vllm.engine.async_llm_engine import AsyncLLMEngine, _AsyncLLMEngine
     from vllm.engine.llm_engine import LLMEngine
     from vllm.engine.multiprocessing.engine import MQLLMEngine
     wrap_once(MQLLMEngine, "__init__", _beside_steps_in_server)
     wrap_once(MQLLMEngine, "engine_step", _sending_failures)
+    wrap_once(AsyncLLMEngine, "__init__", _beside_steps_in_server)
+    wrap_once(AsyncLLMEngine, "engine_step", _ending_streams_of_failures)
     wrap_once(LLMEngine, "step", _settling_first)
+    wrap_once(_AsyncLLMEngine, "step_async", _settling_first_async)
     wrap_once(LLMEngine, "abort_request", _giving_up)
 
 
@@ -172,18 +180,42 @@ def _settling_first(original):
             return original(engine, *args, **kwargs)
         settle(engine)
         outputs = original(engine, *args, **kwargs)
-        waiting = held(engine)
-        # Not "no outputs": a step of requests answered whole (the
-        # server's non-streaming ones) has none until they finish.
-        if waiting and all(s.__dict__.get(_RAN_NOTHING, False)
-                           for s in engine.scheduler):
-            conns = [p.pending.conn for p in waiting.values()
-                     if p.pending is not None and p.pending.conn is not None]
-            if conns:
-                wait(conns, timeout=IDLE_WAIT_S)
+        conns = _idle_waits(engine)
+        if conns:
+            wait(conns, timeout=IDLE_WAIT_S)
         return outputs
 
     return step
+
+
+def _settling_first_async(original):
+
+    async def step_async(engine, *args, **kwargs) -> Any:
+        if not held(engine):
+            return await original(engine, *args, **kwargs)
+        settle(engine)
+        outputs = await original(engine, *args, **kwargs)
+        conns = _idle_waits(engine)
+        if conns:
+            # The API server answers on this event loop meanwhile.
+            await asyncio.get_running_loop().run_in_executor(
+                None, wait, conns, IDLE_WAIT_S)
+        return outputs
+
+    return step_async
+
+
+def _idle_waits(engine) -> list:
+    """After a step: the compilations' connections to wait on when every
+    scheduler ran nothing while grammars compile (else none).  Not "no
+    outputs": a step of requests answered whole (the server's
+    non-streaming ones) has none until they finish."""
+    waiting = held(engine)
+    if not waiting or not all(s.__dict__.get(_RAN_NOTHING, False)
+                              for s in engine.scheduler):
+        return []
+    return [p.pending.conn for p in waiting.values()
+            if p.pending is not None and p.pending.conn is not None]
 
 
 def _giving_up(original):
@@ -205,12 +237,14 @@ def _giving_up(original):
 
 
 def _beside_steps_in_server(original):
+    """For ``MQLLMEngine`` and ``AsyncLLMEngine``, which both hold their
+    ``LLMEngine`` as ``engine``."""
 
-    def __init__(mq_engine, *args, **kwargs) -> None:
-        original(mq_engine, *args, **kwargs)
+    def __init__(server_engine, *args, **kwargs) -> None:
+        original(server_engine, *args, **kwargs)
         from vllm.config.spyre import is_spyre
         if is_spyre():
-            compile_beside_steps(mq_engine.engine)
+            compile_beside_steps(server_engine.engine)
 
     return __init__
 
@@ -225,5 +259,17 @@ def _sending_failures(original):
                 RPCError(request_id=request_id, is_engine_errored=False,
                          exception=error))
         return outputs
+
+    return engine_step
+
+
+def _ending_streams_of_failures(original):
+
+    async def engine_step(async_engine, virtual_engine: int) -> bool:
+        in_progress = await original(async_engine, virtual_engine)
+        for request_id, error in take_failures(async_engine.engine):
+            async_engine._request_tracker.process_exception(
+                request_id, error, verbose=async_engine.log_requests)
+        return in_progress
 
     return engine_step
