@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from spyre_support.tiny_models import build_tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 #: Special tokens in RoBERTa's order: its padding id is 1.
 ROBERTA_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
@@ -123,7 +126,7 @@ def _sentence_transformers_config(out_dir: Path, pooling: str,
 # ---- references ------------------------------------------------------------
 
 def hf_embeddings(model_dir: Path, texts: list[list[int]], pooling: str,
-                  dimensions: Optional[int] = None) -> "torch.Tensor":
+                  dimensions: Optional[int] = None) -> torch.Tensor:
     """The reference embeddings: transformers' encoder on each text alone,
     then the model's pooling (``"mean"`` or ``"cls"``), Matryoshka
     truncation to ``dimensions`` and L2 normalisation."""
