@@ -304,23 +304,20 @@ KERNEL_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
 
 def cpu_summary() -> str:
     """The CPU's model name, the usable cores, which of ``KERNEL_FLAGS``
-    it has and the machine's memory, from Linux's ``/proc``: what a time
-    or a speed measured on this machine depends on."""
-    name, flags, mem_kib = platform.machine(), set(), 0
+    it has (read by the kernels' own ``cpu_has``) and the machine's
+    memory: what a time or a speed measured on this machine depends on."""
+    from vllm.spyre_kernels.ops import cpu_has
+    name, mem_kib = platform.machine(), 0
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    name = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
+            name = next((line.partition(":")[2].strip() for line in f
+                         if line.startswith("model name")), name)
         with open("/proc/meminfo") as f:
             mem_kib = int(next(line for line in f
                                if line.startswith("MemTotal")).split()[1])
     except (OSError, StopIteration, ValueError):
         pass
-    have = [flag for flag in KERNEL_FLAGS if flag in flags] or ["none"]
+    have = [flag for flag in KERNEL_FLAGS if cpu_has(flag)] or ["none"]
     return (f"{name}, {cores()} usable cores, {mem_kib / 2**20:.1f} GiB, "
             f"flags {' '.join(have)}")
 
