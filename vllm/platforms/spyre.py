@@ -40,6 +40,8 @@ USAGE_STATS_ENV_VARS = ("VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK",
                         "DO_NOT_TRACK")
 SPYRE_ATTN_BACKEND_CLS = \
     "vllm.attention.backends.spyre_attn.SpyreAttentionBackend"
+SPYRE_PUNICA_WRAPPER_CLS = \
+    "vllm.lora.punica_wrapper.spyre_punica.PunicaWrapperSpyre"
 SPYRE_COMMUNICATOR_CLS = ("vllm.distributed.device_communicators."
                           "spyre_communicator.SpyreCommunicator")
 
@@ -105,6 +107,11 @@ class SpyrePlatform(Platform):
             raise NotImplementedError(
                 "Multi-head latent attention (MLA) is not supported on Spyre")
         return SPYRE_ATTN_BACKEND_CLS
+
+    @classmethod
+    def get_punica_wrapper(cls) -> str:
+        """LoRA's products inside the compiled graphs (``spyre_punica``)."""
+        return SPYRE_PUNICA_WRAPPER_CLS
 
     @classmethod
     def get_device_communicator_cls(cls) -> str:
@@ -187,6 +194,10 @@ class SpyrePlatform(Platform):
             raise NotImplementedError(
                 "--enable-prompt-embeds is not supported on Spyre")
         if pooling:
+            if vllm_config.lora_config is not None:
+                raise NotImplementedError(
+                    "LoRA adapters on pooling models are not supported on "
+                    "Spyre")
             if model_config.quantization is not None:
                 raise NotImplementedError(
                     f"Quantized pooling models ({model_config.quantization})"
@@ -207,6 +218,8 @@ class SpyrePlatform(Platform):
             spyre_modes.configure_pooling(vllm_config, spyre)
         else:
             impl = _choose_model_impl(model_config, spyre)
+            from vllm.lora import spyre_lora
+            spyre_lora.check_config(vllm_config, impl, spyre.dynamo_backend)
             _check_tensor_parallel(model_config, impl,
                                    parallel_config.tensor_parallel_size)
             _check_hybrid(model_config.hf_config, vllm_config.cache_config)

@@ -32,6 +32,8 @@ from vllm.config import VllmConfig
 from vllm.config.spyre import CB_BLOCK_SIZE, SpyreConfig
 from vllm.core.spyre_cb_blocks import blocks_needed
 from vllm.logger import init_logger
+from vllm.lora.request import LoRARequest
+from vllm.lora.spyre_lora import StepAdapters, step_adapters
 from vllm.model_executor.layers.sampler import SamplerOutput
 from vllm.model_executor.layers.spyre_mamba import StateRows
 from vllm.model_executor.models.spyre_cb_causal_lm import SpyreCBCausalLM
@@ -76,6 +78,11 @@ class SpyreCBModelInput(SpyreModelInputBase):
     #: decode's rows (``spyre_mamba.StateRows``); else None.
     prefill_states: Optional[StateRows] = None
     decode_states: Optional[StateRows] = None
+    #: With ``--enable-lora``: the adapters of the step's requests, the
+    #: prefill's lora id and the decode rows' (0: none); else not sent.
+    lora_requests: Optional[tuple[LoRARequest, ...]] = None
+    prefill_lora: int = 0
+    decode_loras: Optional[tuple[int, ...]] = None
 
 
 class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
@@ -219,6 +226,12 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         sampling_metadata = self.sampling_metadata(metas, seq_lens,
                                                    query_lens,
                                                    finished_requests_ids)
+        loras = {}
+        if self.lora_config is not None:
+            loras = dict(
+                lora_requests=step_adapters(metas),
+                prefill_lora=prefills[0].lora_int_id if prefills else 0,
+                decode_loras=tuple(m.lora_int_id for m in decodes))
         return SpyreCBModelInput(prefill=prefill,
                                  decode=decode,
                                  num_live=len(decodes),
@@ -227,7 +240,8 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                                  logprob_ids=logprob_ids,
                                  logprob_k=logprob_k,
                                  prefill_states=prefill_states,
-                                 decode_states=decode_states)
+                                 decode_states=decode_states,
+                                 **loras)
 
     def run_step(
         self, model_input: SpyreCBModelInput
@@ -235,18 +249,24 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         """Runs the step on the block pool the model owns: the prefill,
         then the decode batch; samples the rows that sample."""
         rows = []
+        adapters = model_input.lora_requests or ()
         if model_input.prefill is not None:
             logits = self._prefill(model_input.prefill,
-                                   model_input.prefill_states)
+                                   model_input.prefill_states,
+                                   (adapters, (model_input.prefill_lora, )))
             if model_input.sample_prefill:
                 rows.append(logits)
         if model_input.decode is not None:
             rows.append(self._forward(
-                model_input.decode,
-                model_input.decode_states)[:model_input.num_live])
+                model_input.decode, model_input.decode_states,
+                (adapters, model_input.decode_loras))[:model_input.num_live])
         computed = {}
         if model_input.logprob_ids is not None:
             assert self.model is not None
+            if self.model.lora is not None:
+                self.model.lora.one_sequence(adapters,
+                                             model_input.prefill_lora,
+                                             len(model_input.logprob_ids))
             computed[0] = prompt_logprobs.compute(
                 self.model, model_input.logprob_ids,
                 model_input.logprob_k)
@@ -298,17 +318,23 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                                 self.state_slots.spare)
 
     def _prefill(self, chunks: PagedInputs,
-                 states: Optional[StateRows] = None) -> torch.Tensor:
+                 states: Optional[StateRows] = None,
+                 loras: Optional[StepAdapters] = None) -> torch.Tensor:
         """Runs the rows (one, or the chunks) in order; the last
         one's logits: [1, vocab]."""
         for i in range(chunks.input_ids.shape[0]):
             logits = self._forward(chunks.row(i),
-                                   states.row(i) if states else None)
+                                   states.row(i) if states else None, loras)
         return logits
 
     def _forward(self, step: PagedInputs,
-                 states: Optional[StateRows] = None) -> torch.Tensor:
+                 states: Optional[StateRows] = None,
+                 loras: Optional[StepAdapters] = None) -> torch.Tensor:
+        """One forward of ``step``; ``loras``: the step's adapters and
+        the lora id of each live row (``spyre_lora``)."""
         assert self.model is not None
+        if self.model.lora is not None:
+            self.model.lora.set_step(loras, *step.input_ids.shape)
         if states is None:
             return self.model(step)
         return self.model(step, states)

@@ -20,6 +20,8 @@ from vllm.config import VllmConfig
 from vllm.config.spyre import SpyreConfig, WarmupShape
 from vllm.core.spyre_static_shapes import RequestSize, choose_shape
 from vllm.logger import init_logger
+from vllm.lora.request import LoRARequest
+from vllm.lora.spyre_lora import StepAdapters, step_adapters
 from vllm.model_executor.layers.sampler import SamplerOutput
 from vllm.model_executor.models.spyre_static_causal_lm import (
     SpyreStaticCausalLM)
@@ -50,6 +52,10 @@ class SpyreStaticModelInput(SpyreModelInputBase):
     #: row, prompt length, how many top tokens (``spyre_prompt_logprobs``);
     #: None when none asks, and then not broadcast.
     logprob_rows: Optional[torch.Tensor] = None
+    #: With ``--enable-lora``: the adapters of the step's requests and the
+    #: lora id of every row (0: none, and for rows not in the step).
+    lora_requests: Optional[tuple[LoRARequest, ...]] = None
+    lora_ids: Optional[tuple[int, ...]] = None
 
 
 @dataclass
@@ -119,6 +125,13 @@ class SpyreStaticModelRunner(SpyreRunnerBase[SpyreStaticModelInput]):
         else:
             inputs, rows = self._continue_batch(metas)
             seq_lens = None
+        loras = {}
+        if self.lora_config is not None:
+            ids = [0] * inputs.input_ids.shape[0]
+            for row, m in zip(rows, seq_group_metadata_list):
+                ids[row] = m.lora_int_id
+            loras = dict(lora_requests=step_adapters(metas),
+                         lora_ids=tuple(ids))
         return SpyreStaticModelInput(
             is_prompt=is_prompt,
             inputs=inputs,
@@ -126,7 +139,8 @@ class SpyreStaticModelRunner(SpyreRunnerBase[SpyreStaticModelInput]):
             sampling_metadata=self.sampling_metadata(metas, seq_lens,
                                                      seq_lens,
                                                      finished_requests_ids),
-            logprob_rows=logprob_rows)
+            logprob_rows=logprob_rows,
+            **loras)
 
     def _start_batch(self, metas: list[SequenceGroupMetadata]):
         prompts = [only_seq(m).prompt_token_ids for m in metas]
@@ -169,7 +183,8 @@ class SpyreStaticModelRunner(SpyreRunnerBase[SpyreStaticModelInput]):
     def run_step(
         self, model_input: SpyreStaticModelInput
     ) -> Optional[list[SamplerOutput]]:
-        logits = self._forward(model_input.is_prompt, model_input.inputs)
+        logits = self._forward(model_input.is_prompt, model_input.inputs,
+                               _adapters(model_input))
         computed = self._prompt_logprobs(model_input)
         if model_input.sampling_metadata is None:
             return []  # a non-driver rank: the driver samples
@@ -187,13 +202,25 @@ class SpyreStaticModelRunner(SpyreRunnerBase[SpyreStaticModelInput]):
         assert self.model is not None
         ids = model_input.inputs.input_ids
         live = model_input.live_rows.tolist()
-        return {
-            live.index(row): prompt_logprobs.compute(
+        computed = {}
+        for row, n, k in model_input.logprob_rows.tolist():
+            if self.model.lora is not None:
+                adapters, lora_ids = _adapters(model_input)
+                self.model.lora.one_sequence(adapters, lora_ids[row], n)
+            computed[live.index(row)] = prompt_logprobs.compute(
                 self.model, ids[row, ids.shape[1] - n:], k)
-            for row, n, k in model_input.logprob_rows.tolist()
-        }
+        return computed
 
-    def _forward(self, is_prompt: bool, step: StepInputs) -> torch.Tensor:
+    def _forward(self, is_prompt: bool, step: StepInputs,
+                 loras: Optional[StepAdapters] = None) -> torch.Tensor:
+        """One forward of ``step``; ``loras``: the step's adapters and
+        every row's lora id (``spyre_lora``)."""
         assert self.model is not None
+        if self.model.lora is not None:
+            self.model.lora.set_step(loras, *step.input_ids.shape)
         return self.model(step.input_ids, step.position_ids, step.mask,
                           step.cache_slots, step.cache_len, is_prompt)
+
+
+def _adapters(model_input: SpyreStaticModelInput) -> StepAdapters:
+    return (model_input.lora_requests or (), model_input.lora_ids or ())

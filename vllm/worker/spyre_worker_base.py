@@ -22,6 +22,7 @@ from vllm.config.spyre_model_facts import FMS, SpyreModelFacts
 from vllm.distributed import (ensure_model_parallel_initialized,
                               init_distributed_environment)
 from vllm.logger import init_logger
+from vllm.lora.request import LoRARequest
 from vllm.model_executor import set_random_seed
 from vllm.model_executor.models.spyre_dtypes import (load_dtype,
                                                      precision_of,
@@ -59,8 +60,6 @@ class SpyreWorkerBase(LocalOrDistributedWorkerBase):
         self.distributed_init_method = distributed_init_method
         self.is_driver_worker = is_driver_worker
         self.spyre_config = SpyreConfig.from_vllm_config(vllm_config)
-        if self.lora_config is not None:
-            raise NotImplementedError("LoRA is not supported on Spyre")
         if self.speculative_config is not None:
             raise NotImplementedError(
                 "Speculative decoding is not supported on Spyre")
@@ -192,6 +191,27 @@ class SpyreWorkerBase(LocalOrDistributedWorkerBase):
         logger.info("Spyre worker %d: loaded %d tensors in place in %.2f s",
                     self.rank, count, seconds)
         return {"tensors": count, "seconds": seconds}
+
+    # ---- LoRA adapters (``--enable-lora``; ``vllm.lora.spyre_lora``) ----
+    def _lora(self):
+        model = self.model_runner.model
+        lora = getattr(model, "lora", None)
+        if lora is None:
+            raise ValueError("LoRA is not enabled: start with --enable-lora "
+                             "(and --model-impl vllm)")
+        return lora
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self._lora().add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora().remove(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self._lora().pin(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._lora().list()
 
     @property
     def do_metadata_broadcast(self) -> bool:

@@ -92,6 +92,8 @@ class SpyreCausalLM(nn.Module):
                                           self.precision, self.native,
                                           self.attention)
         module = self.code.build()
+        #: The LoRA adapters (``--enable-lora``), else None.
+        self.lora = self.code.lora
         #: Every attention layer's cache geometry; a hybrid model's Mamba-2
         #: state geometry (None without such layers) and which of its
         #: layers they are (``spyre_mamba``).
@@ -129,7 +131,8 @@ class SpyreCausalLM(nn.Module):
             hf_config=self.hf_config,
             backend=backend,
             options={"freezing": False, "cpp_wrapper": backend == "inductor",
-                     "attention": self.code.attn_name},
+                     "attention": self.code.attn_name,
+                     "lora": self.lora.slots if self.lora else None},
             tp_size=self.tp_size,
             dtype=self.served_dtype)
         return spyre_graph_cache.GraphCache(

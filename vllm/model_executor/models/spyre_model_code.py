@@ -26,6 +26,7 @@ from vllm.attention.ops.spyre_paged_inputs import PagedInputs
 from vllm.config import VllmConfig
 from vllm.config.spyre import SpyreConfig
 from vllm.config.spyre_model_facts import SpyreModelFacts
+from vllm.lora.spyre_lora import SpyreLoRA
 from vllm.model_executor.layers import spyre_mamba
 from vllm.model_executor.models.spyre_dtypes import Precision
 
@@ -64,6 +65,8 @@ class ModelCode(nn.Module):
         #: layers) and which of its layers they are (``spyre_mamba``).
         self.state_layout: Optional[spyre_mamba.StateLayout] = None
         self.is_ssm: list[bool] = []
+        #: The LoRA adapters (``--enable-lora``; vLLM's model code only).
+        self.lora: Optional[SpyreLoRA] = None
 
     def build(self) -> nn.Module:
         raise NotImplementedError

@@ -38,6 +38,7 @@ from vllm.attention.ops.spyre_kv_layout import CacheLayout
 from vllm.attention.ops.spyre_paged_inputs import PagedInputs
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
+from vllm.lora.spyre_lora import SpyreLoRA
 from vllm.model_executor.layers.quantization.spyre_quant import (
     SpyreQuantConfig, finish_quantized_layers)
 from vllm.model_executor.layers.spyre_linear_method import use_spyre_linears
@@ -110,6 +111,15 @@ class VllmModelCode(ModelCode):
             logger.info("Moved %d linear layers to the %s in %.1f s", moved,
                         "packed CPU kernel" if self.native else
                         "bfloat16 products", time.perf_counter() - start)
+        if vllm_config.lora_config is not None:
+            # After the linear layers moved: each LoRA layer calls its base
+            # layer's (packed) method.
+            sched = vllm_config.scheduler_config
+            self.lora = SpyreLoRA(
+                vllm_config, self.vllm_model,
+                max([s.batch_size * s.prompt_len
+                     for s in self.spyre_config.warmup_shapes] +
+                    [sched.max_model_len, sched.max_num_seqs]))
         self.attention_layers = inline_attention(self.vllm_model, self.step)
         if not self.attention_layers:
             raise ValueError(f"{type(self.vllm_model).__name__} has no "

@@ -1,0 +1,134 @@
+"""The LoRA products of a Spyre step, inside its compiled graphs.
+
+vLLM's LoRA layers (``vllm/lora/layers.py``) wrap a model's linear layers,
+its token embedding and its logits, and ask the platform's punica wrapper
+to add each row's adapter product to the base layer's output.  vLLM's CPU
+wrapper chooses its ops in Python from the step's kind (prefill or decode)
+and whether any adapter is active, and gathers one weight matrix per token;
+in a graph compiled once per shape (``spyre_compile``), such choices would
+be fixed at warm-up.
+
+``PunicaWrapperSpyre`` runs the same product with no branch and no shape
+that depends on the step: every adapter slot at once, each token's slot
+selected by a one-hot mask built inside the graph from the step's slot
+index per token (-1: no adapter).  For ``T`` tokens, ``S`` slots and rank
+``r``::
+
+    h = (x @ A_all^T).view(T, S, r) * onehot(slot)[:, :, None] * scale
+    y += h.view(T, S * r) @ B_all
+
+``A_all`` (``[S * r, in]``) and ``B_all`` (``[S * r, out]``) are the
+stacked adapters every LoRA layer holds, so a step runs two small products
+per projection for all its rows, whatever adapters they use (the punica
+shrink and expand, batched over the slots).  Slots and ranks are fixed at
+start-up (``--max-loras``, ``--max-lora-rank``): loading or removing an
+adapter copies into the stacked tensors in place, and the graphs compiled
+at warm-up serve every mix of adapters.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
+
+
+def _add_masked(y: torch.Tensor, x: torch.Tensor, a: Optional[torch.Tensor],
+                b: torch.Tensor, slots: torch.Tensor, scale: float) -> None:
+    """``y[t] += scale * x[t] @ a[slot[t]]^T @ b[slot[t]]^T`` for every
+    token ``t`` with ``slot[t] >= 0``; ``a`` None: ``x`` is already the
+    shrunk ``[T, r]`` product (the embedding's).  ``a``: ``[S, 1, r, in]``
+    (or ``[S, r, in]``), ``b``: ``[S, 1, out, r]``; ``y``: ``[T, out']``
+    with ``out' <= out`` (padding of the adapter's vocabulary)."""
+    b = b.reshape(b.shape[0], b.shape[-2], b.shape[-1])
+    n_slots, out, rank = b.shape
+    tokens = x.shape[0]
+    dtype = torch.float32
+    onehot = (slots[:tokens].unsqueeze(1) == torch.arange(
+        n_slots, device=slots.device).unsqueeze(0)).to(dtype)
+    if a is None:
+        h = x.to(dtype).unsqueeze(1) * onehot.unsqueeze(2)
+    else:
+        a = a.reshape(n_slots * rank, a.shape[-1])
+        h = (x.to(dtype) @ a.to(dtype).t()).view(tokens, n_slots, rank)
+        h = h * onehot.unsqueeze(2)
+    if scale != 1.0:
+        h = h * scale
+    delta = h.reshape(tokens, n_slots * rank) @ b.to(dtype).transpose(
+        1, 2).reshape(n_slots * rank, out)
+    width = min(out, y.shape[-1])
+    y[:, :width] += delta[:, :width].to(y.dtype)
+
+
+class PunicaWrapperSpyre(PunicaWrapperBase):
+    """vLLM's punica wrapper for the Spyre graphs (module docstring).
+
+    ``update_metadata`` (vLLM's, unchanged) fills the slot index of every
+    token of the step (``_token_lora_indices``) and of every row whose
+    logits are computed (``sampler_indices``) before each forward; the
+    products below read the first ``T`` entries, ``T`` the rows of their
+    input, which every compiled shape fixes."""
+
+    def __init__(self, max_num_batched_tokens: int, max_batches: int,
+                 device: Union[torch.device, str], **kwargs) -> None:
+        PunicaWrapperBase.__init__(self, max_num_batched_tokens, max_batches,
+                                   device)
+        # Padding and inactive rows: no adapter, before the first mapping.
+        self._token_lora_indices.fill_(-1)
+        self._sampler_indices.fill_(-1)
+        self._embeddings_indices.zero_()
+
+    def update_metadata(self, mapping, lora_index_to_id, max_loras,
+                        vocab_size, extra_vocab_size, **kwargs) -> None:
+        self._update_base_metadata(mapping, lora_index_to_id, max_loras,
+                                   vocab_size, extra_vocab_size)
+        self.is_prefill = mapping.is_prefill
+
+    def add_shrink(self, y, x, lora_a_stacked, scale, **kwargs):
+        raise NotImplementedError("PunicaWrapperSpyre adds whole products "
+                                  "(add_lora_linear)")
+
+    def add_expand(self, y, x, lora_b_stacked, lora_bias_stacked,
+                   output_slices, offset_start=0, add_inputs=True, **kwargs):
+        raise NotImplementedError("PunicaWrapperSpyre adds whole products "
+                                  "(add_lora_linear)")
+
+    def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor,
+                        lora_a_stacked: tuple[torch.Tensor, ...],
+                        lora_b_stacked: tuple[torch.Tensor, ...],
+                        lora_bias_stacked: Optional[tuple[torch.Tensor,
+                                                          ...]],
+                        scale: float, output_slices: tuple[int, ...],
+                        **kwargs) -> None:
+        """Each slice's adapter product added to its columns of ``y``."""
+        if lora_bias_stacked is not None:
+            raise NotImplementedError(
+                "LoRA adapters with biases are not supported on Spyre")
+        flat_y = y.view(-1, y.shape[-1])
+        flat_x = x.view(-1, x.shape[-1])
+        slots = self._token_lora_indices
+        offset = 0
+        for a, b, width in zip(lora_a_stacked, lora_b_stacked,
+                               output_slices):
+            _add_masked(flat_y[:, offset:offset + width], flat_x, a, b,
+                        slots, scale)
+            offset += width
+
+    def add_lora_embedding(self, y: torch.Tensor, x: torch.Tensor,
+                           lora_b_stacked: torch.Tensor,
+                           add_inputs: bool = True, **kwargs) -> None:
+        """The embedding's expand: ``x`` is each token's row of its
+        adapter's A (looked up by the layer)."""
+        _add_masked(y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1]), None,
+                    lora_b_stacked, self._token_lora_indices, 1.0)
+
+    def add_lora_logits(self, y: torch.Tensor, x: torch.Tensor,
+                        lora_a_stacked: torch.Tensor,
+                        lora_b_stacked: torch.Tensor, scale, **kwargs
+                        ) -> None:
+        """The output head's adapter product, one slot per row (run after
+        the graph, on the rows whose logits are computed)."""
+        _add_masked(y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1]),
+                    lora_a_stacked, lora_b_stacked, self.sampler_indices,
+                    scale)

@@ -1,0 +1,156 @@
+"""LoRA adapters on Spyre: vLLM's adapter manager over vLLM's model code.
+
+``--enable-lora`` (``LLM(enable_lora=True)``) serves many adapters over one
+base model, as vLLM does: each request names its adapter
+(``LoRARequest``; the OpenAI server's ``model``), adapters load from disk
+at their first request or through ``/v1/load_lora_adapter``, and up to
+``--max-loras`` of them run in one step, each row with its own or none.
+
+What is vLLM's and what is Spyre's:
+
+* vLLM's LRU adapter manager (``LRUCacheWorkerLoRAManager``) wraps the
+  model's linear layers, token embedding and logits in its LoRA layers and
+  keeps the adapters, ``--max-cpu-loras`` in memory and ``--max-loras`` in
+  the stacked tensors the layers read;
+* the base layers keep their packed kernels (each LoRA layer calls its base
+  layer's ``quant_method``);
+* the adapters' products run inside the compiled graphs on the platform's
+  punica wrapper (``spyre_punica``), with no branch on the step, so the
+  graphs warm-up compiled serve every mix of adapters;
+* ``SpyreLoRA.set_rows`` tells the layers which adapter each row of the
+  next forward uses (vLLM's ``LoRAMapping``: a lora id per token and per
+  row, 0 for none).
+
+LoRA runs on vLLM's model code on the CPU backends (``check_config``):
+FMS's model code has no LoRA layers, and the card's graphs have not been
+built with them.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Optional
+
+import torch
+from torch import nn
+
+from vllm.config.spyre_model_facts import VLLM
+from vllm.logger import init_logger
+from vllm.lora.layers import LoRAMapping
+from vllm.lora.request import LoRARequest
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+
+def check_config(vllm_config: "VllmConfig", model_impl: str,
+                 backend: str) -> None:
+    """Refuses, before anything loads, LoRA where Spyre cannot serve it."""
+    lora_config = vllm_config.lora_config
+    if lora_config is None:
+        return
+    if model_impl != VLLM:
+        arch = vllm_config.model_config.architectures[0]
+        raise NotImplementedError(
+            f"LoRA adapters on Spyre run on vLLM's model code: start with "
+            f"--model-impl vllm (here {arch} would run FMS's model code, "
+            "which has no LoRA layers)")
+    if backend == "sendnn":
+        raise NotImplementedError(
+            "LoRA adapters run on the CPU backends "
+            "(VLLM_SPYRE_DYNAMO_BACKEND=eager or inductor), not yet on the "
+            "card (sendnn): see docs/lora.md")
+    if lora_config.bias_enabled:
+        raise NotImplementedError(
+            "--enable-lora-bias is not supported on Spyre")
+    logger.info(
+        "Spyre LoRA: up to %d adapter(s) per step (--max-loras), rank up "
+        "to %d (--max-lora-rank), %d kept in memory (--max-cpu-loras)",
+        lora_config.max_loras, lora_config.max_lora_rank,
+        lora_config.max_cpu_loras or lora_config.max_loras)
+
+
+class SpyreLoRA:
+    """The adapters of one vLLM model (``model``, wrapped in place)."""
+
+    def __init__(self, vllm_config: "VllmConfig", model: nn.Module,
+                 max_tokens: int) -> None:
+        """``max_tokens``: the most tokens one forward takes (rows times
+        length, over every compiled shape)."""
+        from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
+        from vllm.model_executor.models import supports_lora
+        if not supports_lora(model):
+            raise NotImplementedError(
+                f"{type(model).__name__} does not support LoRA in vLLM")
+        lora_config = vllm_config.lora_config
+        assert lora_config is not None
+        self.max_loras = lora_config.max_loras
+        #: The stacked tensors' geometry, which the graphs are built for.
+        self.slots = (lora_config.max_loras, lora_config.max_lora_rank)
+        scheduler_config = vllm_config.scheduler_config
+        text_config = vllm_config.model_config.hf_config.get_text_config()
+        self.manager = LRUCacheWorkerLoRAManager(
+            scheduler_config.max_num_seqs,
+            max(max_tokens, scheduler_config.max_num_batched_tokens),
+            vllm_config.model_config.get_vocab_size(),
+            lora_config,
+            torch.device("cpu"),
+            model.embedding_modules,
+            model.embedding_padding_modules,
+            max_position_embeddings=text_config.max_position_embeddings)
+        self.manager.create_lora_manager(model)
+        self.layers = len(self.manager._adapter_manager.modules)
+        logger.info("Spyre LoRA: %d layers wrapped for %d adapter slot(s)",
+                    self.layers, self.max_loras)
+
+    def set_step(self, loras: Optional["StepAdapters"], rows: int,
+                 length: int) -> None:
+        """The next forward: ``rows`` rows of ``length`` tokens; ``loras``
+        the step's adapters and the lora ids of its first rows (the live
+        ones; the rest, padding, use none), or None: no adapter."""
+        adapters, ids = loras or ((), ())
+        ids = tuple(ids) + (0, ) * (rows - len(ids))
+        self._set(adapters, ids, length)
+
+    def one_sequence(self, adapters: Iterable[LoRARequest], lora_id: int,
+                     length: int) -> None:
+        """The next forward and logits: one sequence of ``length`` tokens
+        run whole (prompt log-probabilities), on adapter ``lora_id``."""
+        self._set(adapters, (lora_id, ) * length, 1)
+
+    def _set(self, adapters: Iterable[LoRARequest], ids: tuple[int, ...],
+             length: int) -> None:
+        """vLLM's ``LoRAMapping``: a lora id per token (each row's,
+        ``length`` times) and per row whose logits are computed; the
+        adapters named are loaded if they are not."""
+        mapping = LoRAMapping(
+            index_mapping=tuple(i for i in ids for _ in range(length)),
+            prompt_mapping=ids,
+            is_prefill=length > 1)
+        self.manager.set_active_adapters(set(adapters), mapping)
+
+    # ---- vLLM's worker interface ------------------------------------------
+    def add(self, request: LoRARequest) -> bool:
+        return self.manager.add_adapter(request)
+
+    def remove(self, lora_id: int) -> bool:
+        return self.manager.remove_adapter(lora_id)
+
+    def pin(self, lora_id: int) -> bool:
+        return self.manager.pin_adapter(lora_id)
+
+    def list(self) -> set[int]:
+        return self.manager.list_adapters()
+
+
+#: A step's adapters and the lora id of each of its live rows.
+StepAdapters = tuple[tuple[LoRARequest, ...], tuple[int, ...]]
+
+
+def step_adapters(metas: Iterable) -> tuple[LoRARequest, ...]:
+    """The adapters the step's sequence groups name, each once."""
+    found: dict[int, LoRARequest] = {}
+    for meta in metas:
+        if meta.lora_request is not None:
+            found.setdefault(meta.lora_int_id, meta.lora_request)
+    return tuple(found.values())
