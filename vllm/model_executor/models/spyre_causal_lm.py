@@ -107,13 +107,16 @@ class SpyreCausalLM(nn.Module):
         """The compiled model (``compile_graphs``): each warm-up shape needs
         two graphs (prefill, decode), with room for every configured shape.
         With ``inductor`` the weights are frozen into the graphs unless the
-        graph cache is on (a cached graph cannot hold them) or
+        graph cache is on (a cached graph cannot hold them),
         ``VLLM_SPYRE_INDUCTOR_FREEZING=0`` keeps them graph inputs (for
-        weights updated in place)."""
+        weights updated in place), or LoRA adapters are on (freezing would
+        fold the adapters' tensors, which change while serving, into
+        constants)."""
         backend = self.spyre_config.dynamo_backend
         cache = self._graph_cache(backend)
         self.frozen = (backend == "inductor" and cache is None
-                       and self.spyre_config.inductor_freezing)
+                       and self.spyre_config.inductor_freezing
+                       and self.lora is None)
         limit = max(64, 8 * len(self.spyre_config.warmup_shapes))
         return compile_graphs(model, backend, cache_size_limit=limit,
                               freeze=self.frozen, cache=cache,
