@@ -15,7 +15,9 @@ unless the platform is Spyre:
   request with guided decoding its grammar as a logits processor
   (``spyre_structured_output.attach``, which refuses a bad schema, regex
   or grammar the same way), before the fan-out copies it to every
-  sample.
+  sample.  Before either, a request naming a LoRA adapter has it
+  checked and loaded (``spyre_lora_admission``), so that a bad adapter
+  is refused here rather than failing a step.
 * ``LLM._validate_and_add_requests`` adds a list of prompts one by one; in
   V0 an error on the k-th leaves the first k-1 queued, and the caller's next
   ``generate`` returns their outputs.  The wrapper aborts every request the
@@ -53,6 +55,9 @@ def _refuse_before_fan_out(original):
                 refuse = getattr(scheduler, "refuse_parallel_samples", None)
                 if refuse is not None:
                     refuse(prompt_len, params)
+        if _spyre():
+            from vllm.engine import spyre_lora_admission
+            spyre_lora_admission.admit(engine, _lora_request(args, kwargs))
         if isinstance(params, SamplingParams) and _spyre():
             from vllm.engine import spyre_structured_output
             params = spyre_structured_output.attach(engine, request_id,
@@ -82,6 +87,14 @@ def _add_all_or_none(original):
             raise
 
     return validate_and_add_requests
+
+
+def _lora_request(args: tuple, kwargs: dict):
+    """``_add_processed_request``'s ``lora_request`` (after
+    ``arrival_time``)."""
+    if "lora_request" in kwargs:
+        return kwargs["lora_request"]
+    return args[1] if len(args) > 1 else None
 
 
 def _decoder_prompt_len(processed_inputs) -> int:

@@ -17,7 +17,10 @@ What is vLLM's and what is Spyre's:
 * the adapters' products run inside the compiled graphs on the platform's
   punica wrapper (``spyre_punica``), with no branch on the step, so the
   graphs warm-up compiled serve every mix of adapters;
-* ``SpyreLoRA.set_rows`` tells the layers which adapter each row of the
+* an adapter loads from a local folder only, and only if its matrices
+  fit the base model's projections (``check_shapes``: vLLM would copy a
+  smaller matrix into a corner of its slot without a word);
+* ``SpyreLoRA.set_step`` tells the layers which adapter each row of the
   next forward uses (vLLM's ``LoRAMapping``: a lora id per token and per
   row, 0 for none).
 
@@ -27,6 +30,8 @@ built with them.
 """
 from __future__ import annotations
 
+import glob
+import os
 from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
@@ -36,6 +41,7 @@ from vllm.config.spyre_model_facts import VLLM
 from vllm.logger import init_logger
 from vllm.lora.layers import LoRAMapping
 from vllm.lora.request import LoRARequest
+from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,6 +76,24 @@ def check_config(vllm_config: "VllmConfig", model_impl: str,
         lora_config.max_cpu_loras or lora_config.max_loras)
 
 
+class _Manager(LRUCacheWorkerLoRAManager):
+    """vLLM's LRU adapter manager, loading adapters from local folders
+    only, each checked against the base model (in ``base_dir``) first."""
+
+    def __init__(self, base_dir: str, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._base_dir = base_dir
+
+    def _load_adapter(self, lora_request: LoRARequest):
+        path = os.path.expanduser(lora_request.lora_path)
+        if not os.path.isdir(path):
+            raise ValueError(
+                f"no adapter folder at {lora_request.lora_path} (adapters "
+                "are loaded from local folders)")
+        check_shapes(self._base_dir, path)
+        return super()._load_adapter(lora_request)
+
+
 class SpyreLoRA:
     """The adapters of one vLLM model (``model``, wrapped in place)."""
 
@@ -77,7 +101,6 @@ class SpyreLoRA:
                  max_tokens: int) -> None:
         """``max_tokens``: the most tokens one forward takes (rows times
         length, over every compiled shape)."""
-        from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
         from vllm.model_executor.models import supports_lora
         if not supports_lora(model):
             raise NotImplementedError(
@@ -89,7 +112,8 @@ class SpyreLoRA:
         self.slots = (lora_config.max_loras, lora_config.max_lora_rank)
         scheduler_config = vllm_config.scheduler_config
         text_config = vllm_config.model_config.hf_config.get_text_config()
-        self.manager = LRUCacheWorkerLoRAManager(
+        self.manager = _Manager(
+            vllm_config.model_config.model,
             scheduler_config.max_num_seqs,
             max(max_tokens, scheduler_config.max_num_batched_tokens),
             vllm_config.model_config.get_vocab_size(),
@@ -154,3 +178,44 @@ def step_adapters(metas: Iterable) -> tuple[LoRARequest, ...]:
         if meta.lora_request is not None:
             found.setdefault(meta.lora_int_id, meta.lora_request)
     return tuple(found.values())
+
+
+def _shapes(folder: str) -> dict[str, list[int]]:
+    """Every tensor's shape in the safetensors files of ``folder``, read
+    from their headers."""
+    from safetensors import safe_open
+    shapes: dict[str, list[int]] = {}
+    for file in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                shapes[key] = list(f.get_slice(key).get_shape())
+    return shapes
+
+
+def check_shapes(model_dir: str, adapter_dir: str) -> None:
+    """Refuses an adapter whose ``lora_A`` (``[rank, in]``) or ``lora_B``
+    (``[out, rank]``) does not fit the base model's weight (``[out,
+    in]``) of the module it adapts.  Skipped where either checkpoint is
+    not in safetensors files."""
+    adapter = _shapes(adapter_dir)
+    base = _shapes(model_dir) if os.path.isdir(model_dir) else {}
+    if not adapter or not base:
+        return
+    for key, shape in adapter.items():
+        if ".lora_A." in key:
+            module, side = key.split(".lora_A.")[0], 1
+        elif ".lora_B." in key:
+            module, side = key.split(".lora_B.")[0], 0
+        else:
+            continue
+        module = module.removeprefix("base_model.model.")
+        weight = base.get(module + ".weight")
+        if weight is None:
+            continue  # vLLM's load names modules the model lacks
+        if shape[side] != weight[side]:
+            what = "inputs" if side == 1 else "outputs"
+            raise ValueError(
+                f"the adapter does not fit this base model: "
+                f"{key} is {shape}, but {module} has {weight[side]} "
+                f"{what} (weight {weight}); was it trained for another "
+                "model?")
