@@ -12,7 +12,8 @@ interpreter, under the environment, working directory and arguments it is
 given.  What the server read from the environment at import (OpenMP's
 settings, transformers' offline switches) is the caller's, except vLLM's
 settings that a module bound at import (``from vllm.envs import X``),
-which each child reads again from its own environment.
+which each child reads again from its own environment, and the API
+server's routes that depend on one (``_reimport_for_settings``).
 """
 from __future__ import annotations
 
@@ -54,6 +55,19 @@ def _reread_vllm_settings() -> None:
             setattr(module, var, getattr(envs, var))
 
 
+def _reimport_for_settings() -> None:
+    """The API server adds its adapter-loading routes at import when
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is set: imported again here if this
+    process sets it."""
+    import importlib
+    api_server = sys.modules.get("vllm.entrypoints.openai.api_server")
+    if api_server is None:
+        return
+    envs = sys.modules["vllm.envs"]
+    if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
+        importlib.reload(api_server)
+
+
 def _main(argv: list[str], env: dict[str, str], cwd: str, out: str,
           err: str, new_session: bool = False) -> None:
     """Body of a child: ``python argv...`` with stdout and stderr in the
@@ -75,6 +89,7 @@ def _main(argv: list[str], env: dict[str, str], cwd: str, out: str,
     # server sets one under VLLM_WORKER_MULTIPROC_METHOD=forkserver).
     multiprocessing.set_start_method(None, force=True)
     _reread_vllm_settings()
+    _reimport_for_settings()
     code = 0
     try:
         if argv[0] == "-m":
