@@ -23,10 +23,14 @@ ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
 
 def build_adapter(base: Path, out_dir: Path, seed: int, rank: int = 8,
                   alpha: Optional[int] = None,
-                  targets=ALL_PROJECTIONS, scale: float = 0.5) -> Path:
+                  targets=ALL_PROJECTIONS, scale: float = 0.5,
+                  with_embedding_layers: bool = False) -> Path:
     """A LoRA adapter of ``base`` with random weights (``scale`` their
     standard deviation), rank ``rank``, ``lora_alpha`` ``alpha`` (twice
-    the rank unless given), over ``targets``."""
+    the rank unless given), over ``targets`` (``embed_tokens`` and
+    ``lm_head`` among them adapt the token embedding and the output head;
+    ``with_embedding_layers``: the base model's embedding and head saved
+    beside, as PEFT does by default when it adapts them)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -41,7 +45,8 @@ def build_adapter(base: Path, out_dir: Path, seed: int, rank: int = 8,
             if "lora_A" in name or "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * scale)
     out_dir.mkdir(parents=True, exist_ok=True)
-    peft_model.save_pretrained(out_dir)
+    peft_model.save_pretrained(out_dir,
+                               save_embedding_layers=with_embedding_layers)
     # The base model's tokenizer beside the adapter, as adapters are often
     # shipped: vLLM looks for one there first.
     AutoTokenizer.from_pretrained(base).save_pretrained(out_dir)
@@ -58,3 +63,46 @@ class MergedReference(HFReference):
             from peft import PeftModel
             self.model = PeftModel.from_pretrained(
                 self.model, adapter).merge_and_unload().eval()
+
+
+def write_random_adapter(base: Path, out_dir: Path, seed: int, rank: int,
+                         targets=ALL_PROJECTIONS, scale: float = 0.02,
+                         dtype: str = "float32") -> Path:
+    """An adapter in PEFT's layout over every ``targets`` projection of
+    ``base``, with random A and B, written straight from the base
+    checkpoint's safetensors headers (its weights are never loaded), with
+    the base model's tokenizer beside it: for
+    the benchmarks at realistic size, where building the model in
+    transformers to let PEFT save an adapter would take the model's
+    memory twice over."""
+    import json
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for file in sorted(Path(base).glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                module = key.removesuffix(".weight")
+                if key == module or module.split(".")[-1] not in targets:
+                    continue
+                out, inp = f.get_slice(key).get_shape()
+                prefix = "base_model.model." + module
+                tensors[prefix + ".lora_A.weight"] = (
+                    torch.randn(rank, inp, generator=gen) * scale).to(
+                        getattr(torch, dtype))
+                tensors[prefix + ".lora_B.weight"] = (
+                    torch.randn(out, rank, generator=gen) * scale).to(
+                        getattr(torch, dtype))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out_dir / "adapter_model.safetensors")
+    (out_dir / "adapter_config.json").write_text(json.dumps(dict(
+        peft_type="LORA", task_type="CAUSAL_LM", r=rank,
+        lora_alpha=2 * rank, target_modules=sorted(targets),
+        lora_dropout=0.0, bias="none", fan_in_fan_out=False,
+        base_model_name_or_path=str(base)), indent=1))
+    from transformers import AutoTokenizer
+    AutoTokenizer.from_pretrained(base).save_pretrained(out_dir)
+    return out_dir

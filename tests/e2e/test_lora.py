@@ -1,7 +1,8 @@
 """LoRA adapters on Spyre (``--enable-lora``, docs/lora.md).
 
-Three tiny random adapters of the tiny Llama, written with PEFT (ranks 8
-and 4, over every projection or a few), are the subjects; the reference
+Four tiny random adapters of the tiny Llama, written with PEFT (ranks 8
+and 4, over every projection, a few, or the token embedding and the
+output head), are the subjects; the reference
 of each is transformers running it merged into the base model
 (``merge_and_unload``).
 
@@ -9,13 +10,16 @@ of each is transformers running it merged into the base model
   ``--max-loras`` among the requests: every request's greedy ids equal
   its merged reference, in static and continuous batching, ``eager`` and
   ``inductor``, and nothing compiles after warm-up.
+* Prompt log-probabilities of a row on an adapter, static and continuous
+  batching.
 * Continuous batching with forced preemption, and with prefix caching
   (one prompt on every adapter: no adapter reads another's cached
   blocks, and a repeat is served from the cache).
 * Adapters added, evicted (``--max-cpu-loras``) and removed while
   serving, nothing compiled.
 * Refusals: an adapter above ``--max-lora-rank``, one trained for another
-  base model, a missing folder and a corrupt file are refused when their
+  base model, one carrying the base model's embedding and head, a
+  missing folder and a corrupt file are refused when their
   request arrives, naming the problem, and the engine keeps serving;
   FMS's model code is refused at start-up.
 """
@@ -30,11 +34,12 @@ from spyre_support.tiny_lora import MergedReference, build_adapter
 #: of rank up to 8.
 LORA_ARGS = dict(model_impl="vllm", enable_lora=True, max_loras=2,
                  max_lora_rank=8)
-#: (prompt ids, new tokens, adapter name or None): three adapters, more
-#: than the two slots, with rows on none between them.
+#: (prompt ids, new tokens, adapter name or None): four adapters (one of
+#: them on the token embedding and the output head), more than the two
+#: slots, with rows on none between them.
 REQUESTS = [(list(range(5, 5 + n)), m, a) for n, m, a in (
     (9, 12, "all"), (40, 8, None), (2, 10, "some"), (17, 12, "all"),
-    (30, 6, "third"), (12, 9, None))]
+    (30, 6, "third"), (12, 9, None), (21, 7, "heads"))]
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +52,14 @@ def adapters(tiny_llama, tiny_llama_3kv, tmp_path_factory) -> dict:
                               targets=("q_proj", "v_proj", "down_proj")),
         "third": build_adapter(tiny_llama, root / "third", seed=3, rank=8,
                                targets=("o_proj", "up_proj")),
+        "heads": build_adapter(tiny_llama, root / "heads", seed=7, rank=8,
+                               targets=("q_proj", "embed_tokens",
+                                        "lm_head")),
+        # PEFT's default for an adapted embedding: the base model's
+        # embedding and head saved too, which vLLM does not load.
+        "with_bases": build_adapter(tiny_llama, root / "with_bases", seed=8,
+                                    rank=8, targets=("q_proj", "lm_head"),
+                                    with_embedding_layers=True),
         "rank16": build_adapter(tiny_llama, root / "rank16", seed=4,
                                 rank=16),
         # 6 heads of 16: every projection takes 96 inputs, not 64.
@@ -108,7 +121,7 @@ def test_the_adapters_change_the_answers(want):
     the base model's on every request."""
     for prompt, m, _ in REQUESTS:
         base = want(prompt, m, None)
-        for name in ("all", "some", "third"):
+        for name in ("all", "some", "third", "heads"):
             assert want(prompt, m, name) != base
 
 
@@ -182,6 +195,64 @@ def test_adapters_come_and_go_while_serving(tiny_llama, adapters, want):
         assert compile_count() == before
 
 
+@pytest.mark.parametrize("mode", ["static", "cb"])
+def test_prompt_logprobs_run_on_the_adapter(tiny_llama, adapters, mode):
+    """``prompt_logprobs`` of a row on an adapter, in a batch with a row
+    on none: the log-softmax of transformers' logits with the adapter
+    merged, at every position after the first."""
+    import torch
+    from vllm import SamplingParams, TokensPrompt
+    prompts = [list(range(4, 34)), list(range(40, 60))]
+    with lora_llm(tiny_llama, mode, "eager") as llm:
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+            lora_request=[lora(adapters, "all"), None], use_tqdm=False)
+    for prompt, out, name in zip(prompts, outs, ("all", None)):
+        model = MergedReference(tiny_llama,
+                                adapters[name] if name else None).model
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt])).logits[0].float()
+        n = len(prompt)
+        want = torch.log_softmax(logits, -1)[torch.arange(n - 1),
+                                             torch.tensor(prompt[1:])]
+        got = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob
+                            for i in range(1, n)])
+        assert torch.allclose(got, want, atol=1e-3), (got - want).abs().max()
+
+
+def lora_memory(worker) -> dict:
+    """What a rank's LoRA layers hold (for ``collective_rpc``): the bytes
+    of their stacked adapter tensors, and the memory check's count of the
+    same slots (``spyre_memory.lora_slot_elements``)."""
+    import torch
+
+    from vllm.worker import spyre_memory
+    lora = worker.model_runner.model.lora
+    held, seen = 0, set()
+    for module in lora.manager._adapter_manager.modules.values():
+        for name in ("lora_a_stacked", "lora_b_stacked",
+                     "embeddings_tensors"):
+            value = getattr(module, name, None)
+            for t in value if isinstance(value, tuple) else (value, ):
+                if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    held += t.numel() * t.element_size()
+    _, geometry = worker._memory_parts()
+    config = worker.lora_config
+    counted = config.max_loras * geometry.item * \
+        spyre_memory.lora_slot_elements(geometry, config.max_lora_rank,
+                                        config.lora_extra_vocab_size)
+    return dict(held=held, counted=counted)
+
+
+def test_the_memory_check_counts_the_adapter_slots(tiny_llama, adapters):
+    with lora_llm(tiny_llama, "cb", "eager") as llm:
+        (memory, ) = llm.collective_rpc(lora_memory)
+    assert memory["held"] > 0
+    assert abs(memory["counted"] / memory["held"] - 1) < 0.1, memory
+
+
 def test_bad_adapters_are_refused_and_the_engine_serves_on(
         tiny_llama, adapters, want, tmp_path):
     from vllm.lora.request import LoRARequest
@@ -190,7 +261,7 @@ def test_bad_adapters_are_refused_and_the_engine_serves_on(
     missing = LoRARequest("missing", 50, str(tmp_path / "nowhere"))
     with lora_llm(tiny_llama, "cb", "eager") as llm:
         refusals = {}
-        for name in ("rank16", "alien", "corrupt"):
+        for name in ("rank16", "alien", "corrupt", "with_bases"):
             with pytest.raises(ValueError) as e:
                 generate(llm, adapters, good + [(prompt, 8, name)])
             refusals[name] = str(e.value)
@@ -208,7 +279,9 @@ def test_bad_adapters_are_refused_and_the_engine_serves_on(
     assert "does not fit this base model" in refusals["alien"]
     assert "was it trained for another model?" in refusals["alien"]
     assert "'corrupt' cannot be served" in refusals["corrupt"]
-    assert "no adapter folder" in refusals["missing"]
+    assert "No adapter found at" in refusals["missing"]
+    assert "lm_head.base_layer.weight is unsupported LoRA weight" in \
+        refusals["with_bases"]
 
 
 def test_fms_model_code_is_refused_at_start_up(tiny_llama):
@@ -216,3 +289,13 @@ def test_fms_model_code_is_refused_at_start_up(tiny_llama):
     with pytest.raises(NotImplementedError, match="--model-impl vllm"):
         with lora_llm(tiny_llama, "cb", "eager", **args):
             pass
+
+
+def test_tensor_parallel_2_equals_merged_transformers(
+        tiny_llama, adapters, want):
+    """Two ranks over gloo, each holding its shard of every adapter
+    (vLLM's sharded LoRA layers)."""
+    with lora_llm(tiny_llama, "cb", "eager",
+                  tensor_parallel_size=2) as llm:
+        got = generate(llm, adapters, REQUESTS)
+    assert got == [want(p, m, a) for p, m, a in REQUESTS]

@@ -88,7 +88,7 @@ class _Manager(LRUCacheWorkerLoRAManager):
         path = os.path.expanduser(lora_request.lora_path)
         if not os.path.isdir(path):
             raise ValueError(
-                f"no adapter folder at {lora_request.lora_path} (adapters "
+                f"No adapter found at {lora_request.lora_path} (adapters "
                 "are loaded from local folders)")
         check_shapes(self._base_dir, path)
         return super()._load_adapter(lora_request)
@@ -98,9 +98,10 @@ class SpyreLoRA:
     """The adapters of one vLLM model (``model``, wrapped in place)."""
 
     def __init__(self, vllm_config: "VllmConfig", model: nn.Module,
-                 max_tokens: int) -> None:
+                 max_tokens: int, native: bool) -> None:
         """``max_tokens``: the most tokens one forward takes (rows times
-        length, over every compiled shape)."""
+        length, over every compiled shape); ``native``: the products run on
+        the C++ kernel (``spyre_punica``)."""
         from vllm.model_executor.models import supports_lora
         if not supports_lora(model):
             raise NotImplementedError(
@@ -123,6 +124,7 @@ class SpyreLoRA:
             model.embedding_padding_modules,
             max_position_embeddings=text_config.max_position_embeddings)
         self.manager.create_lora_manager(model)
+        self.manager._adapter_manager.punica_wrapper.native = native
         self.layers = len(self.manager._adapter_manager.modules)
         logger.info("Spyre LoRA: %d layers wrapped for %d adapter slot(s)",
                     self.layers, self.max_loras)

@@ -18,9 +18,12 @@ other external kernel:
 * ``spyre_kernels::rms_norm`` and ``spyre_kernels::rotary_qk``
   (``elementwise.cpp``): a decoder's norms and rotary embedding in one
   pass each, for ``eager``, which has no compiler to fuse them
-  (``vllm.model_executor.layers.spyre_fused_ops``).
+  (``vllm.model_executor.layers.spyre_fused_ops``);
+* ``spyre_kernels::lora_delta`` (``lora.cpp``): the LoRA adapters'
+  products of a step's rows, each row on its own adapter
+  (``vllm.lora.punica_wrapper.spyre_punica``).
 
-The four files share ``simd.h``: the vector width and types, and the
+The five files share ``simd.h``: the vector width and types, and the
 argument checks of more than one op.
 
 ``available`` builds the sources into one extension with PyTorch's C++
@@ -54,7 +57,8 @@ logger = init_logger(__name__)
 #: The library of the ops, and the name of the extension that holds them.
 LIBRARY = "spyre_kernels"
 _SOURCES = [Path(__file__).with_name(name) for name in
-            ("linear.cpp", "attention.cpp", "elementwise.cpp", "quant.cpp")]
+            ("linear.cpp", "attention.cpp", "elementwise.cpp", "quant.cpp",
+             "lora.cpp")]
 _NATIVE_FLAG = {"x86_64": "-march=native", "s390x": "-march=native",
                 "ppc64le": "-mcpu=native", "aarch64": "-mcpu=native"}
 _loaded: Optional[bool] = None
@@ -136,6 +140,7 @@ def _load() -> bool:
     torch.library.register_fake(f"{LIBRARY}::quant_linear")(_fake_quant)
     torch.library.register_fake(f"{LIBRARY}::rms_norm")(_fake_rms_norm)
     torch.library.register_fake(f"{LIBRARY}::rotary_qk")(_fake_rotary_qk)
+    torch.library.register_fake(f"{LIBRARY}::lora_delta")(_fake_lora_delta)
     logger.info("Loaded the native CPU kernels in %.1f s",
                 time.perf_counter() - start)
     return True
@@ -187,3 +192,9 @@ def _fake_rotary_qk(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor,
                     position_ids: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def _fake_lora_delta(input: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                     slots: torch.Tensor, scale: float) -> torch.Tensor:
+    rows = input.numel() // input.shape[-1]
+    return input.new_empty((rows, b.shape[-2]), dtype=torch.float32)

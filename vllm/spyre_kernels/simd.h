@@ -1,4 +1,4 @@
-// What the four kernel files share: the vector width they are written for,
+// What the kernel files share: the vector width they are written for,
 // their vector types, and the argument checks more than one op makes.
 //
 // The kernels are written with GCC vector extensions, so that one source
@@ -7,8 +7,8 @@
 // which the compiler maps onto the machine's registers.  The `_u` types
 // are the same vectors, loadable from any address of their element type.
 //
-// ops.py builds linear.cpp, quant.cpp, attention.cpp and elementwise.cpp
-// into one extension; each includes this header and keeps the rest of its
+// ops.py builds linear.cpp, quant.cpp, attention.cpp, elementwise.cpp and
+// lora.cpp into one extension; each includes this header and keeps the rest of its
 // code in an anonymous namespace of its own.
 #pragma once
 

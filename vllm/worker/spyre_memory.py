@@ -373,6 +373,42 @@ def weights_of(vllm_config, item: int,
     return held
 
 
+def lora_slot_elements(geometry: Geometry, rank: int,
+                       extra_vocab: int, vocab_padding: int = 256) -> int:
+    """Elements one LoRA adapter slot of rank ``rank`` takes on this rank,
+    as vLLM's LoRA layers stack them (``vllm.lora.spyre_lora``): per
+    layer, A (``[r, in]``, the full input of a column-parallel layer, this
+    rank's share of a row-parallel one's) and B (``[out, r]``, the
+    converse) of q, k, v, o, gate, up and down; the token embedding's A
+    over the vocabulary and its added tokens, and B; the output head's A,
+    its B over the vocabulary padded to ``vocab_padding``, and the added
+    tokens' embeddings."""
+    g = geometry
+    q, kv = g.heads * g.head_size, g.kv_heads * g.head_size
+    per_layer = (3 * g.hidden + q + 2 * kv  # q, k, v
+                 + q + g.hidden  # o
+                 + 2 * (g.hidden + g.intermediate)  # gate, up
+                 + g.intermediate + g.hidden)  # down
+    embedding = g.vocab + extra_vocab + g.hidden
+    padded_vocab = -(-g.vocab // vocab_padding) * vocab_padding
+    head = g.hidden + padded_vocab
+    return (rank * (g.layers * per_layer + embedding + head) +
+            extra_vocab * g.hidden)
+
+
+def lora_bytes(geometry: Geometry, lora_config) -> int:
+    """Bytes of LoRA adapters on this rank (``--enable-lora``): the
+    ``--max-loras`` slots the layers hold, and the adapters kept in memory
+    besides (``--max-cpu-loras``), each counted at ``--max-lora-rank``."""
+    if lora_config is None:
+        return 0
+    kept = lora_config.max_loras + (lora_config.max_cpu_loras or
+                                    lora_config.max_loras)
+    return kept * geometry.item * lora_slot_elements(
+        geometry, lora_config.max_lora_rank,
+        lora_config.lora_extra_vocab_size)
+
+
 def ranks_on_this_machine(world_size: int) -> int:
     """Ranks of the world group running on this machine (a collective on
     the CPU group: every rank calls it)."""

@@ -134,7 +134,8 @@ class SpyreWorkerBase(LocalOrDistributedWorkerBase):
                             self.spyre_config.dynamo_backend).model
 
     def _memory_parts(self) -> tuple[int, spyre_memory.Geometry]:
-        """This rank's weight bytes and cache geometry, at the dtypes held.
+        """This rank's weight bytes (LoRA adapters' included) and cache
+        geometry, at the dtypes held.
         bfloat16 on the CPU holds the cache and the linear layers' weights
         in bfloat16 and the rest in float32; the linear weights are
         counted at two bytes where they are read so (``spyre_dtypes.
@@ -147,8 +148,11 @@ class SpyreWorkerBase(LocalOrDistributedWorkerBase):
         kv_item = torch.empty((), dtype=precision.kv).element_size()
         matrix_item = (torch.empty((), dtype=precision.linear).element_size()
                        if self.reads_linears_narrow() else None)
-        return (spyre_memory.weights_of(self.vllm_config, item, matrix_item),
-                spyre_memory.geometry_of(self.vllm_config, item, kv_item))
+        geometry = spyre_memory.geometry_of(self.vllm_config, item, kv_item)
+        weights = spyre_memory.weights_of(self.vllm_config, item,
+                                          matrix_item)
+        return (weights + spyre_memory.lora_bytes(geometry, self.lora_config),
+                geometry)
 
     def reads_linears_narrow(self) -> bool:
         """Whether the checkpoint's linear weights are read straight into

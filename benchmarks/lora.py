@@ -1,0 +1,204 @@
+"""LoRA adapters: decode speed with adapters against the base model alone,
+and the time to load an adapter while serving.
+
+Two engines, each in its own process, on vLLM's model code with
+continuous batching (``--max-num-seqs`` the largest batch): the base model
+without ``--enable-lora``, and the same with ``--enable-lora --max-loras 4
+--max-lora-rank R``.  Four random rank-R adapters over every projection of
+the model are written in PEFT's layout from the checkpoint's headers
+(``spyre_support.tiny_lora.write_random_adapter``) into a temporary folder
+first.
+
+For each batch size B: B prompts of P tokens cut from
+benchmarks/data/text.txt, G new tokens each, greedy, EOS ignored, timed
+twice per repetition: with G new tokens and with 1, so that decode tokens/s
+is B*(G-1) over the difference (prefills excluded).  The base engine runs
+every B without adapters; the LoRA engine runs every B with one adapter
+on every row, and the largest B also with the four adapters spread over
+its rows.  Reported: decode tokens/s, and the LoRA step's time over the
+base step's (the target: at most 1.3x at batch 8 with rank-16 adapters).
+Then the LoRA engine loads a fifth adapter (``LLMEngine.add_lora``: read,
+checked, copied into a slot), timed; resident memory of both engines after
+warm-up, and the adapters' bytes as the up-front memory check counts
+them against the growth measured.  Any compilation during the timed runs
+fails the run.
+
+    python benchmarks/lora.py [--model DIR] [--backend inductor]
+        [--rank 16] [--batch-sizes 1,8] [--prompt-len 64]
+        [--new-tokens 64] [--repetitions 3] [--dtype float32] [--json PATH]
+"""
+from __future__ import annotations
+
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from spyre_support.bench import (Child, add_json_option, add_shape_options,
+                                 benchmark_parser, build_prompts,
+                                 compiled_in_timed_runs, cores, machine_info,
+                                 parse_ints, table, text_ids, write_json)
+from spyre_support.engines import compile_count
+from spyre_support.envs import cb_env, cb_max_model_len
+
+#: Adapters of the LoRA engine: its slots (``--max-loras``).
+SLOTS = 4
+
+
+class Runner:
+    """Lives in the child: one engine, timing generate calls."""
+
+    def __init__(self, model: str, engine_args: dict) -> None:
+        import psutil
+        from vllm import LLM
+        start = time.perf_counter()
+        self.llm = LLM(model=model, **engine_args)
+        self.start_s = time.perf_counter() - start
+        self.rss = psutil.Process().memory_info().rss
+        #: The memory check's weights (the adapters' slots included).
+        self.weights = self.llm.collective_rpc("get_memory_estimate")[
+            0].weights
+
+    def info(self) -> dict:
+        return dict(start_s=self.start_s, rss_gib=self.rss / 2**30,
+                    estimated_weights_gib=self.weights / 2**30)
+
+    def generate(self, prompts: list[list[int]], new_tokens: int,
+                 adapters: list) -> dict:
+        """Seconds for ``prompts`` (each on its adapter, (name, id, path)
+        or None), their ids and the compilations it caused."""
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.lora.request import LoRARequest
+        loras = [LoRARequest(*a) if a else None for a in adapters]
+        before = compile_count()
+        start = time.perf_counter()
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            SamplingParams(max_tokens=new_tokens, temperature=0,
+                           ignore_eos=True),
+            lora_request=loras if any(loras) else None, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        return dict(seconds=seconds,
+                    ids=[list(o.outputs[0].token_ids) for o in outs],
+                    compiles=compile_count() - before)
+
+    def add(self, adapter: tuple) -> float:
+        from vllm.lora.request import LoRARequest
+        start = time.perf_counter()
+        assert self.llm.llm_engine.add_lora(LoRARequest(*adapter))
+        return time.perf_counter() - start
+
+
+def write_adapters(model: str, root: Path, rank: int) -> list[tuple]:
+    """SLOTS + 1 adapters of ``model``: (name, id, folder) each."""
+    from spyre_support.tiny_lora import write_random_adapter
+    out = []
+    for i in range(1, SLOTS + 2):
+        folder = write_random_adapter(Path(model), root / f"adapter{i}",
+                                      seed=i, rank=rank)
+        out.append((f"adapter{i}", i, str(folder)))
+    return out
+
+
+def decode_rate(child: Child, prompts, new_tokens: int, adapters,
+                reps: int) -> dict:
+    """Median decode tokens/s of ``prompts`` over ``reps`` repetitions
+    (G tokens against 1), and the compilations during them."""
+    rates, compiles = [], 0
+    for _ in range(reps):
+        full = child.call("generate", prompts, new_tokens, adapters)
+        first = child.call("generate", prompts, 1, adapters)
+        compiles += full["compiles"] + first["compiles"]
+        decode_s = full["seconds"] - first["seconds"]
+        rates.append(len(prompts) * (new_tokens - 1) / decode_s)
+    return dict(tok_s=statistics.median(rates), compiles=compiles)
+
+
+def main() -> int:
+    ap = benchmark_parser(__doc__, backend=True)
+    add_shape_options(ap)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--repetitions", type=int, default=3)
+    ap.add_argument("--dtype", default="float32")
+    add_json_option(ap, "lora.json")
+    args = ap.parse_args()
+    sizes = parse_ints(args.batch_sizes)
+    largest = max(sizes)
+    ids = text_ids(args.model)
+    env = cb_env(args.backend)
+    base_args = dict(model_impl="vllm", dtype=args.dtype,
+                     max_num_seqs=largest,
+                     max_model_len=cb_max_model_len(args.prompt_len,
+                                                    args.new_tokens))
+    lora_args = dict(base_args, enable_lora=True, max_loras=SLOTS,
+                     max_lora_rank=args.rank, max_cpu_loras=SLOTS + 1)
+    root = Path(tempfile.mkdtemp(prefix="lora-bench-"))
+    rows, result = [], dict(args=vars(args), machine=machine_info())
+    compiles = 0
+    try:
+        print(f"[adapters] writing {SLOTS + 1} of rank {args.rank} ...",
+              flush=True)
+        adapters = write_adapters(args.model, root, args.rank)
+        runs = {}
+        for name, engine_args in (("base", base_args), ("lora", lora_args)):
+            print(f"[{name}] starting ...", flush=True)
+            child = Child(name, Runner, args.model, engine_args, env=env)
+            try:
+                result[name] = child.result()
+                for b in sizes:
+                    prompts = build_prompts(ids, b, args.prompt_len)
+                    plans = {"none": [None] * b}
+                    if name == "lora":
+                        plans = {"one adapter": [adapters[0]] * b}
+                        if b == largest and b > 1:
+                            plans[f"{SLOTS} adapters"] = [
+                                adapters[i % SLOTS] for i in range(b)]
+                    for plan, rows_adapters in plans.items():
+                        # Warm: loads the adapters, runs every graph.
+                        child.call("generate", prompts, 2, rows_adapters)
+                        run = decode_rate(child, prompts, args.new_tokens,
+                                          rows_adapters, args.repetitions)
+                        runs[(name, b, plan)] = run
+                        compiles += run["compiles"]
+                if name == "lora":
+                    result["add_adapter_s"] = child.call("add", adapters[-1])
+            finally:
+                child.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    for (name, b, plan), run in runs.items():
+        base = runs.get(("base", b, "none"))
+        ratio = (base["tok_s"] / run["tok_s"]
+                 if base and name == "lora" else None)
+        rows.append([name, b, plan, f"{run['tok_s']:.1f}",
+                     f"{ratio:.2f}x" if ratio else ""])
+        result.setdefault("runs", []).append(dict(
+            engine=name, batch=b, adapters=plan, decode_tok_s=run["tok_s"],
+            step_over_base=ratio))
+    result["compiles"] = compiles
+    write_json(args.json, result)
+    print(f"\nmodel {Path(args.model).name} ({args.dtype}), backend "
+          f"{args.backend}, continuous batching, rank {args.rank} adapters "
+          f"on every projection, P={args.prompt_len} G={args.new_tokens}, "
+          f"{cores()} cores")
+    print(table(["engine", "B", "adapters", "decode tok/s",
+                 "step / base step"], rows))
+    base, lora = result["base"], result["lora"]
+    grew = lora["rss_gib"] - base["rss_gib"]
+    counted = lora["estimated_weights_gib"] - base["estimated_weights_gib"]
+    result["adapters_gib"] = dict(measured=grew, counted=counted)
+    print(f"\nresident after warm-up: base {base['rss_gib']:.3f} GiB, "
+          f"lora {lora['rss_gib']:.3f} GiB (+{grew:.3f}); the memory check "
+          f"counts the adapters as {counted:.3f} GiB "
+          f"({counted / grew if grew > 0 else float('nan'):.2f}x the "
+          f"growth); loading a new adapter while serving: "
+          f"{result['add_adapter_s']:.3f} s")
+    return 1 if compiled_in_timed_runs(compiles) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
