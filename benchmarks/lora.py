@@ -19,8 +19,9 @@ its rows.  Reported: decode tokens/s, and the LoRA step's time over the
 base step's (the target: at most 1.3x at batch 8 with rank-16 adapters).
 Then the LoRA engine loads a fifth adapter (``LLMEngine.add_lora``: read,
 checked, copied into a slot), timed; resident memory of both engines after
-warm-up, and the adapters' bytes as the up-front memory check counts
-them against the growth measured.  Any compilation during the timed runs
+warm-up and at the end (the LoRA engine then holding its five adapters
+and its slots), and the adapters' bytes as the up-front memory check
+counts them against the growth measured at the end.  Any compilation during the timed runs
 fails the run.
 
     python benchmarks/lora.py [--model DIR] [--backend inductor]
@@ -83,6 +84,10 @@ class Runner:
         return dict(seconds=seconds,
                     ids=[list(o.outputs[0].token_ids) for o in outs],
                     compiles=compile_count() - before)
+
+    def rss_gib(self) -> float:
+        import psutil
+        return psutil.Process().memory_info().rss / 2**30
 
     def add(self, adapter: tuple) -> float:
         from vllm.lora.request import LoRARequest
@@ -165,6 +170,8 @@ def main() -> int:
                         compiles += run["compiles"]
                 if name == "lora":
                     result["add_adapter_s"] = child.call("add", adapters[-1])
+                # After every run: the LoRA engine holds all its adapters.
+                result[name]["end_rss_gib"] = child.call("rss_gib")
             finally:
                 child.close()
     finally:
@@ -188,11 +195,13 @@ def main() -> int:
     print(table(["engine", "B", "adapters", "decode tok/s",
                  "step / base step"], rows))
     base, lora = result["base"], result["lora"]
-    grew = lora["rss_gib"] - base["rss_gib"]
+    grew = lora["end_rss_gib"] - base["end_rss_gib"]
     counted = lora["estimated_weights_gib"] - base["estimated_weights_gib"]
     result["adapters_gib"] = dict(measured=grew, counted=counted)
     print(f"\nresident after warm-up: base {base['rss_gib']:.3f} GiB, "
-          f"lora {lora['rss_gib']:.3f} GiB (+{grew:.3f}); the memory check "
+          f"lora {lora['rss_gib']:.3f} GiB; at the end (every adapter "
+          f"loaded): base {base['end_rss_gib']:.3f} GiB, lora "
+          f"{lora['end_rss_gib']:.3f} GiB (+{grew:.3f}); the memory check "
           f"counts the adapters as {counted:.3f} GiB "
           f"({counted / grew if grew > 0 else float('nan'):.2f}x the "
           f"growth); loading a new adapter while serving: "

@@ -19,8 +19,9 @@ other external kernel:
   (``elementwise.cpp``): a decoder's norms and rotary embedding in one
   pass each, for ``eager``, which has no compiler to fuse them
   (``vllm.model_executor.layers.spyre_fused_ops``);
-* ``spyre_kernels::lora_delta`` (``lora.cpp``): the LoRA adapters'
-  products of a step's rows, each row on its own adapter
+* ``spyre_kernels::lora_add_`` (``lora.cpp``): the LoRA adapters'
+  products of a step's rows added to a layer's output, each row on its own
+  adapter
   (``vllm.lora.punica_wrapper.spyre_punica``).
 
 The five files share ``simd.h``: the vector width and types, and the
@@ -140,7 +141,7 @@ def _load() -> bool:
     torch.library.register_fake(f"{LIBRARY}::quant_linear")(_fake_quant)
     torch.library.register_fake(f"{LIBRARY}::rms_norm")(_fake_rms_norm)
     torch.library.register_fake(f"{LIBRARY}::rotary_qk")(_fake_rotary_qk)
-    torch.library.register_fake(f"{LIBRARY}::lora_delta")(_fake_lora_delta)
+    torch.library.register_fake(f"{LIBRARY}::lora_add_")(_fake_lora_add)
     logger.info("Loaded the native CPU kernels in %.1f s",
                 time.perf_counter() - start)
     return True
@@ -194,7 +195,7 @@ def _fake_rotary_qk(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor,
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
-def _fake_lora_delta(input: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                     slots: torch.Tensor, scale: float) -> torch.Tensor:
-    rows = input.numel() // input.shape[-1]
-    return input.new_empty((rows, b.shape[-2]), dtype=torch.float32)
+def _fake_lora_add(out: torch.Tensor, input: torch.Tensor, a: list,
+                   b: list, slots: torch.Tensor, scale: float,
+                   widths: list) -> None:
+    return None

@@ -67,4 +67,28 @@ inline void check_bias(const char* op, const at::Tensor& bias,
               " for ", out_features, " outputs");
 }
 
+// One step of a transposed lane sum.  a and b hold partial sums of W-lane
+// groups of some tokens each, laid out in blocks of W lanes; the result
+// holds the tokens of both, each token's partials halved in number.
+template <int W>
+[[gnu::always_inline]] inline vfloat_u fold(vfloat_u a, vfloat_u b) {
+  vint take_low, take_high;
+  for (int l = 0; l < kLanes; ++l) {
+    const int j = l % (2 * W);
+    take_low[l] = j < W ? l : kLanes + l - W;
+    take_high[l] = j < W ? l + W : kLanes + l;
+  }
+  return __builtin_shuffle(a, b, take_low) +
+         __builtin_shuffle(a, b, take_high);
+}
+
+// Lane t of the result is the sum of the lanes of acc[t], t < 16.
+[[gnu::always_inline]] inline vfloat_u transpose_sum(const vfloat_u* acc) {
+  vfloat_u l1[8], l2[4], l3[2];
+  for (int t = 0; t < 8; ++t) l1[t] = fold<1>(acc[2 * t], acc[2 * t + 1]);
+  for (int t = 0; t < 4; ++t) l2[t] = fold<2>(l1[2 * t], l1[2 * t + 1]);
+  for (int t = 0; t < 2; ++t) l3[t] = fold<4>(l2[2 * t], l2[2 * t + 1]);
+  return fold<8>(l3[0], l3[1]);
+}
+
 }  // namespace spyre_kernels

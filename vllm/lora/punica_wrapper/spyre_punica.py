@@ -21,12 +21,12 @@ index per token (-1: no adapter).  For ``T`` tokens, ``S`` slots and rank
 stacked adapters every LoRA layer holds, so a step runs two small products
 per projection for all its rows, whatever adapters they use (the punica
 shrink and expand, batched over the slots).  Where the model runs on the
-project's C++ kernels, one op does the same per projection
-(``spyre_kernels::lora_delta``): each row multiplied by its own slot's
-matrices only, in two threaded passes, and inductor has one external call
-to place per projection instead of a dozen small ops to fuse (the LoRA
-layers of a 30-layer model would otherwise add thousands of nodes to
-every graph, and minutes to its compilation).  Slots and ranks are fixed at
+project's C++ kernels, one op per layer adds every slice's product to the
+base layer's output in place (``spyre_kernels::lora_add_``): each row
+multiplied by its own slot's matrices only, in two threaded passes, and a
+step's LoRA costs one call per layer, where the ops above are a dozen per
+slice (in eager, each one a call; in inductor, thousands of nodes more in
+every graph of a 30-layer model, and minutes more to compile it).  Slots and ranks are fixed at
 start-up (``--max-loras``, ``--max-lora-rank``): loading or removing an
 adapter copies into the stacked tensors in place, and the graphs compiled
 at warm-up serve every mix of adapters.
@@ -41,20 +41,13 @@ from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
 
 
 def _add_masked(y: torch.Tensor, x: torch.Tensor, a: Optional[torch.Tensor],
-                b: torch.Tensor, slots: torch.Tensor, scale: float,
-                native: bool = False) -> None:
+                b: torch.Tensor, slots: torch.Tensor, scale: float) -> None:
     """``y[t] += scale * x[t] @ a[slot[t]]^T @ b[slot[t]]^T`` for every
     token ``t`` with ``slot[t] >= 0``; ``a`` None: ``x`` is already the
     shrunk ``[T, r]`` product (the embedding's).  ``a``: ``[S, 1, r, in]``
     (or ``[S, r, in]``), ``b``: ``[S, 1, out, r]``; ``y``: ``[T, out']``
     with ``out' <= out`` (padding of the adapter's vocabulary)."""
     tokens = x.shape[0]
-    if native and a is not None:
-        delta = torch.ops.spyre_kernels.lora_delta(x, a, b, slots[:tokens],
-                                                   scale)
-        width = min(delta.shape[-1], y.shape[-1])
-        y[:, :width] += delta[:, :width].to(y.dtype)
-        return
     b = b.reshape(b.shape[0], b.shape[-2], b.shape[-1])
     n_slots, out, rank = b.shape
     dtype = torch.float32
@@ -124,11 +117,17 @@ class PunicaWrapperSpyre(PunicaWrapperBase):
         flat_y = y.view(-1, y.shape[-1])
         flat_x = x.view(-1, x.shape[-1])
         slots = self._token_lora_indices
+        if self.native:
+            torch.ops.spyre_kernels.lora_add_(flat_y, flat_x,
+                                              list(lora_a_stacked),
+                                              list(lora_b_stacked), slots,
+                                              scale, list(output_slices))
+            return
         offset = 0
         for a, b, width in zip(lora_a_stacked, lora_b_stacked,
                                output_slices):
             _add_masked(flat_y[:, offset:offset + width], flat_x, a, b,
-                        slots, scale, self.native)
+                        slots, scale)
             offset += width
 
     def add_lora_embedding(self, y: torch.Tensor, x: torch.Tensor,
@@ -145,6 +144,11 @@ class PunicaWrapperSpyre(PunicaWrapperBase):
                         ) -> None:
         """The output head's adapter product, one slot per row (run after
         the graph, on the rows whose logits are computed)."""
-        _add_masked(y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1]),
-                    lora_a_stacked, lora_b_stacked, self.sampler_indices,
-                    scale, self.native)
+        flat_y, flat_x = y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1])
+        if self.native:
+            torch.ops.spyre_kernels.lora_add_(
+                flat_y, flat_x, [lora_a_stacked], [lora_b_stacked],
+                self._sampler_indices, scale, [flat_y.shape[-1]])
+            return
+        _add_masked(flat_y, flat_x, lora_a_stacked, lora_b_stacked,
+                    self.sampler_indices, scale)
