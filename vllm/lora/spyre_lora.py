@@ -109,6 +109,8 @@ class SpyreLoRA:
         lora_config = vllm_config.lora_config
         assert lora_config is not None
         self.max_loras = lora_config.max_loras
+        #: The adapters and lora id of the sequence ``one_sequence`` named.
+        self._sequence: tuple = ((), 0)
         #: The stacked tensors' geometry, which the graphs are built for.
         self.slots = (lora_config.max_loras, lora_config.max_lora_rank)
         scheduler_config = vllm_config.scheduler_config
@@ -140,9 +142,17 @@ class SpyreLoRA:
 
     def one_sequence(self, adapters: Iterable[LoRARequest], lora_id: int,
                      length: int) -> None:
-        """The next forward and logits: one sequence of ``length`` tokens
-        run whole (prompt log-probabilities), on adapter ``lora_id``."""
+        """The next forward: one sequence of ``length`` tokens run whole
+        (prompt log-probabilities), on adapter ``lora_id``; its logits
+        follow, ``sequence_rows`` before each call."""
+        self._sequence = (tuple(adapters), lora_id)
         self._set(adapters, (lora_id, ) * length, 1)
+
+    def sequence_rows(self, rows: int) -> None:
+        """The next logits: ``rows`` positions of the sequence
+        ``one_sequence`` named."""
+        adapters, lora_id = self._sequence
+        self._set(adapters, (lora_id, ) * rows, 1)
 
     def _set(self, adapters: Iterable[LoRARequest], ids: tuple[int, ...],
              length: int) -> None:

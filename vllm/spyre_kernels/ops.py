@@ -195,7 +195,7 @@ def _fake_rotary_qk(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor,
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
-def _fake_lora_add(out: torch.Tensor, input: torch.Tensor, a: list,
-                   b: list, slots: torch.Tensor, scale: float,
-                   widths: list) -> None:
+def _fake_lora_add(out: torch.Tensor, input: torch.Tensor, a: torch.Tensor,
+                   b: torch.Tensor, slots: torch.Tensor, scale: float,
+                   offset: int, width: int) -> None:
     return None

@@ -381,8 +381,8 @@ def lora_slot_elements(geometry: Geometry, rank: int,
     rank's share of a row-parallel one's) and B (``[out, r]``, the
     converse) of q, k, v, o, gate, up and down; the token embedding's A
     over the vocabulary and its added tokens, and B; the output head's A,
-    its B over the vocabulary padded to ``vocab_padding``, and the added
-    tokens' embeddings."""
+    its B over the same padded to ``vocab_padding``; and the embeddings of
+    the added tokens, held by the embedding and by the head."""
     g = geometry
     q, kv = g.heads * g.head_size, g.kv_heads * g.head_size
     per_layer = (3 * g.hidden + q + 2 * kv  # q, k, v
@@ -390,23 +390,28 @@ def lora_slot_elements(geometry: Geometry, rank: int,
                  + 2 * (g.hidden + g.intermediate)  # gate, up
                  + g.intermediate + g.hidden)  # down
     embedding = g.vocab + extra_vocab + g.hidden
-    padded_vocab = -(-g.vocab // vocab_padding) * vocab_padding
+    padded_vocab = -(-(g.vocab + extra_vocab) // vocab_padding) * \
+        vocab_padding
     head = g.hidden + padded_vocab
     return (rank * (g.layers * per_layer + embedding + head) +
-            extra_vocab * g.hidden)
+            2 * extra_vocab * g.hidden)
 
 
 def lora_bytes(geometry: Geometry, lora_config) -> int:
     """Bytes of LoRA adapters on this rank (``--enable-lora``): the
-    ``--max-loras`` slots the layers hold, and the adapters kept in memory
-    besides (``--max-cpu-loras``), each counted at ``--max-lora-rank``."""
+    ``--max-loras`` slots the layers hold, the adapters kept in memory
+    besides (``--max-cpu-loras``), each counted at ``--max-lora-rank``,
+    and the rows of the added tokens in the model's own embedding and
+    head (vLLM's model classes grow both by ``--lora-extra-vocab-size``
+    under LoRA)."""
     if lora_config is None:
         return 0
     kept = lora_config.max_loras + (lora_config.max_cpu_loras or
                                     lora_config.max_loras)
-    return kept * geometry.item * lora_slot_elements(
-        geometry, lora_config.max_lora_rank,
-        lora_config.lora_extra_vocab_size)
+    extra = lora_config.lora_extra_vocab_size
+    grown = 2 * extra * geometry.hidden * geometry.item  # embedding, head
+    return grown + kept * geometry.item * lora_slot_elements(
+        geometry, lora_config.max_lora_rank, extra)
 
 
 def ranks_on_this_machine(world_size: int) -> int:

@@ -176,6 +176,8 @@ class VllmModelCode(ModelCode):
 
     def prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """vLLM's logits (head, gather, logit scale)."""
+        if self.lora is not None:
+            self.lora.sequence_rows(hidden.shape[1])
         return self.vllm_model.compute_logits(hidden[0], None).float()
 
     def update_weights_in_place(self, state_dict, frozen: bool) -> int:
