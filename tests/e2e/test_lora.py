@@ -16,7 +16,9 @@ of each is transformers running it merged into the base model
   (one prompt on every adapter: no adapter reads another's cached
   blocks, and a repeat is served from the cache).
 * Adapters added, evicted (``--max-cpu-loras``) and removed while
-  serving, nothing compiled.
+  serving, nothing compiled; tensor parallel over 2 ranks; ``inductor``'s
+  graphs with adapters loaded from the graph cache at the next start; the
+  memory check's count of the slots against what the layers hold.
 * Refusals: an adapter above ``--max-lora-rank``, one trained for another
   base model, one carrying the base model's embedding and head, a
   missing folder and a corrupt file are refused when their
@@ -300,3 +302,24 @@ def test_tensor_parallel_2_equals_merged_transformers(
                   tensor_parallel_size=2) as llm:
         got = generate(llm, adapters, REQUESTS)
     assert got == [want(p, m, a) for p, m, a in REQUESTS]
+
+
+def test_graphs_with_adapters_come_from_the_graph_cache(
+        tiny_llama, adapters, want, tmp_path):
+    """``inductor`` with the graph cache on: the second start loads every
+    graph the first compiled (the adapters' tensors are graph inputs), and
+    both serve every row on its adapter."""
+    env, kwargs = mode_env("cb", "inductor", [64], [12], [4], 128,
+                           dict(LORA_ARGS))
+    env = dict(env, TORCH_SENDNN_CACHE_ENABLE="1",
+               TORCH_SENDNN_CACHE_DIR=str(tmp_path / "graphs"))
+    stats = []
+    for _ in range(2):
+        with spyre_llm(tiny_llama, env, **kwargs) as llm:
+            (cache, ) = llm.collective_rpc("get_graph_cache_stats")
+            stats.append(cache)
+            assert generate(llm, adapters, REQUESTS) == \
+                [want(p, m, a) for p, m, a in REQUESTS]
+    assert stats[0].get("compiled", 0) > 0
+    assert stats[1].get("loaded", 0) == stats[0]["compiled"]
+    assert stats[1].get("compiled", 0) == 0
