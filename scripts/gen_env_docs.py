@@ -96,7 +96,8 @@ names the variable, its value and the rule.
 Start-up also refuses what the Spyre backend does not support yet, with a
 `NotImplementedError`: pipeline parallelism, runners other than text
 generation and pooling, pooling models of an architecture with no FMS
-encoder ([embeddings.md](embeddings.md)), LoRA, speculative decoding, and
+encoder ([embeddings.md](embeddings.md)), LoRA outside vLLM's model code
+on the CPU backends ([lora.md](lora.md)), speculative decoding, and
 prefix caching under static batching. A card count from
 `AIU_WORLD_SIZE` or `SPYRE_DEVICES` must agree with
 `--tensor-parallel-size` and split the model's heads

@@ -11,7 +11,7 @@ from vllm.compilation import spyre_graph_cache as gc
 REPO = Path(__file__).resolve().parents[2]
 VLLM = REPO / "vllm"
 #: Folders whose Spyre files are model code, kernels or compile set-up.
-CODE_FOLDERS = ("attention", "compilation", "model_executor",
+CODE_FOLDERS = ("attention", "compilation", "lora", "model_executor",
                 "spyre_kernels")
 SUFFIXES = (".py", ".cpp", ".h")
 

@@ -72,6 +72,10 @@ GRAPH_CODE = (
     "spyre_kernels/quant.cpp",
     "spyre_kernels/attention.cpp",
     "spyre_kernels/elementwise.cpp",
+    "spyre_kernels/lora.cpp",
+    # LoRA layers' products in the graphs, and the adapter slots.
+    "lora/punica_wrapper/spyre_punica.py",
+    "lora/spyre_lora.py",
     # Attention.
     "attention/backends/spyre_attn.py",
     "attention/ops/spyre_encoder_attention.py",

@@ -1,20 +1,23 @@
 // The adapters' products of a LoRA layer over the rows of one forward
 // (vllm/lora/punica_wrapper/spyre_punica.py), added to the base layer's
-// output in place, one slice at a time (q, k and v of a fused projection
-// are three):
+// output in place, every slice of the layer in one call (q, k and v of a
+// fused projection are three; gate and up two):
 //
-// lora_add_(out [T, N], input [T, in], a [S, (1,) r, in],
-//           b [S, (1,) n, r], slots [T] int64, scale, offset, width)
+// lora_add_(out [T, N], input [T, in], a0 [S, (1,) r, in],
+//           b0 [S, (1,) n0, r], a1?, b1?, a2?, b2?, slots [T] int64,
+//           scale, width0, width1, width2)
 //
-//   out[t, offset + j] += scale * (b[s] @ (a[s] @ input[t]))[j]
+//   out[t, o_i + j] += scale * (b_i[s] @ (a_i[s] @ input[t]))[j]
 //
-// for j < min(width, n) and s = slots[t] >= 0; rows with s < 0 (no
+// for each slice i at column offset o_i (width0 + ... + width_{i-1}),
+// j < min(width_i, n_i), and s = slots[t] >= 0; rows with s < 0 (no
 // adapter) are left as they are.  `a` and `b` are the stacked matrices of
 // every adapter slot that vLLM's LoRA layers hold (S slots of rank r, a
 // smaller adapter's rows and columns zero); each row reads only its own
-// slot's: T * r * (in + n) products, whatever the other slots hold.  Its
-// arguments are plain tensors and numbers, so that inductor's C++ wrapper
-// calls it as it calls the linear kernels.
+// slot's: T * r * (in + n) products, whatever the other slots hold.  One
+// call per layer, and its arguments plain (optional) tensors and numbers,
+// so that inductor's C++ wrapper calls it as it calls the linear kernels
+// (a list argument costs it minutes of compiling per graph).
 //
 // Two passes, each split over the threads (where the work is worth a
 // fork): the shrink (each row's r values, a dot product over `in` each,
@@ -31,6 +34,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 
 #include "simd.h"
 
@@ -126,29 +130,15 @@ void run_slice(const float* x, const W* a, const W* b, const int64_t* slots,
   });
 }
 
-void lora_add_(const at::Tensor& out, const at::Tensor& input,
+// One slice: out[:, offset : offset + width] += its product.
+void add_slice(const at::Tensor& out, const at::Tensor& x,
                const at::Tensor& a_stacked, const at::Tensor& b_stacked,
-               const at::Tensor& slots, double scale, int64_t offset,
+               const int64_t* slots, float scale, int64_t offset,
                int64_t width) {
-  TORCH_CHECK(float_or_bf16(input.scalar_type()) &&
-                  float_or_bf16(out.scalar_type()),
-              "lora_add_: the input and the output must be float32 or "
-              "bfloat16");
+  const int64_t T = x.size(0), in = x.size(1);
   const at::ScalarType w = a_stacked.scalar_type();
   TORCH_CHECK(float_or_bf16(w) && b_stacked.scalar_type() == w,
               "lora_add_: a and b must both be float32 or both bfloat16");
-  TORCH_CHECK(slots.scalar_type() == at::kLong,
-              "lora_add_: slots must be int64");
-  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1,
-              "lora_add_: the output must be [rows, columns], its columns "
-              "adjacent");
-  const int64_t in = input.size(-1);
-  const at::Tensor x = input.reshape({-1, in}).to(at::kFloat).contiguous();
-  const int64_t T = x.size(0);
-  TORCH_CHECK(out.size(0) == T, "lora_add_: ", out.size(0),
-              " output rows for ", T, " input rows");
-  TORCH_CHECK(slots.numel() >= T, "lora_add_: ", slots.numel(),
-              " slots for ", T, " rows");
   const int64_t S = a_stacked.size(0);
   const at::Tensor a =
       a_stacked.reshape({S, -1, a_stacked.size(-1)}).contiguous();
@@ -164,9 +154,6 @@ void lora_add_(const at::Tensor& out, const at::Tensor& input,
   TORCH_CHECK(offset >= 0 && offset + width <= out.size(1),
               "lora_add_: columns ", offset, " to ", offset + width,
               " of an output of ", out.size(1));
-  const at::Tensor sl = slots.contiguous();
-  const int64_t* sp = sl.data_ptr<int64_t>();
-  const float sc = static_cast<float>(scale);
   at::Tensor h = at::empty({T, R}, x.options());
   const float* xp = x.data_ptr<float>();
   float* hp = h.data_ptr<float>();
@@ -174,26 +161,65 @@ void lora_add_(const at::Tensor& out, const at::Tensor& input,
   const bool wf = w == at::kFloat, yf = out.scalar_type() == at::kFloat;
   using BF = c10::BFloat16;
   if (wf && yf) {
-    run_slice(xp, a.data_ptr<float>(), b.data_ptr<float>(), sp, sc, T, S, R,
-              in, n, width, hp, out.data_ptr<float>() + offset, ys);
+    run_slice(xp, a.data_ptr<float>(), b.data_ptr<float>(), slots, scale, T,
+              S, R, in, n, width, hp, out.data_ptr<float>() + offset, ys);
   } else if (wf) {
-    run_slice(xp, a.data_ptr<float>(), b.data_ptr<float>(), sp, sc, T, S, R,
-              in, n, width, hp, out.data_ptr<BF>() + offset, ys);
+    run_slice(xp, a.data_ptr<float>(), b.data_ptr<float>(), slots, scale, T,
+              S, R, in, n, width, hp, out.data_ptr<BF>() + offset, ys);
   } else if (yf) {
-    run_slice(xp, a.data_ptr<BF>(), b.data_ptr<BF>(), sp, sc, T, S, R, in, n,
-              width, hp, out.data_ptr<float>() + offset, ys);
+    run_slice(xp, a.data_ptr<BF>(), b.data_ptr<BF>(), slots, scale, T, S, R,
+              in, n, width, hp, out.data_ptr<float>() + offset, ys);
   } else {
-    run_slice(xp, a.data_ptr<BF>(), b.data_ptr<BF>(), sp, sc, T, S, R, in, n,
-              width, hp, out.data_ptr<BF>() + offset, ys);
+    run_slice(xp, a.data_ptr<BF>(), b.data_ptr<BF>(), slots, scale, T, S, R,
+              in, n, width, hp, out.data_ptr<BF>() + offset, ys);
   }
+}
+
+// Up to three slices of one layer (q, k and v of a fused projection), at
+// adjacent columns from 0: the first `width0`, then `width1`, `width2`.
+void lora_add_(const at::Tensor& out, const at::Tensor& input,
+               const at::Tensor& a0, const at::Tensor& b0,
+               const std::optional<at::Tensor>& a1,
+               const std::optional<at::Tensor>& b1,
+               const std::optional<at::Tensor>& a2,
+               const std::optional<at::Tensor>& b2, const at::Tensor& slots,
+               double scale, int64_t width0, int64_t width1,
+               int64_t width2) {
+  TORCH_CHECK(float_or_bf16(input.scalar_type()) &&
+                  float_or_bf16(out.scalar_type()),
+              "lora_add_: the input and the output must be float32 or "
+              "bfloat16");
+  TORCH_CHECK(slots.scalar_type() == at::kLong,
+              "lora_add_: slots must be int64");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1,
+              "lora_add_: the output must be [rows, columns], its columns "
+              "adjacent");
+  TORCH_CHECK(a1.has_value() == b1.has_value() &&
+                  a2.has_value() == b2.has_value() &&
+                  (a1.has_value() || !a2.has_value()),
+              "lora_add_: each slice needs its a and its b, in order");
+  const int64_t in = input.size(-1);
+  const at::Tensor x = input.reshape({-1, in}).to(at::kFloat).contiguous();
+  TORCH_CHECK(out.size(0) == x.size(0), "lora_add_: ", out.size(0),
+              " output rows for ", x.size(0), " input rows");
+  TORCH_CHECK(slots.numel() >= x.size(0), "lora_add_: ", slots.numel(),
+              " slots for ", x.size(0), " rows");
+  const at::Tensor sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scale);
+  add_slice(out, x, a0, b0, sp, sc, 0, width0);
+  if (a1.has_value()) add_slice(out, x, *a1, *b1, sp, sc, width0, width1);
+  if (a2.has_value())
+    add_slice(out, x, *a2, *b2, sp, sc, width0 + width1, width2);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(spyre_kernels, m) {
   m.def(
-      "lora_add_(Tensor(a!) out, Tensor input, Tensor a, Tensor b, "
-      "Tensor slots, float scale, int offset, int width) -> ()");
+      "lora_add_(Tensor(a!) out, Tensor input, Tensor a0, Tensor b0, "
+      "Tensor? a1, Tensor? b1, Tensor? a2, Tensor? b2, Tensor slots, "
+      "float scale, int width0, int width1, int width2) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(spyre_kernels, CPU, m) {

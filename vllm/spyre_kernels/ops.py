@@ -195,7 +195,10 @@ def _fake_rotary_qk(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor,
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
-def _fake_lora_add(out: torch.Tensor, input: torch.Tensor, a: torch.Tensor,
-                   b: torch.Tensor, slots: torch.Tensor, scale: float,
-                   offset: int, width: int) -> None:
+def _fake_lora_add(out: torch.Tensor, input: torch.Tensor, a0: torch.Tensor,
+                   b0: torch.Tensor, a1: Optional[torch.Tensor],
+                   b1: Optional[torch.Tensor], a2: Optional[torch.Tensor],
+                   b2: Optional[torch.Tensor], slots: torch.Tensor,
+                   scale: float, width0: int, width1: int,
+                   width2: int) -> None:
     return None

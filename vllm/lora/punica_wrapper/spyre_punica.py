@@ -21,8 +21,8 @@ index per token (-1: no adapter).  For ``T`` tokens, ``S`` slots and rank
 stacked adapters every LoRA layer holds, so a step runs two small products
 per projection for all its rows, whatever adapters they use (the punica
 shrink and expand, batched over the slots).  Where the model runs on the
-project's C++ kernels, one op per slice adds its product to the base
-layer's output in place (``spyre_kernels::lora_add_``): each row
+project's C++ kernels, one op per layer adds every slice's product to the
+base layer's output in place (``spyre_kernels::lora_add_``): each row
 multiplied by its own slot's matrices only, in two threaded passes, where
 the ops above are a dozen per slice (in eager, each one a call; in
 inductor, thousands of nodes more in every graph of a 30-layer model, and
@@ -117,15 +117,20 @@ class PunicaWrapperSpyre(PunicaWrapperBase):
         flat_y = y.view(-1, y.shape[-1])
         flat_x = x.view(-1, x.shape[-1])
         slots = self._token_lora_indices
+        if self.native and len(output_slices) <= 3:
+            pairs: list = []
+            for a, b in zip(lora_a_stacked, lora_b_stacked):
+                pairs += [a, b]
+            pairs += [None] * (6 - len(pairs))
+            widths = list(output_slices) + [0] * (3 - len(output_slices))
+            torch.ops.spyre_kernels.lora_add_(flat_y, flat_x, *pairs, slots,
+                                              scale, *widths)
+            return
         offset = 0
         for a, b, width in zip(lora_a_stacked, lora_b_stacked,
                                output_slices):
-            if self.native:
-                torch.ops.spyre_kernels.lora_add_(flat_y, flat_x, a, b, slots,
-                                                  scale, offset, width)
-            else:
-                _add_masked(flat_y[:, offset:offset + width], flat_x, a, b,
-                            slots, scale)
+            _add_masked(flat_y[:, offset:offset + width], flat_x, a, b,
+                        slots, scale)
             offset += width
 
     def add_lora_embedding(self, y: torch.Tensor, x: torch.Tensor,
@@ -145,8 +150,9 @@ class PunicaWrapperSpyre(PunicaWrapperBase):
         flat_y, flat_x = y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1])
         if self.native:
             torch.ops.spyre_kernels.lora_add_(
-                flat_y, flat_x, lora_a_stacked, lora_b_stacked,
-                self._sampler_indices, scale, 0, flat_y.shape[-1])
+                flat_y, flat_x, lora_a_stacked, lora_b_stacked, None, None,
+                None, None, self._sampler_indices, scale, flat_y.shape[-1],
+                0, 0)
             return
         _add_masked(flat_y, flat_x, lora_a_stacked, lora_b_stacked,
                     self.sampler_indices, scale)
