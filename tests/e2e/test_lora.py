@@ -243,7 +243,7 @@ def lora_memory(worker) -> dict:
                     held += t.numel() * t.element_size()
     _, geometry = worker._memory_parts()
     config = worker.lora_config
-    counted = config.max_loras * geometry.item * \
+    counted = config.max_loras * spyre_memory.lora_item(config, geometry) * \
         spyre_memory.lora_slot_elements(geometry, config.max_lora_rank,
                                         config.lora_extra_vocab_size)
     return dict(held=held, counted=counted)

@@ -272,3 +272,22 @@ def test_hybrid_state_slots_are_counted():
                            True)
     assert sm.cb_estimate(0, 0, hybrid, 5, 64, 300, 16, "eager", False,
                           True).kv_cache == plain.kv_cache + 1000 * 17
+
+
+def test_lora_adapters_count_at_their_own_dtype():
+    """bfloat16 adapters of a model whose other tensors the CPU holds in
+    float32 take two bytes an element; no LoRA, no bytes."""
+    from types import SimpleNamespace
+
+    def config(dtype):
+        return SimpleNamespace(max_loras=2, max_cpu_loras=3, max_lora_rank=8,
+                               lora_extra_vocab_size=16, lora_dtype=dtype)
+
+    fixed = (sm.LORA_OVERHEAD +
+             2 * 16 * GEOMETRY.hidden * GEOMETRY.item)  # embedding, head
+    slots = 5 * sm.lora_slot_elements(GEOMETRY, 8, 16)
+    assert sm.lora_bytes(GEOMETRY, None) == 0
+    assert sm.lora_bytes(GEOMETRY, config(torch.float32)) == \
+        fixed + 4 * slots
+    assert sm.lora_bytes(GEOMETRY, config(torch.bfloat16)) == \
+        fixed + 2 * slots

@@ -397,21 +397,38 @@ def lora_slot_elements(geometry: Geometry, rank: int,
             2 * extra_vocab * g.hidden)
 
 
+#: What LoRA adds beyond its tensors (vLLM's LoRA modules and layers, their
+#: index buffers): about 48 MiB, the same on SmolLM2 and at Granite 3.3
+#: 2B's shapes (``benchmarks/lora.py``, docs/lora.md).
+LORA_OVERHEAD = 48 * 2**20
+
+
 def lora_bytes(geometry: Geometry, lora_config) -> int:
     """Bytes of LoRA adapters on this rank (``--enable-lora``): the
     ``--max-loras`` slots the layers hold, the adapters kept in memory
     besides (``--max-cpu-loras``), each counted at ``--max-lora-rank``,
-    and the rows of the added tokens in the model's own embedding and
-    head (vLLM's model classes grow both by ``--lora-extra-vocab-size``
-    under LoRA)."""
+    the rows of the added tokens in the model's own embedding and head
+    (vLLM's model classes grow both by ``--lora-extra-vocab-size`` under
+    LoRA), and ``LORA_OVERHEAD``."""
     if lora_config is None:
         return 0
     kept = lora_config.max_loras + (lora_config.max_cpu_loras or
                                     lora_config.max_loras)
     extra = lora_config.lora_extra_vocab_size
     grown = 2 * extra * geometry.hidden * geometry.item  # embedding, head
-    return grown + kept * geometry.item * lora_slot_elements(
-        geometry, lora_config.max_lora_rank, extra)
+    return LORA_OVERHEAD + grown + kept * lora_item(lora_config, geometry) * \
+        lora_slot_elements(geometry, lora_config.max_lora_rank, extra)
+
+
+def lora_item(lora_config, geometry: Geometry) -> int:
+    """Bytes per element of the adapters' tensors: ``--lora-dtype``
+    (vLLM resolves ``auto`` to the dtype served: bfloat16 adapters for a
+    bfloat16 model, whose other tensors the CPU may hold in float32)."""
+    import torch
+    dtype = lora_config.lora_dtype
+    if isinstance(dtype, torch.dtype):
+        return torch.empty((), dtype=dtype).element_size()
+    return geometry.item
 
 
 def ranks_on_this_machine(world_size: int) -> int:
