@@ -6,8 +6,8 @@ continuous batching (``--max-num-seqs`` the largest batch): the base model
 without ``--enable-lora``, and the same with ``--enable-lora --max-loras 4
 --max-lora-rank R``.  Four random rank-R adapters over every projection of
 the model are written in PEFT's layout from the checkpoint's headers
-(``spyre_support.tiny_lora.write_random_adapter``) into a temporary folder
-first.
+(``spyre_support.tiny_lora.write_random_adapter``) into a temporary
+folder first.
 
 For each batch size B: B prompts of P tokens cut from
 benchmarks/data/text.txt, G new tokens each, greedy, EOS ignored, timed
@@ -24,8 +24,8 @@ Then the LoRA engine loads a fifth adapter (``LLMEngine.add_lora``: read,
 checked, copied into a slot), timed; resident memory of both engines after
 warm-up and at the end (the LoRA engine then holding its five adapters
 and its slots), and the adapters' bytes as the up-front memory check
-counts them against the growth measured at the end.  Any compilation during the timed runs
-fails the run.
+counts them against the growth measured at the end.  Any compilation
+during the timed runs fails the run.
 
     python benchmarks/lora.py [--model DIR] [--backend inductor]
         [--rank 16] [--batch-sizes 1,8] [--prompt-len 64]

@@ -227,10 +227,10 @@ def test_prompt_logprobs_run_on_the_adapter(tiny_llama, adapters, mode):
 def lora_memory(worker) -> dict:
     """What a rank's LoRA layers hold (for ``collective_rpc``): the bytes
     of their stacked adapter tensors, and the memory check's count of the
-    same slots (``spyre_memory.lora_slot_elements``)."""
+    same slots (``spyre_lora_memory.lora_slot_elements``)."""
     import torch
 
-    from vllm.worker import spyre_memory
+    from vllm.worker import spyre_lora_memory as memory
     lora = worker.model_runner.model.lora
     held, seen = 0, set()
     for module in lora.manager._adapter_manager.modules.values():
@@ -243,9 +243,9 @@ def lora_memory(worker) -> dict:
                     held += t.numel() * t.element_size()
     _, geometry = worker._memory_parts()
     config = worker.lora_config
-    counted = config.max_loras * spyre_memory.lora_item(config, geometry) * \
-        spyre_memory.lora_slot_elements(geometry, config.max_lora_rank,
-                                        config.lora_extra_vocab_size)
+    counted = config.max_loras * memory.lora_item(config, geometry) * \
+        memory.lora_slot_elements(geometry, config.max_lora_rank,
+                                  config.lora_extra_vocab_size)
     return dict(held=held, counted=counted)
 
 

@@ -283,11 +283,12 @@ def test_lora_adapters_count_at_their_own_dtype():
         return SimpleNamespace(max_loras=2, max_cpu_loras=3, max_lora_rank=8,
                                lora_extra_vocab_size=16, lora_dtype=dtype)
 
-    fixed = (sm.LORA_OVERHEAD +
+    from vllm.worker import spyre_lora_memory as lm
+    fixed = (lm.LORA_OVERHEAD +
              2 * 16 * GEOMETRY.hidden * GEOMETRY.item)  # embedding, head
-    slots = 5 * sm.lora_slot_elements(GEOMETRY, 8, 16)
-    assert sm.lora_bytes(GEOMETRY, None) == 0
-    assert sm.lora_bytes(GEOMETRY, config(torch.float32)) == \
+    slots = 5 * lm.lora_slot_elements(GEOMETRY, 8, 16)
+    assert lm.lora_bytes(GEOMETRY, None) == 0
+    assert lm.lora_bytes(GEOMETRY, config(torch.float32)) == \
         fixed + 4 * slots
-    assert sm.lora_bytes(GEOMETRY, config(torch.bfloat16)) == \
+    assert lm.lora_bytes(GEOMETRY, config(torch.bfloat16)) == \
         fixed + 2 * slots

@@ -29,7 +29,7 @@ from vllm.model_executor.models.spyre_dtypes import (load_dtype,
                                                      stored_dtypes)
 from vllm.platforms import current_platform
 from vllm.sequence import ExecuteModelRequest
-from vllm.worker import spyre_heap, spyre_memory
+from vllm.worker import spyre_heap, spyre_lora_memory, spyre_memory
 from vllm.worker.spyre_runner_base import SpyreRunnerBase
 from vllm.worker.worker_base import (LocalOrDistributedWorkerBase, WorkerBase,
                                      WorkerInput)
@@ -151,8 +151,8 @@ class SpyreWorkerBase(LocalOrDistributedWorkerBase):
         geometry = spyre_memory.geometry_of(self.vllm_config, item, kv_item)
         weights = spyre_memory.weights_of(self.vllm_config, item,
                                           matrix_item)
-        return (weights + spyre_memory.lora_bytes(geometry, self.lora_config),
-                geometry)
+        lora = spyre_lora_memory.lora_bytes(geometry, self.lora_config)
+        return weights + lora, geometry
 
     def reads_linears_narrow(self) -> bool:
         """Whether the checkpoint's linear weights are read straight into
