@@ -49,6 +49,22 @@ class HFReference:
         return new, logprobs
 
 
+def assert_prompt_logprobs_equal(out, model, prompt: list[int],
+                                 atol: float = 1e-3) -> None:
+    """The ``prompt_logprobs`` of ``out`` (a ``RequestOutput`` of
+    ``prompt``) equal the log-softmax of ``model``'s (transformers') logits
+    over the whole prompt, at every position after the first."""
+    import torch
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    n = len(prompt)
+    ref = torch.log_softmax(logits, -1)[torch.arange(n - 1),
+                                        torch.tensor(prompt[1:])]
+    got = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob
+                        for i in range(1, n)])
+    assert torch.allclose(got, ref, atol=atol), (got - ref).abs().max()
+
+
 def prompt_logprobs_match_transformers(llm, model_dir, prompt: list[int],
                                        atol: float = 1e-3) -> None:
     """``prompt_logprobs=1`` of ``prompt`` from ``llm`` equal the
@@ -63,11 +79,4 @@ def prompt_logprobs_match_transformers(llm, model_dir, prompt: list[int],
         use_tqdm=False)
     model = AutoModelForCausalLM.from_pretrained(model_dir,
                                                  dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt])).logits[0].float()
-    n = len(prompt)
-    ref = torch.log_softmax(logits, -1)[torch.arange(n - 1),
-                                        torch.tensor(prompt[1:])]
-    got = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob
-                        for i in range(1, n)])
-    assert torch.allclose(got, ref, atol=atol), (got - ref).abs().max()
+    assert_prompt_logprobs_equal(out, model, prompt, atol)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import pytest
 
 from spyre_support.engines import compile_count, mode_env, spyre_llm
+from spyre_support.reference import assert_prompt_logprobs_equal
 from spyre_support.tiny_lora import MergedReference, build_adapter
 
 #: Engine arguments every test shares: vLLM's model code, 2 adapter slots
@@ -203,7 +204,6 @@ def test_prompt_logprobs_run_on_the_adapter(tiny_llama, adapters, mode):
     """``prompt_logprobs`` of a row on an adapter, in a batch with a row
     on none: the log-softmax of transformers' logits with the adapter
     merged, at every position after the first."""
-    import torch
     from vllm import SamplingParams, TokensPrompt
     prompts = [list(range(4, 34)), list(range(40, 60))]
     with lora_llm(tiny_llama, mode, "eager") as llm:
@@ -214,14 +214,7 @@ def test_prompt_logprobs_run_on_the_adapter(tiny_llama, adapters, mode):
     for prompt, out, name in zip(prompts, outs, ("all", None)):
         model = MergedReference(tiny_llama,
                                 adapters[name] if name else None).model
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt])).logits[0].float()
-        n = len(prompt)
-        want = torch.log_softmax(logits, -1)[torch.arange(n - 1),
-                                             torch.tensor(prompt[1:])]
-        got = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob
-                            for i in range(1, n)])
-        assert torch.allclose(got, want, atol=1e-3), (got - want).abs().max()
+        assert_prompt_logprobs_equal(out, model, prompt)
 
 
 def lora_memory(worker) -> dict:

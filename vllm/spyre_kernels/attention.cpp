@@ -55,16 +55,6 @@ using namespace spyre_kernels;
 
 using bf16 = c10::BFloat16;
 
-// kLanes elements at p, as float32.
-inline vfloat_u load(const float* p) {
-  return *reinterpret_cast<const vfloat_u*>(p);
-}
-inline vfloat_u load(const bf16* p) {
-  const vuint w = __builtin_convertvector(
-      *reinterpret_cast<const vhalf_u*>(p), vuint);
-  return reinterpret_cast<vfloat_u>(w << 16);
-}
-
 // Tokens ahead whose rows the kernels ask for before they read them: the
 // rows of consecutive tokens are a stride apart (or in other blocks), which
 // the hardware prefetcher follows only a few lines ahead.  The decode
@@ -83,24 +73,6 @@ inline void prefetch_row(const T* p, int64_t n) {
     __builtin_prefetch(c + off, 0, Locality);
 }
 
-// The sum of the lanes of v, as a tree (the lanes are independent, so the
-// adds need not wait on one another).
-inline float lane_sum(vfloat_u v) {
-  float s8[8], s4[4];
-  for (int l = 0; l < 8; ++l) s8[l] = v[l] + v[l + 8];
-  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
-
-template <typename T>
-float dot(const float* a, const T* b, int64_t n) {
-  vfloat_u acc{};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
-  float s = lane_sum(acc);
-  for (; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
-  return s;
-}
 
 // exp(x) for x <= 0 (a softmax after subtracting the maximum), to about
 // one unit in the last place; below -87 (where exp leaves float32's normal

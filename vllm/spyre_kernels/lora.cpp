@@ -42,29 +42,6 @@ namespace {
 
 using namespace spyre_kernels;
 
-inline float lane_sum(vfloat v) {
-  float s = 0.f;
-  for (int64_t l = 0; l < kLanes; ++l) s += v[l];
-  return s;
-}
-
-// kLanes weights from `w` as float32 lanes.
-inline vfloat load(const float* w) { return *(const vfloat_u*)w; }
-inline vfloat load(const c10::BFloat16* w) {
-  const vhalf_u bits = *(const vhalf_u*)w;
-  return (vfloat)(__builtin_convertvector(bits, vuint) << 16);
-}
-
-template <typename W>
-inline float dot(const float* x, const W* w, int64_t n) {
-  vfloat acc{};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) acc += load(x + i) * load(w + i);
-  float s = lane_sum(acc);
-  for (; i < n; ++i) s += x[i] * static_cast<float>(w[i]);
-  return s;
-}
-
 // out[0..15] of 16 adjacent outputs of a slice: the dot products of h
 // (r values) with 16 rows of b (r each), r a multiple of kLanes.
 template <typename W>
@@ -72,7 +49,7 @@ inline vfloat_u expand16(const float* h, const W* b, int64_t R) {
   vfloat_u acc[kLanes];
   for (int64_t j = 0; j < kLanes; ++j) acc[j] = vfloat_u{};
   for (int64_t r = 0; r < R; r += kLanes) {
-    const vfloat hv = load(h + r);
+    const vfloat_u hv = load(h + r);
     for (int64_t j = 0; j < kLanes; ++j) acc[j] += load(b + j * R + r) * hv;
   }
   return transpose_sum(acc);

@@ -1,5 +1,7 @@
 // What the kernel files share: the vector width they are written for,
-// their vector types, and the argument checks more than one op makes.
+// their vector types, the argument checks more than one op makes, loads
+// of float32 and bfloat16 lanes, lane sums and dot products, and the
+// transposed sum that turns 16 vectors of partial sums into 16 sums.
 //
 // The kernels are written with GCC vector extensions, so that one source
 // builds for AVX-512 or AVX2 (x86), VSX (Power) and the z/Architecture
@@ -8,11 +10,12 @@
 // are the same vectors, loadable from any address of their element type.
 //
 // ops.py builds linear.cpp, quant.cpp, attention.cpp, elementwise.cpp and
-// lora.cpp into one extension; each includes this header and keeps the rest of its
-// code in an anonymous namespace of its own.
+// lora.cpp into one extension; each includes this header and keeps the
+// rest of its code in an anonymous namespace of its own.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
 
 #include <cstdint>
 
@@ -65,6 +68,35 @@ inline void check_bias(const char* op, const at::Tensor& bias,
                        int64_t out_features) {
   TORCH_CHECK(bias.numel() == out_features, op, ": bias of ", bias.numel(),
               " for ", out_features, " outputs");
+}
+
+// kLanes elements at p, as float32.
+inline vfloat_u load(const float* p) {
+  return *reinterpret_cast<const vfloat_u*>(p);
+}
+inline vfloat_u load(const c10::BFloat16* p) {
+  const vuint w = __builtin_convertvector(
+      *reinterpret_cast<const vhalf_u*>(p), vuint);
+  return reinterpret_cast<vfloat_u>(w << 16);
+}
+
+// The sum of the lanes of v, as a tree (the lanes are independent, so the
+// adds need not wait on one another).
+inline float lane_sum(vfloat_u v) {
+  float s8[8], s4[4];
+  for (int l = 0; l < 8; ++l) s8[l] = v[l] + v[l + 8];
+  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
+  vfloat_u acc{};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
+  float s = lane_sum(acc);
+  for (; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
+  return s;
 }
 
 // One step of a transposed lane sum.  a and b hold partial sums of W-lane
