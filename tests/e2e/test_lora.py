@@ -18,7 +18,8 @@ of each is transformers running it merged into the base model
 * Adapters added, evicted (``--max-cpu-loras``) and removed while
   serving, nothing compiled; tensor parallel over 2 ranks; ``inductor``'s
   graphs with adapters loaded from the graph cache at the next start; the
-  memory check's count of the slots against what the layers hold.
+  memory check's count of the slots against what the layers hold;
+  bfloat16 rows without an adapter equal to the engine without LoRA.
 * Refusals: an adapter above ``--max-lora-rank``, one trained for another
   base model, one carrying the base model's embedding and head, a
   missing folder and a corrupt file are refused when their
@@ -316,3 +317,20 @@ def test_graphs_with_adapters_come_from_the_graph_cache(
     assert stats[0].get("compiled", 0) > 0
     assert stats[1].get("loaded", 0) == stats[0]["compiled"]
     assert stats[1].get("compiled", 0) == 0
+
+
+def test_bfloat16_rows_without_an_adapter_are_untouched(tiny_llama,
+                                                          adapters):
+    """``--dtype bfloat16`` (the adapters in bfloat16 too): the rows on no
+    adapter give exactly the ids of the same engine without LoRA (their
+    layers add nothing), and the rows on one give other ids."""
+    requests = [r for r in REQUESTS if r[2] in (None, "all", "some")]
+    with lora_llm(tiny_llama, "cb", "eager", dtype="bfloat16") as llm:
+        got = generate(llm, adapters, requests)
+    env, kwargs = mode_env("cb", "eager", [64], [12], [4], 128,
+                           dict(model_impl="vllm", dtype="bfloat16"))
+    with spyre_llm(tiny_llama, env, **kwargs) as llm:
+        plain = generate(llm, adapters, [(p, m, None) for p, m, _ in
+                                         requests])
+    for (_, _, name), ids, base in zip(requests, got, plain):
+        assert (ids == base) == (name is None)
