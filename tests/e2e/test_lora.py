@@ -319,8 +319,8 @@ def test_graphs_with_adapters_come_from_the_graph_cache(
     assert stats[1].get("compiled", 0) == 0
 
 
-def test_bfloat16_rows_without_an_adapter_are_untouched(tiny_llama,
-                                                          adapters):
+def test_bfloat16_rows_without_an_adapter_are_untouched(
+        tiny_llama, adapters):
     """``--dtype bfloat16`` (the adapters in bfloat16 too): the rows on no
     adapter give exactly the ids of the same engine without LoRA (their
     layers add nothing), and the rows on one give other ids."""
@@ -330,7 +330,7 @@ def test_bfloat16_rows_without_an_adapter_are_untouched(tiny_llama,
     env, kwargs = mode_env("cb", "eager", [64], [12], [4], 128,
                            dict(model_impl="vllm", dtype="bfloat16"))
     with spyre_llm(tiny_llama, env, **kwargs) as llm:
-        plain = generate(llm, adapters, [(p, m, None) for p, m, _ in
-                                         requests])
+        plain = generate(llm, adapters,
+                         [(p, m, None) for p, m, _ in requests])
     for (_, _, name), ids, base in zip(requests, got, plain):
         assert (ids == base) == (name is None)
