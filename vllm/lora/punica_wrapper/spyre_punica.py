@@ -80,7 +80,7 @@ class PunicaWrapperSpyre(PunicaWrapperBase):
                  device: Union[torch.device, str], **kwargs) -> None:
         PunicaWrapperBase.__init__(self, max_num_batched_tokens, max_batches,
                                    device)
-        #: Whether the products run on the C++ kernel (``lora_delta``),
+        #: Whether the products run on the C++ kernel (``lora_add_``),
         #: set by ``spyre_lora`` where the model runs on the kernels.
         self.native = False
         # Padding and inactive rows: no adapter, before the first mapping.
