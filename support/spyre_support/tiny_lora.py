@@ -78,24 +78,23 @@ def write_random_adapter(base: Path, out_dir: Path, seed: int, rank: int,
     import json
 
     import torch
-    from safetensors import safe_open
     from safetensors.torch import save_file
+
+    from vllm.lora.spyre_lora import tensor_shapes
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for file in sorted(Path(base).glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                module = key.removesuffix(".weight")
-                if key == module or module.split(".")[-1] not in targets:
-                    continue
-                out, inp = f.get_slice(key).get_shape()
-                prefix = "base_model.model." + module
-                tensors[prefix + ".lora_A.weight"] = (
-                    torch.randn(rank, inp, generator=gen) * scale).to(
-                        getattr(torch, dtype))
-                tensors[prefix + ".lora_B.weight"] = (
-                    torch.randn(out, rank, generator=gen) * scale).to(
-                        getattr(torch, dtype))
+    for key, shape in tensor_shapes(str(base)).items():
+        module = key.removesuffix(".weight")
+        if key == module or module.split(".")[-1] not in targets:
+            continue
+        out, inp = shape
+        prefix = "base_model.model." + module
+        tensors[prefix + ".lora_A.weight"] = (
+            torch.randn(rank, inp, generator=gen) * scale).to(
+                getattr(torch, dtype))
+        tensors[prefix + ".lora_B.weight"] = (
+            torch.randn(out, rank, generator=gen) * scale).to(
+                getattr(torch, dtype))
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out_dir / "adapter_model.safetensors")
     (out_dir / "adapter_config.json").write_text(json.dumps(dict(

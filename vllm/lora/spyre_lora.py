@@ -78,11 +78,13 @@ def check_config(vllm_config: "VllmConfig", model_impl: str,
 
 class _Manager(LRUCacheWorkerLoRAManager):
     """vLLM's LRU adapter manager, loading adapters from local folders
-    only, each checked against the base model (in ``base_dir``) first."""
+    only, each checked against the base model (in ``base_dir``, whose
+    tensors' shapes are read once, at the first load) first."""
 
     def __init__(self, base_dir: str, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._base_dir = base_dir
+        self._base_shapes: Optional[dict[str, list[int]]] = None
 
     def _load_adapter(self, lora_request: LoRARequest):
         path = os.path.expanduser(lora_request.lora_path)
@@ -90,7 +92,10 @@ class _Manager(LRUCacheWorkerLoRAManager):
             raise ValueError(
                 f"No adapter found at {lora_request.lora_path} (adapters "
                 "are loaded from local folders)")
-        check_shapes(self._base_dir, path)
+        if self._base_shapes is None:
+            self._base_shapes = (tensor_shapes(self._base_dir)
+                                 if os.path.isdir(self._base_dir) else {})
+        check_shapes(self._base_shapes, path)
         return super()._load_adapter(lora_request)
 
 
@@ -100,8 +105,9 @@ class SpyreLoRA:
     def __init__(self, vllm_config: "VllmConfig", model: nn.Module,
                  max_tokens: int, native: bool) -> None:
         """``max_tokens``: the most tokens one forward takes (rows times
-        length, over every compiled shape); ``native``: the products run on
-        the C++ kernel (``spyre_punica``)."""
+        length, over every compiled shape and scheduler limit);
+        ``native``: the products run on the C++ kernel
+        (``spyre_punica``)."""
         from vllm.model_executor.models import supports_lora
         if not supports_lora(model):
             raise NotImplementedError(
@@ -118,7 +124,7 @@ class SpyreLoRA:
         self.manager = _Manager(
             vllm_config.model_config.model,
             scheduler_config.max_num_seqs,
-            max(max_tokens, scheduler_config.max_num_batched_tokens),
+            max_tokens,
             vllm_config.model_config.get_vocab_size(),
             lora_config,
             torch.device("cpu"),
@@ -192,7 +198,7 @@ def step_adapters(metas: Iterable) -> tuple[LoRARequest, ...]:
     return tuple(found.values())
 
 
-def _shapes(folder: str) -> dict[str, list[int]]:
+def tensor_shapes(folder: str) -> dict[str, list[int]]:
     """Every tensor's shape in the safetensors files of ``folder``, read
     from their headers."""
     from safetensors import safe_open
@@ -204,13 +210,13 @@ def _shapes(folder: str) -> dict[str, list[int]]:
     return shapes
 
 
-def check_shapes(model_dir: str, adapter_dir: str) -> None:
+def check_shapes(base: dict[str, list[int]], adapter_dir: str) -> None:
     """Refuses an adapter whose ``lora_A`` (``[rank, in]``) or ``lora_B``
     (``[out, rank]``) does not fit the base model's weight (``[out,
-    in]``) of the module it adapts.  Skipped where either checkpoint is
-    not in safetensors files."""
-    adapter = _shapes(adapter_dir)
-    base = _shapes(model_dir) if os.path.isdir(model_dir) else {}
+    in]``; ``base``: the base checkpoint's ``tensor_shapes``) of the
+    module it adapts.  Skipped where either checkpoint is not in
+    safetensors files."""
+    adapter = tensor_shapes(adapter_dir)
     if not adapter or not base:
         return
     for key, shape in adapter.items():

@@ -119,7 +119,8 @@ class VllmModelCode(ModelCode):
                 vllm_config, self.vllm_model,
                 max([s.batch_size * s.prompt_len
                      for s in self.spyre_config.warmup_shapes] +
-                    [sched.max_model_len, sched.max_num_seqs]),
+                    [sched.max_model_len, sched.max_num_seqs,
+                     sched.max_num_batched_tokens]),
                 self.native)
         self.attention_layers = inline_attention(self.vllm_model, self.step)
         if not self.attention_layers:
