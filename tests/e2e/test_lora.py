@@ -21,18 +21,23 @@ of each is transformers running it merged into the base model
   memory check's count of the slots against what the layers hold;
   bfloat16 rows without an adapter equal to the engine without LoRA.
 * Refusals: an adapter above ``--max-lora-rank``, one trained for another
-  base model, one carrying the base model's embedding and head, a
-  missing folder and a corrupt file are refused when their
-  request arrives, naming the problem, and the engine keeps serving;
-  FMS's model code is refused at start-up.
+  base model, one carrying the base model's embedding and head, one of a
+  module the model lacks, a missing folder and a corrupt file are refused
+  when their request arrives, naming the problem, and the engine keeps
+  serving; FMS's model code is refused at start-up.
+* Granite, Mistral, Qwen2 and Qwen3 checkpoints run their adapters too.
 """
 from __future__ import annotations
 
+import shutil
+
 import pytest
+from safetensors.torch import load_file, save_file
 
 from spyre_support.engines import compile_count, mode_env, spyre_llm
 from spyre_support.reference import assert_prompt_logprobs_equal
 from spyre_support.tiny_lora import MergedReference, build_adapter
+from spyre_support.tiny_models import build_tiny_family
 
 #: Engine arguments every test shares: vLLM's model code, 2 adapter slots
 #: of rank up to 16 (the kernel's vector path; rank 8 takes the other).
@@ -70,6 +75,15 @@ def adapters(tiny_llama, tiny_llama_3kv, tmp_path_factory) -> dict:
         "alien": build_adapter(tiny_llama_3kv, root / "alien", seed=5,
                                rank=8),
     }
+    # An adapter of a module the model lacks: "all" with one projection
+    # renamed.
+    stranger = root / "stranger"
+    shutil.copytree(folders["all"], stranger)
+    weights = load_file(stranger / "adapter_model.safetensors")
+    save_file({k.replace("layers.0.mlp.up_proj", "layers.0.mlp.side_proj"): v
+               for k, v in weights.items()},
+              stranger / "adapter_model.safetensors")
+    folders["stranger"] = stranger
     corrupt = build_adapter(tiny_llama, root / "corrupt", seed=6, rank=8)
     weights = corrupt / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:200])
@@ -258,7 +272,7 @@ def test_bad_adapters_are_refused_and_the_engine_serves_on(
     missing = LoRARequest("missing", 50, str(tmp_path / "nowhere"))
     with lora_llm(tiny_llama, "cb", "eager") as llm:
         refusals = {}
-        for name in ("rank32", "alien", "corrupt", "with_bases"):
+        for name in ("rank32", "alien", "corrupt", "with_bases", "stranger"):
             with pytest.raises(ValueError) as e:
                 generate(llm, adapters, good + [(prompt, 8, name)])
             refusals[name] = str(e.value)
@@ -279,6 +293,7 @@ def test_bad_adapters_are_refused_and_the_engine_serves_on(
     assert "No adapter found at" in refusals["missing"]
     assert "lm_head.base_layer.weight is unsupported LoRA weight" in \
         refusals["with_bases"]
+    assert "side_proj" in refusals["stranger"]
 
 
 def test_fms_model_code_is_refused_at_start_up(tiny_llama):
@@ -334,3 +349,19 @@ def test_bfloat16_rows_without_an_adapter_are_untouched(
                          [(p, m, None) for p, m, _ in requests])
     for (_, _, name), ids, base in zip(requests, got, plain):
         assert (ids == base) == (name is None)
+
+
+@pytest.mark.parametrize("family", ["granite", "mistral", "qwen2", "qwen3"])
+def test_other_architectures_run_their_adapters(family, tmp_path):
+    """The other architectures ``--enable-lora`` runs on vLLM's model code
+    (tiny random checkpoints, an adapter over every projection): greedy
+    ids equal transformers' with the adapter merged."""
+    base = build_tiny_family(family, tmp_path / family)
+    adapter = build_adapter(base, tmp_path / "adapter", seed=9, rank=8)
+    requests = [(list(range(5, 25)), 8, "it"), (list(range(30, 42)), 8,
+                                                None)]
+    with lora_llm(base, "cb", "eager") as llm:
+        got = generate(llm, {"it": adapter}, requests)
+    refs = {"it": MergedReference(base, adapter),
+            None: MergedReference(base, None)}
+    assert got == [refs[a].greedy(p, m)[0] for p, m, a in requests]
