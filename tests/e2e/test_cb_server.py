@@ -70,9 +70,12 @@ def test_streams_join_a_running_batch(server):
     one, one each for the others), so none of them waits for blocks: a
     later request that did would start only when the long one ends.
 
-    The later ones are sent when the long one's first token arrives: the
-    long one takes about a third of a second on the tiny model, short
-    enough to end between two scrapes of /metrics on a busy machine."""
+    The later ones are sent when the long one's first token arrives.  The
+    long one decodes in 0.15-0.25 s on the tiny model, and on a busy
+    machine the later ones can take longer than that to reach the engine
+    (0.02-0.07 s idle, 0.14 s beside one busy process): then they could
+    not have joined, and the round is played again (five rounds at most).
+    An engine that made them wait for the long one fails every round."""
     long = ([9] * 30, 162)
     later = [([5 + i] * (10 + 20 * i), 12) for i in range(3)]
 
@@ -86,15 +89,21 @@ def test_streams_join_a_running_batch(server):
                                           for r in later))
             return await first, rest
 
-    (long_text, long_times), rest = asyncio.run(
-        asyncio.wait_for(main(), timeout=300))
-    assert len(long_times) == 162
-    for (text, times), (prompt, n) in zip(rest, later):
-        assert len(times) == n
-        assert times[0] < long_times[-1], "did not join the running batch"
-        assert text == complete(server, prompt, n).json()["choices"][0][
-            "text"]
-    assert long_text == complete(server, *long).json()["choices"][0]["text"]
+    alone = [complete(server, prompt, n).json()["choices"][0]["text"]
+             for prompt, n in [long, *later]]
+    joined = []
+    for _ in range(5):
+        (long_text, long_times), rest = asyncio.run(
+            asyncio.wait_for(main(), timeout=300))
+        assert len(long_times) == 162
+        assert long_text == alone[0]
+        for (text, times), (_, n), text_alone in zip(rest, later, alone[1:]):
+            assert len(times) == n
+            assert text == text_alone
+        joined = [times[0] < long_times[-1] for _, times in rest]
+        if all(joined):
+            break
+    assert all(joined), f"did not join the running batch: {joined}"
 
 
 def test_abort_storm_frees_every_block(server):
