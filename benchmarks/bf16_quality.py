@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from typing import Optional
 
 from spyre_support.bench import (add_json_option, add_shape_options,
                                  benchmark_parser, build_prompts, machine_info,
@@ -69,12 +70,18 @@ class TeacherForced:
     """transformers in float32 and in bfloat16, one sequence at a time, no
     padding (also used by tests/e2e/test_bf16.py)."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, adapter: Optional[str] = None):
+        """``adapter``: a LoRA adapter's folder, merged into both."""
         import torch
         from transformers import AutoModelForCausalLM
         self.models = {d: AutoModelForCausalLM.from_pretrained(
             model, dtype=d, attn_implementation="sdpa").eval()
             for d in (torch.float32, torch.bfloat16)}
+        if adapter is not None:
+            from peft import PeftModel
+            self.models = {d: PeftModel.from_pretrained(
+                m, adapter).merge_and_unload().eval()
+                for d, m in self.models.items()}
 
     def judge(self, prompt: list[int], ours: list[int]) -> Judgement:
         import torch

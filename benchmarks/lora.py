@@ -20,8 +20,13 @@ base step's (the target: at most 1.3x at batch 8 with rank-16 adapters).
 On ``inductor`` a third engine, ``base-inputs``, is the base model with
 its weights kept as graph inputs (``VLLM_SPYRE_INDUCTOR_FREEZING=0``), as
 the LoRA engine keeps them, and the LoRA step is shown over its step too.
-Then the LoRA engine loads a fifth adapter (``LLMEngine.add_lora``: read,
-checked, copied into a slot), timed; resident memory of both engines after
+Then, with B-1 requests decoding on one adapter (B the largest), a
+request arrives on a second, loaded adapter and later one on a fifth,
+new adapter, which its arrival loads (read and checked; the next step
+copies it into a slot): the load's time, and the running requests'
+median gap between tokens against their gaps across each arrival (the
+engine loop of ``vllm serve`` takes requests in between steps the same
+way).  Resident memory of both engines after
 warm-up and at the end (the LoRA engine then holding its five adapters
 and its slots), and the adapters' bytes as the up-front memory check
 counts them against the growth measured at the end.  Any compilation
@@ -92,11 +97,50 @@ class Runner:
         import psutil
         return psutil.Process().memory_info().rss / 2**30
 
-    def add(self, adapter: tuple) -> float:
+    def load_while_decoding(self, prompts: list[list[int]],
+                            new_tokens: int, running: tuple,
+                            loaded: tuple, new: tuple) -> dict:
+        """``prompts`` decode on the adapter ``running``; a third of the
+        way in, a one-token request arrives on ``loaded`` (already in
+        memory): a prefill between two of their tokens; two thirds in,
+        one on ``new``, which the request's arrival loads (read,
+        checked, then copied into a slot by the next step).  The running
+        rows' median gap between tokens, and the gaps across each
+        arrival."""
+        from vllm import SamplingParams, TokensPrompt
         from vllm.lora.request import LoRARequest
-        start = time.perf_counter()
-        assert self.llm.llm_engine.add_lora(LoRARequest(*adapter))
-        return time.perf_counter() - start
+        engine = self.llm.llm_engine
+        params = SamplingParams(max_tokens=new_tokens, temperature=0,
+                                ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"running-{i}",
+                               TokensPrompt(prompt_token_ids=prompt), params,
+                               lora_request=LoRARequest(*running))
+        arrivals = {new_tokens // 3: ("prefill", loaded),
+                    2 * new_tokens // 3: ("load", new)}
+        before = compile_count()
+        times, marks, load_s = [], {}, None
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            if not any(o.request_id == "running-0" for o in outs):
+                continue
+            times.append(time.perf_counter())
+            event = arrivals.pop(len(times), None)
+            if event:
+                kind, adapter = event
+                start = time.perf_counter()
+                engine.add_request(
+                    kind, TokensPrompt(prompt_token_ids=prompts[0][:8]),
+                    SamplingParams(max_tokens=1),
+                    lora_request=LoRARequest(*adapter))
+                if kind == "load":
+                    load_s = time.perf_counter() - start
+                marks[kind] = len(times)
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        return dict(load_s=load_s, median_gap_s=statistics.median(gaps),
+                    prefill_gap_s=gaps[marks["prefill"] - 1],
+                    load_gap_s=gaps[marks["load"] - 1],
+                    compiles=compile_count() - before)
 
 
 def write_adapters(model: str, root: Path, rank: int) -> list[tuple]:
@@ -180,8 +224,15 @@ def main() -> int:
                                           rows_adapters, args.repetitions)
                         runs[(name, b, plan)] = run
                         compiles += run["compiles"]
-                if name == "lora":
-                    result["add_adapter_s"] = child.call("add", adapters[-1])
+                if name == "lora" and largest > 1:
+                    # One slot of the batch left for the arriving requests.
+                    run = child.call(
+                        "load_while_decoding",
+                        build_prompts(ids, largest - 1, args.prompt_len),
+                        args.new_tokens, adapters[0], adapters[1],
+                        adapters[-1])
+                    compiles += run.pop("compiles")
+                    result["load_while_decoding"] = run
                 # After every run: the LoRA engine holds all its adapters.
                 result[name]["end_rss_gib"] = child.call("rss_gib")
             finally:
@@ -220,8 +271,17 @@ def main() -> int:
           f"{lora['end_rss_gib']:.3f} GiB (+{grew:.3f}); the memory check "
           f"counts the adapters as {counted:.3f} GiB "
           f"({counted / grew if grew > 0 else float('nan'):.2f}x the "
-          f"growth); loading a new adapter while serving: "
-          f"{result['add_adapter_s']:.3f} s")
+          f"growth)")
+    run = result.get("load_while_decoding")
+    if run:
+        print(f"\nloading a new adapter while {largest - 1} requests decode "
+              f"on another: {run['load_s'] * 1e3:.1f} ms at its request's "
+              f"arrival; the running requests' gap between tokens: median "
+              f"{run['median_gap_s'] * 1e3:.1f} ms, "
+              f"{run['prefill_gap_s'] * 1e3:.1f} ms across a request's "
+              f"arrival on a loaded adapter (its prefill), "
+              f"{run['load_gap_s'] * 1e3:.1f} ms across one on the new "
+              f"adapter (the load, the copy into a slot, the prefill)")
     return 1 if compiled_in_timed_runs(compiles) else 0
 
 

@@ -16,16 +16,19 @@ of each is transformers running it merged into the base model
   (one prompt on every adapter: no adapter reads another's cached
   blocks, and a repeat is served from the cache).
 * Adapters added, evicted (``--max-cpu-loras``) and removed while
-  serving, nothing compiled; tensor parallel over 2 ranks; ``inductor``'s
+  serving, nothing compiled; tensor parallel over 2 ranks (static and
+  continuous batching); ``inductor``'s
   graphs with adapters loaded from the graph cache at the next start; the
   memory check's count of the slots against what the layers hold;
-  bfloat16 rows without an adapter equal to the engine without LoRA.
+  bfloat16 rows without an adapter equal to the engine without LoRA, and
+  rows on one equal to transformers' bfloat16 merged where stable.
 * Refusals: an adapter above ``--max-lora-rank``, one trained for another
   base model, one carrying the base model's embedding and head, one of a
   module the model lacks, a missing folder and a corrupt file are refused
   when their request arrives, naming the problem, and the engine keeps
   serving; FMS's model code is refused at start-up.
-* Granite, Mistral, Qwen2 and Qwen3 checkpoints run their adapters too.
+* Granite, Mistral, Qwen2, Qwen3 and Phi-3 checkpoints run their adapters
+  too.
 """
 from __future__ import annotations
 
@@ -303,11 +306,12 @@ def test_fms_model_code_is_refused_at_start_up(tiny_llama):
             pass
 
 
+@pytest.mark.parametrize("mode", ["static", "cb"])
 def test_tensor_parallel_2_equals_merged_transformers(
-        tiny_llama, adapters, want):
+        tiny_llama, adapters, want, mode):
     """Two ranks over gloo, each holding its shard of every adapter
     (vLLM's sharded LoRA layers)."""
-    with lora_llm(tiny_llama, "cb", "eager",
+    with lora_llm(tiny_llama, mode, "eager",
                   tensor_parallel_size=2) as llm:
         got = generate(llm, adapters, REQUESTS)
     assert got == [want(p, m, a) for p, m, a in REQUESTS]
@@ -334,12 +338,18 @@ def test_graphs_with_adapters_come_from_the_graph_cache(
     assert stats[1].get("compiled", 0) == 0
 
 
-def test_bfloat16_rows_without_an_adapter_are_untouched(
-        tiny_llama, adapters):
+def test_bfloat16_adapters(tiny_llama, adapters):
     """``--dtype bfloat16`` (the adapters in bfloat16 too): the rows on no
     adapter give exactly the ids of the same engine without LoRA (their
-    layers add nothing), and the rows on one give other ids."""
-    requests = [r for r in REQUESTS if r[2] in (None, "all", "some")]
+    layers add nothing); the rows on an adapter give other ids, equal to
+    transformers' bfloat16 with the adapter merged wherever its top token
+    is stable (``bf16_quality.TeacherForced``: the lead of its top logit
+    over the next above twice its bfloat16 error), as test_bf16.py judges
+    the base model."""
+    from bf16_quality import TeacherForced
+    requests = [(list(range(5 + i, 5 + i + n)), 24, a) for i, (n, a) in
+                enumerate([(9, "all"), (40, None), (2, "some"), (17, "all"),
+                           (30, "some"), (12, None), (21, "all")])]
     with lora_llm(tiny_llama, "cb", "eager", dtype="bfloat16") as llm:
         got = generate(llm, adapters, requests)
     env, kwargs = mode_env("cb", "eager", [64], [12], [4], 128,
@@ -349,15 +359,32 @@ def test_bfloat16_rows_without_an_adapter_are_untouched(
                          [(p, m, None) for p, m, _ in requests])
     for (_, _, name), ids, base in zip(requests, got, plain):
         assert (ids == base) == (name is None)
+    judges = {name: TeacherForced(str(tiny_llama), str(adapters[name]))
+              for name in ("all", "some")}
+    judged = [judges[name].judge(prompt, ids)
+              for (prompt, _, name), ids in zip(requests, got) if name]
+    stable = sum(sum(j.stable) for j in judged)
+    assert stable >= 40, f"only {stable} stable positions"
+    assert not [j.stable_mismatches() for j in judged
+                if j.stable_mismatches()]
 
 
-@pytest.mark.parametrize("family", ["granite", "mistral", "qwen2", "qwen3"])
+#: The adapted modules of each family: Phi-3 fuses its attention
+#: projections and its gate and up projections in its checkpoint.
+FAMILY_TARGETS = dict(phi3=("qkv_proj", "o_proj", "gate_up_proj",
+                            "down_proj"))
+
+
+@pytest.mark.parametrize("family",
+                         ["granite", "mistral", "qwen2", "qwen3", "phi3"])
 def test_other_architectures_run_their_adapters(family, tmp_path):
     """The other architectures ``--enable-lora`` runs on vLLM's model code
     (tiny random checkpoints, an adapter over every projection): greedy
     ids equal transformers' with the adapter merged."""
     base = build_tiny_family(family, tmp_path / family)
-    adapter = build_adapter(base, tmp_path / "adapter", seed=9, rank=8)
+    adapter = build_adapter(base, tmp_path / "adapter", seed=9, rank=8,
+                            **({"targets": FAMILY_TARGETS[family]}
+                               if family in FAMILY_TARGETS else {}))
     requests = [(list(range(5, 25)), 8, "it"), (list(range(30, 42)), 8,
                                                 None)]
     with lora_llm(base, "cb", "eager") as llm:

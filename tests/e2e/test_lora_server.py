@@ -2,10 +2,13 @@
 driven by the openai client as users drive it (docs/lora.md).
 
 One server, continuous batching on ``eager``, ``--enable-lora`` with one
-adapter given at start-up (``--lora-modules``) and run-time loading on
+adapter given at start-up under two names (``--lora-modules name=path``
+and the JSON form naming the base model's second
+``--served-model-name`` as its ``base_model_name``) and run-time loading on
 (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``):
 
-* ``/v1/models`` lists the adapter beside the base model;
+* ``/v1/models`` lists both names beside the base model, each with its
+  parent;
 * a completion naming the adapter as its ``model`` equals transformers
   with the adapter merged, token for token, and one naming the base
   model equals the base model's;
@@ -17,6 +20,8 @@ adapter given at start-up (``--lora-modules``) and run-time loading on
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import requests
 
@@ -27,6 +32,9 @@ from spyre_support.tiny_lora import MergedReference, build_adapter
 pytestmark = pytest.mark.smollm2
 
 PROMPT = "The three primary colors are"
+#: The base model's second name (``--served-model-name``), which the
+#: adapter given in ``--lora-modules``' JSON form names as its base.
+BASE_NAME = "smollm2"
 NEW_TOKENS = 12
 
 
@@ -51,8 +59,13 @@ def server(smollm2, adapters):
     env = dict(cb_env("eager"), VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
     args = ("--model-impl", "vllm", "--enable-lora", "--max-loras", "2",
             "--max-lora-rank", "8", "--lora-modules",
-            f"tutor={adapters['tutor']}", "--max-num-seqs", "4",
+            f"tutor={adapters['tutor']}",
+            json.dumps(dict(name="tutor-json", path=str(adapters["tutor"]),
+                            base_model_name=BASE_NAME)),
+            "--max-num-seqs", "4",
             "--max-model-len", "256")
+    # The model's path first: the name the tests ask for.
+    args += ("--served-model-name", str(smollm2), BASE_NAME)
     with Server(smollm2, env, args=args) as srv:
         yield srv
 
@@ -84,10 +97,12 @@ def test_adapters_over_the_openai_api(server, smollm2, adapters,
     assert base_ref not in refs.values()
 
     models = {m.id: m for m in client.models.list().data}
-    assert set(models) == {server.model, "tutor"}
+    assert set(models) == {server.model, BASE_NAME, "tutor", "tutor-json"}
     assert models["tutor"].parent == server.model
+    assert models["tutor-json"].parent == BASE_NAME
 
     assert completion_ids(client, "tutor", prompt_ids) == refs["tutor"]
+    assert completion_ids(client, "tutor-json", prompt_ids) == refs["tutor"]
     assert completion_ids(client, server.model, prompt_ids) == base_ref
 
     loaded = requests.post(server.url + "/v1/load_lora_adapter", json=dict(
@@ -108,7 +123,7 @@ def test_adapters_over_the_openai_api(server, smollm2, adapters,
         completion_ids(client, "poet", prompt_ids)
     with pytest.raises(openai.NotFoundError):
         completion_ids(client, "nobody", prompt_ids)
-    assert {m.id for m in client.models.list().data} == {server.model,
-                                                         "tutor"}
+    assert {m.id for m in client.models.list().data} == {
+        server.model, BASE_NAME, "tutor", "tutor-json"}
     assert completion_ids(client, server.model, prompt_ids) == base_ref
     assert server.proc.poll() is None
