@@ -21,11 +21,12 @@
 //
 // Two passes, each split over the threads (where the work is worth a
 // fork): the shrink (each row's r values, a dot product over `in` each,
-// A's rows in the outer loop) and the expand (each output a dot product
-// over r; 16 outputs at a time when r is a multiple of 16, their products
-// kept in lanes until one transposed sum, B's rows in the outer loop).  `a` and `b` are
-// float32 or bfloat16 (the adapters' dtype), the input and `out` float32
-// or bfloat16; products and sums are float32.
+// A's rows in the outer loop, four of them at a time) and the expand
+// (each output a dot product over r; 16 outputs at a time when r is a
+// multiple of 16, their products kept in lanes until one transposed sum,
+// B's rows in the outer loop).  `a` and `b` are float32 or bfloat16 (the
+// adapters' dtype), the input and `out` float32 or bfloat16; products and
+// sums are float32.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -67,7 +68,30 @@ void run_slice(const float* x, const W* a, const W* b, const int64_t* slots,
   // the step on that slot.
   const int64_t r_grain = std::max<int64_t>(1, kTaskWork / (T * in + 1));
   at::parallel_for(0, R, r_grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
+    int64_t r = begin;
+    // Four of A's rows at a time: four independent sums in flight (one
+    // dot product's sum waits on its previous step), each in the order
+    // `dot` sums.
+    for (; r + 4 <= end && in % kLanes == 0; r += 4) {
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t s = slots[t];
+        if (s < 0 || s >= S) {
+          for (int64_t q = 0; q < 4; ++q) h[t * R + r + q] = 0.f;
+          continue;
+        }
+        const float* xt = x + t * in;
+        const W* a0 = a + (s * R + r) * in;
+        vfloat_u acc[4] = {};
+        for (int64_t i = 0; i < in; i += kLanes) {
+          const vfloat_u xv = load(xt + i);
+          for (int64_t q = 0; q < 4; ++q)
+            acc[q] += xv * load(a0 + q * in + i);
+        }
+        for (int64_t q = 0; q < 4; ++q)
+          h[t * R + r + q] = scale * lane_sum(acc[q]);
+      }
+    }
+    for (; r < end; ++r) {
       for (int64_t t = 0; t < T; ++t) {
         const int64_t s = slots[t];
         h[t * R + r] = (s >= 0 && s < S)

@@ -1,0 +1,112 @@
+"""The C++ LoRA op (``spyre_kernels::lora_add_``) against the same products
+in torch ops (``spyre_punica._add_masked``).
+
+Rows on different slots and on none (-1), one to three slices of a layer
+at adjacent columns, ranks that fill the shrink's blocks of four rows of A
+and 16-lane vectors or not, inputs whose width is not a multiple of 16,
+an adapter narrower than its slot (a vocabulary's padding), float32 and
+bfloat16 adapters and outputs; and the op traced by dynamo (its fake
+implementation)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm.lora.punica_wrapper.spyre_punica import _add_masked
+from vllm.spyre_kernels import ops as native
+
+pytestmark = pytest.mark.skipif(not native.available(),
+                                reason="no C++ compiler for the kernel")
+
+SLOTS = 3
+
+
+def _slices(T: int, in_: int, R: int, widths: list[int], dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, in_, generator=gen)
+    a = [(torch.randn(SLOTS, 1, R, in_, generator=gen) / 4).to(dtype)
+         for _ in widths]
+    b = [(torch.randn(SLOTS, 1, w, R, generator=gen) / 4).to(dtype)
+         for w in widths]
+    slots = torch.randint(-1, SLOTS, (T, ), generator=gen)
+    return x, a, b, slots
+
+
+def _both(x, a, b, slots, widths, out_dtype, scale=0.75):
+    """(the op's output, the torch ops' output) from the same start."""
+    gen = torch.Generator().manual_seed(1)
+    start = torch.randn(x.shape[0], sum(widths), generator=gen).to(out_dtype)
+    ours, ref = start.clone(), start.clone().float()
+    pairs: list = []
+    for ai, bi in zip(a, b):
+        pairs += [ai, bi]
+    pairs += [None] * (6 - len(pairs))
+    padded = list(widths) + [0] * (3 - len(widths))
+    torch.ops.spyre_kernels.lora_add_(ours, x, *pairs, slots, scale, *padded)
+    offset = 0
+    for ai, bi, w in zip(a, b, widths):
+        _add_masked(ref[:, offset:offset + w], x, ai.float(), bi.float(),
+                    slots, scale)
+        offset += w
+    return ours, ref
+
+
+@pytest.mark.parametrize("T, in_, R, widths", [
+    (8, 576, 16, [576, 192, 192]),  # SmolLM2's q, k, v at rank 16
+    (8, 576, 16, [1536, 1536]),  # its gate and up
+    (5, 1536, 8, [576]),  # its down at rank 8
+    (3, 40, 4, [24]),  # 40 inputs: no 16-lane blocks for the shrink
+    (7, 64, 6, [33, 17]),  # rank 6: one block of four rows of A and two
+    (1, 48, 1, [16]),  # rank 1
+    (20, 32, 32, [100]),  # a prefill's rows, outputs not a multiple of 16
+])
+def test_float32_equals_torch_ops(T, in_, R, widths):
+    x, a, b, slots = _slices(T, in_, R, widths, torch.float32)
+    slots[0] = -1  # at least one row on no adapter
+    ours, ref = _both(x, a, b, slots, widths, torch.float32)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_on_no_adapter_are_untouched():
+    x, a, b, slots = _slices(6, 64, 16, [64], torch.float32)
+    slots.fill_(-1)
+    ours, _ = _both(x, a, b, slots, [64], torch.float32)
+    start, _ = _both(x, a, b, slots, [64], torch.float32, scale=0.0)
+    assert torch.equal(ours, start)
+
+
+def test_an_adapter_narrower_than_its_slot_adds_to_its_columns_only():
+    """The head's adapter over a padded vocabulary: the output has fewer
+    columns than B has rows."""
+    x, a, b, slots = _slices(4, 64, 8, [80], torch.float32)
+    out = torch.zeros(4, 72)
+    ref = torch.zeros(4, 72)
+    torch.ops.spyre_kernels.lora_add_(out, x, a[0], b[0], None, None, None,
+                                      None, slots, 1.0, 72, 0, 0)
+    _add_masked(ref, x, a[0], b[0], slots, 1.0)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_bfloat16_adapters(out_dtype):
+    """bfloat16 matrices (``--lora-dtype``), products and sums in float32;
+    a bfloat16 output rounded once."""
+    widths = [96, 32]
+    x, a, b, slots = _slices(6, 128, 16, widths, torch.bfloat16)
+    ours, ref = _both(x, a, b, slots, widths, out_dtype)
+    tol = 1e-5 if out_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.float(), ref, rtol=tol, atol=tol)
+
+
+def test_traced_by_dynamo():
+    widths = [64, 32]
+    x, a, b, slots = _slices(4, 64, 8, widths, torch.float32)
+
+    def add(out):
+        torch.ops.spyre_kernels.lora_add_(out, x, a[0], b[0], a[1], b[1],
+                                          None, None, slots, 0.5, 64, 32, 0)
+        return out
+
+    compiled = torch.compile(add, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(torch.zeros(4, 96)),
+                               add(torch.zeros(4, 96)))
