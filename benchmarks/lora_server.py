@@ -10,8 +10,8 @@ new tokens each, greedy).  A third of the way into the first stream, a
 one-token request on ``loaded`` (in memory already: its prefill is the
 only work); two thirds in, ``POST /v1/load_lora_adapter`` of a new
 adapter, and 8 tokens later a one-token request on it (vLLM reads the
-adapter's tokenizer when its first request arrives).  Every adapter is random, of
-rank R over every projection, written in PEFT's layout
+adapter's tokenizer when its first request arrives).  Every adapter is
+random, of rank R over every projection, written in PEFT's layout
 (``spyre_support.tiny_lora.write_random_adapter``).
 
 Reported: each event's time as the client saw it, and the running
@@ -25,7 +25,6 @@ and the longest gap that overlaps each event.
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import statistics
 import sys
@@ -39,27 +38,15 @@ from spyre_support.bench import (add_json_option, benchmark_parser,
                                  build_prompts, cores, machine_info, table,
                                  text_ids, write_json)
 from spyre_support.envs import cb_env, cb_max_model_len
-from spyre_support.load import completion_body
-
-
-async def timed_stream(client: httpx.AsyncClient, url: str, body: dict,
-                       times: list[float]) -> None:
-    """Streams one completion, appending each token's arrival time."""
-    async with client.stream("POST", url + "/v1/completions",
-                             json=body) as resp:
-        assert resp.status_code == 200, await resp.aread()
-        async for line in resp.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]" and \
-                    json.loads(line[6:]).get("choices"):
-                times.append(time.perf_counter())
+from spyre_support.load import completion_body, timed_stream
 
 
 async def timed_post(client: httpx.AsyncClient, url: str, path: str,
                      body: dict) -> tuple[float, float]:
-    start = time.perf_counter()
+    start = time.monotonic()  # the clock of timed_stream's arrivals
     resp = await client.post(url + path, json=body)
     assert resp.status_code == 200, resp.text
-    return start, time.perf_counter()
+    return start, time.monotonic()
 
 
 async def drive(url: str, prompts: list[list[int]], new_tokens: int,
@@ -72,7 +59,8 @@ async def drive(url: str, prompts: list[list[int]], new_tokens: int,
                                   max_tokens=2))
         runs: list[list[float]] = [[] for _ in prompts]
         streams = [asyncio.create_task(timed_stream(
-            client, url, completion_body("running", p, new_tokens), times))
+            client, url + "/v1/completions",
+            completion_body("running", p, new_tokens), times))
             for p, times in zip(prompts, runs)]
         events = {}
 

@@ -37,6 +37,27 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
+async def timed_stream(client: httpx.AsyncClient, url: str, body: dict,
+                       times: list[float],
+                       started: "asyncio.Event | None" = None) -> str:
+    """Streams one completion (``body`` posted to ``url``), appending each
+    token's arrival time (``time.monotonic``) to ``times`` as it comes;
+    sets ``started``, if given, at the first.  Its text."""
+    text = ""
+    async with client.stream("POST", url, json=body) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:])["choices"]
+            if choices:
+                text += choices[0]["text"]
+                times.append(time.monotonic())
+                if started is not None:
+                    started.set()
+    return text
+
+
 async def stream_one(client: httpx.AsyncClient, url: str, body: dict,
                      ttfts: list, itls: list, counts: list,
                      errors: list) -> None:

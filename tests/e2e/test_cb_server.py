@@ -14,6 +14,7 @@ import pytest
 import requests
 
 from spyre_support.envs import cb_env
+from spyre_support.load import timed_stream
 from spyre_support.server import (abort_storm, check_burst,
                                   check_echo_logprobs, check_soak, metric,
                                   Server, wait_until_zero)
@@ -39,23 +40,14 @@ def complete(server, prompt, max_tokens) -> requests.Response:
                          timeout=120)
 
 
-async def timed_stream(client, server, prompt, max_tokens, started=None):
-    """Streams a completion; returns (text, arrival time of each token).
-    Sets the event ``started``, if given, when the first token arrives."""
-    body = dict(model=server.model, prompt=prompt, max_tokens=max_tokens,
-                temperature=0, ignore_eos=True, stream=True)
-    text, times = "", []
-    async with client.stream("POST", server.url + "/v1/completions",
-                             json=body) as resp:
-        assert resp.status_code == 200
-        async for line in resp.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                choices = json.loads(line[6:])["choices"]
-                if choices:
-                    text += choices[0]["text"]
-                    times.append(time.monotonic())
-                    if started is not None:
-                        started.set()
+async def stream(client, server, prompt, max_tokens, started=None):
+    """Streams a greedy completion; returns (text, arrival time of each
+    token).  Sets the event ``started``, if given, at the first token."""
+    times: list[float] = []
+    text = await timed_stream(
+        client, server.url + "/v1/completions",
+        dict(model=server.model, prompt=prompt, max_tokens=max_tokens,
+             temperature=0, ignore_eos=True, stream=True), times, started)
     return text, times
 
 
@@ -83,9 +75,9 @@ def test_streams_join_a_running_batch(server):
         async with httpx.AsyncClient(timeout=120) as client:
             started = asyncio.Event()
             first = asyncio.create_task(
-                timed_stream(client, server, *long, started=started))
+                stream(client, server, *long, started=started))
             await asyncio.wait_for(started.wait(), timeout=60)
-            rest = await asyncio.gather(*(timed_stream(client, server, *r)
+            rest = await asyncio.gather(*(stream(client, server, *r)
                                           for r in later))
             return await first, rest
 
