@@ -39,7 +39,8 @@ from safetensors.torch import load_file, save_file
 
 from spyre_support.engines import compile_count, mode_env, spyre_llm
 from spyre_support.reference import assert_prompt_logprobs_equal
-from spyre_support.tiny_lora import MergedReference, build_adapter
+from spyre_support.tiny_lora import (ALL_PROJECTIONS, MergedReference,
+                                     build_adapter)
 from spyre_support.tiny_models import build_tiny_family
 
 #: Engine arguments every test shares: vLLM's model code, 2 adapter slots
@@ -383,8 +384,8 @@ def test_other_architectures_run_their_adapters(family, tmp_path):
     ids equal transformers' with the adapter merged."""
     base = build_tiny_family(family, tmp_path / family)
     adapter = build_adapter(base, tmp_path / "adapter", seed=9, rank=8,
-                            **({"targets": FAMILY_TARGETS[family]}
-                               if family in FAMILY_TARGETS else {}))
+                            targets=FAMILY_TARGETS.get(family,
+                                                       ALL_PROJECTIONS))
     requests = [(list(range(5, 25)), 8, "it"), (list(range(30, 42)), 8,
                                                 None)]
     with lora_llm(base, "cb", "eager") as llm:
