@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.lora.punica_wrapper.spyre_punica import _add_masked
+from vllm.lora.punica_wrapper.spyre_punica import (TILE, PunicaWrapperSpyre,
+                                                   _add_masked, tile_b_)
 from vllm.spyre_kernels import ops as native
 
 pytestmark = pytest.mark.skipif(not native.available(),
@@ -32,6 +33,14 @@ def _slices(T: int, in_: int, R: int, widths: list[int], dtype, seed=0):
     return x, a, b, slots
 
 
+def _tiled(b: torch.Tensor) -> torch.Tensor:
+    """``b`` laid out as the op reads it, every slot."""
+    b = b.clone()
+    for slot in range(b.shape[0]):
+        tile_b_(b, slot)
+    return b
+
+
 def _both(x, a, b, slots, widths, out_dtype, scale=0.75):
     """(the op's output, the torch ops' output) from the same start."""
     gen = torch.Generator().manual_seed(1)
@@ -39,7 +48,7 @@ def _both(x, a, b, slots, widths, out_dtype, scale=0.75):
     ours, ref = start.clone(), start.clone().float()
     pairs: list = []
     for ai, bi in zip(a, b):
-        pairs += [ai, bi]
+        pairs += [ai, _tiled(bi)]
     pairs += [None] * (6 - len(pairs))
     padded = list(widths) + [0] * (3 - len(widths))
     torch.ops.spyre_kernels.lora_add_(ours, x, *pairs, slots, scale, *padded)
@@ -81,8 +90,8 @@ def test_an_adapter_narrower_than_its_slot_adds_to_its_columns_only():
     x, a, b, slots = _slices(4, 64, 8, [80], torch.float32)
     out = torch.zeros(4, 72)
     ref = torch.zeros(4, 72)
-    torch.ops.spyre_kernels.lora_add_(out, x, a[0], b[0], None, None, None,
-                                      None, slots, 1.0, 72, 0, 0)
+    torch.ops.spyre_kernels.lora_add_(out, x, a[0], _tiled(b[0]), None, None,
+                                      None, None, slots, 1.0, 72, 0, 0)
     _add_masked(ref, x, a[0], b[0], slots, 1.0)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -102,6 +111,8 @@ def test_traced_by_dynamo():
     widths = [64, 32]
     x, a, b, slots = _slices(4, 64, 8, widths, torch.float32)
 
+    b = [_tiled(bi) for bi in b]
+
     def add(out):
         torch.ops.spyre_kernels.lora_add_(out, x, a[0], b[0], a[1], b[1],
                                           None, None, slots, 0.5, 64, 32, 0)
@@ -110,3 +121,40 @@ def test_traced_by_dynamo():
     compiled = torch.compile(add, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(torch.zeros(4, 96)),
                                add(torch.zeros(4, 96)))
+
+
+@pytest.mark.parametrize("n", [48, 40, 7])
+def test_tiles_of_b(n):
+    """``tile_b_``: output ``o``'s value at rank ``r`` moves to its tile's
+    row ``r``, lane ``o % TILE`` (the last tile as wide as its outputs);
+    the other slots keep their layout."""
+    R = 5
+    b = torch.arange(2 * n * R, dtype=torch.float32).view(2, 1, n, R)
+    tiled = b.clone()
+    tile_b_(tiled, 1)
+    assert torch.equal(tiled[0], b[0])
+    flat = tiled[1].view(-1)
+    for o in range(n):
+        start = o - o % TILE
+        lanes = min(TILE, n - start)
+        for r in range(R):
+            assert flat[start * R + r * lanes + o % TILE] == b[1, 0, o, r]
+
+
+def test_more_slices_than_one_call_takes():
+    """The punica wrapper on the op: a layer of five slices (the op takes
+    three) adds each slice's product to its own columns."""
+    widths = (32, 16, 48, 16, 24)
+    x, a, b, slots = _slices(6, 64, 8, list(widths), torch.float32)
+    punica = PunicaWrapperSpyre(64, 8, "cpu")
+    punica.native = True
+    punica._token_lora_indices[:6] = slots
+    y = torch.randn(6, sum(widths))
+    ref = y.clone()
+    punica.add_lora_linear(y, x, tuple(a), tuple(_tiled(bi) for bi in b),
+                           None, 0.5, widths)
+    offset = 0
+    for ai, bi, w in zip(a, b, widths):
+        _add_masked(ref[:, offset:offset + w], x, ai, bi, slots, 0.5)
+        offset += w
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)

@@ -39,7 +39,9 @@ from torch import nn
 
 from vllm.config.spyre_model_facts import VLLM
 from vllm.logger import init_logger
-from vllm.lora.layers import LoRAMapping
+from vllm.lora.layers import LoRAMapping, VocabParallelEmbeddingWithLoRA
+from vllm.lora.models import LRUCacheLoRAModelManager
+from vllm.lora.punica_wrapper.spyre_punica import tile_b_
 from vllm.lora.request import LoRARequest
 from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
 
@@ -76,10 +78,33 @@ def check_config(vllm_config: "VllmConfig", model_impl: str,
         lora_config.max_cpu_loras or lora_config.max_loras)
 
 
+class _Slots(LRUCacheLoRAModelManager):
+    """vLLM's manager of the adapter slots; where the products run on the
+    C++ kernel, an adapter's B matrices, once vLLM's layers have copied
+    them into its slot, laid out as the kernel reads them
+    (``spyre_punica.tile_b_``).  The token embedding's products run on
+    torch ops and keep vLLM's layout."""
+
+    def activate_adapter(self, lora_id: int) -> bool:
+        if not super().activate_adapter(lora_id):
+            return False
+        if self.punica_wrapper.native:
+            slot = self.lora_index_to_id.index(lora_id)
+            for module in self.modules.values():
+                if isinstance(module, VocabParallelEmbeddingWithLoRA):
+                    continue
+                b = module.lora_b_stacked
+                for tensor in (b if isinstance(b, tuple) else (b, )):
+                    tile_b_(tensor, slot)
+        return True
+
+
 class _Manager(LRUCacheWorkerLoRAManager):
     """vLLM's LRU adapter manager, loading adapters from local folders
     only, each checked against the base model (in ``base_dir``, whose
     tensors' shapes are read once, at the first load) first."""
+
+    _manager_cls = _Slots
 
     def __init__(self, base_dir: str, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -23,7 +23,9 @@ per projection for all its rows, whatever adapters they use (the punica
 shrink and expand, batched over the slots).  Where the model runs on the
 project's C++ kernels, one op per layer adds every slice's product to the
 base layer's output in place (``spyre_kernels::lora_add_``): each row
-multiplied by its own slot's matrices only, in two threaded passes, where
+multiplied by its own slot's matrices only, the rows on one slot together,
+in two threaded passes (each adapter's B in tiles of outputs, ``tile_b_``,
+laid out so by ``spyre_lora`` when it is copied into a slot), where
 the ops above are a dozen per slice (in eager, each one a call; in
 inductor, thousands of nodes more in every graph of a 30-layer model, and
 minutes more to compile it).  Slots and ranks are fixed at
@@ -65,6 +67,28 @@ def _add_masked(y: torch.Tensor, x: torch.Tensor, a: Optional[torch.Tensor],
         1, 2).reshape(n_slots * rank, out)
     width = min(out, y.shape[-1])
     y[:, :width] += delta[:, :width].to(y.dtype)
+
+
+#: Outputs per tile of a stacked B as the C++ kernel reads it.
+TILE = 16
+
+
+def tile_b_(b: torch.Tensor, slot: int) -> None:
+    """Lays slot ``slot`` of a stacked B (``[S, 1, n, r]`` or ``[S, n,
+    r]``, contiguous) out in place as ``lora_add_`` reads it, from the
+    order vLLM's ``set_lora`` writes (each output's ``r`` values): tiles of
+    ``TILE`` adjacent outputs, each tile its ``r`` rows of ``TILE`` values
+    (the last tile, of ``n % TILE`` outputs, its ``r`` rows of those), so
+    that a tile is one contiguous block and its rows vectors of outputs.
+    The tensor keeps its shape; only the kernel reads it this way."""
+    n, r = b.shape[-2], b.shape[-1]
+    rows = b[slot].reshape(n, r).clone()
+    flat = b[slot].view(-1)
+    full = n - n % TILE
+    flat[:full * r].view(full // TILE, r, TILE).copy_(
+        rows[:full].view(full // TILE, TILE, r).transpose(1, 2))
+    if full < n:
+        flat[full * r:].view(r, n - full).copy_(rows[full:].t())
 
 
 class PunicaWrapperSpyre(PunicaWrapperBase):
@@ -117,14 +141,21 @@ class PunicaWrapperSpyre(PunicaWrapperBase):
         flat_y = y.view(-1, y.shape[-1])
         flat_x = x.view(-1, x.shape[-1])
         slots = self._token_lora_indices
-        if self.native and len(output_slices) <= 3:
-            pairs: list = []
-            for a, b in zip(lora_a_stacked, lora_b_stacked):
-                pairs += [a, b]
-            pairs += [None] * (6 - len(pairs))
-            widths = list(output_slices) + [0] * (3 - len(output_slices))
-            torch.ops.spyre_kernels.lora_add_(flat_y, flat_x, *pairs, slots,
-                                              scale, *widths)
+        if self.native:
+            # Three slices a call (the op's most), at their columns.
+            offset = 0
+            for i in range(0, len(output_slices), 3):
+                pairs: list = []
+                for a, b in zip(lora_a_stacked[i:i + 3],
+                                lora_b_stacked[i:i + 3]):
+                    pairs += [a, b]
+                pairs += [None] * (6 - len(pairs))
+                widths = list(output_slices[i:i + 3])
+                torch.ops.spyre_kernels.lora_add_(
+                    flat_y[:, offset:] if offset else flat_y, flat_x,
+                    *pairs, slots, scale,
+                    *widths, *[0] * (3 - len(widths)))
+                offset += sum(widths)
             return
         offset = 0
         for a, b, width in zip(lora_a_stacked, lora_b_stacked,
