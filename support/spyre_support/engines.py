@@ -32,14 +32,29 @@ def compile_count() -> int:
 
 def release_engine() -> None:
     """Tears down what an engine left in this process, so the next one
-    starts clean: the process group and every compiled graph."""
+    starts clean: the process group, every compiled graph, and the
+    objects its start-up left to the permanent generation
+    (``spyre_heap.freeze_start_up_objects``), collected with the rest."""
     import torch
     from vllm.distributed import (destroy_distributed_environment,
                                   destroy_model_parallel)
     destroy_model_parallel()
     destroy_distributed_environment()
     torch._dynamo.reset()
+    gc.unfreeze()
     gc.collect()
+
+
+def collector_reach(llm, made_later) -> dict:
+    """Which of an in-process engine's objects the cycle collector still
+    walks: its model runner (made at start-up, frozen after warm-up:
+    ``spyre_heap.freeze_start_up_objects``) and ``made_later`` (made while
+    serving, which it must)."""
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    tracked = {id(o) for o in gc.get_objects()}
+    return dict(runner=id(runner) in tracked,
+                made_later=id(made_later) in tracked,
+                frozen=gc.get_freeze_count())
 
 
 def _build(model: Path, env: dict, kwargs: dict):

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spyre_support.engines import (compile_count, first_logprob, spyre_engine,
+from spyre_support.engines import (collector_reach, compile_count,
+                                   first_logprob, spyre_engine,
                                    spyre_llm)
 from spyre_support.envs import cb_env, TORCH_OPS
 from spyre_support.reference import HFReference
@@ -65,12 +66,12 @@ def run_workload(model, backend, plan=PLAN, **kwargs) -> dict:
             worker=type(llm.llm_engine.model_executor.driver_worker.worker
                         ).__name__,
             timings=llm.collective_rpc("get_startup_timings")[0],
+            reach=collector_reach(llm, outputs),
             prefill_shape=tuple(llm.llm_engine.model_executor.driver_worker
                                 .worker.model_runner._chunks(
                                     list(range(4, 134)),
                                     [0, 1, 2]).input_ids.shape))
     return seen
-
 
 
 @pytest.fixture(scope="module", params=["eager", "inductor", TORCH_OPS])
@@ -99,6 +100,14 @@ def test_no_compilation_after_warmup(cb_run):
     assert cb_run["warmup_compiles"] > 0
     assert cb_run["compiled"] == 0
     assert set(cb_run["timings"]) == {"load", "warmup"}
+
+
+def test_start_up_objects_are_left_out_of_collections(cb_run):
+    """Frozen after the pool's warm-up (``SpyreCBWorker``), as after the
+    static warm-up; what serving makes is still collected."""
+    reach = cb_run["reach"]
+    assert reach["frozen"] > 0 and not reach["runner"]
+    assert reach["made_later"]
 
 
 def test_prefill_runs_in_one_pass_on_the_paged_kernel(cb_run):

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spyre_support.engines import compile_count, first_logprob, spyre_llm
+from spyre_support.engines import (collector_reach, compile_count,
+                                   first_logprob, spyre_llm)
 from spyre_support.envs import spyre_env, TORCH_OPS
 from spyre_support.reference import HFReference
 
@@ -50,6 +51,7 @@ def tiny_run(request, tiny_llama):
         outputs = llm.generate(prompts, params, use_tqdm=False)
         compiled = compile_count() - before
         timings = llm.collective_rpc("get_startup_timings")[0]
+        reach = collector_reach(llm, outputs)
         model = llm.llm_engine.model_executor.driver_worker.worker \
             .model_runner.model
         packed = sum(type(m).__name__ == "PackedLinear"
@@ -62,8 +64,7 @@ def tiny_run(request, tiny_llama):
                        .__name__)
     yield dict(backend=backend, reqs=reqs, outputs=outputs,
                compiled=compiled, warmup_compiles=warmup_compiles,
-               timings=timings, kernels=kernels)
-
+               timings=timings, kernels=kernels, reach=reach)
 
 
 def test_both_backends_run_on_the_native_kernels(tiny_run):
@@ -115,6 +116,15 @@ def test_no_compilation_after_warmup(tiny_run):
     # The counter is live: start-up compiled graphs, serving none.
     assert tiny_run["warmup_compiles"] > 0
     assert tiny_run["compiled"] == 0
+
+
+def test_start_up_objects_are_left_out_of_collections(tiny_run):
+    """What start-up made (the compiled graphs, the runner) is frozen, so
+    a full collection while serving does not walk it; what serving makes
+    still is collected."""
+    reach = tiny_run["reach"]
+    assert reach["frozen"] > 0 and not reach["runner"]
+    assert reach["made_later"]
 
 
 def test_every_shape_was_warmed_up(tiny_run):

@@ -89,6 +89,7 @@ class SpyreWorkerBase(LocalOrDistributedWorkerBase):
         self.check_memory()
         self.load_weights()
         self.model_runner.warmup()
+        spyre_heap.freeze_start_up_objects()
 
     def load_weights(self) -> None:
         """Loads and compiles the model, its transient buffers (each
