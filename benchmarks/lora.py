@@ -1,8 +1,8 @@
 """LoRA adapters: decode speed with adapters against the base model alone,
 and the time to load an adapter while serving.
 
-Two engines, each in its own process, on vLLM's model code with
-continuous batching (``--max-num-seqs`` the largest batch): the base model
+Two engines, each in its own process, both alive, on vLLM's model code
+with continuous batching (``--max-num-seqs`` the largest batch): the base model
 without ``--enable-lora``, and the same with ``--enable-lora --max-loras 4
 --max-lora-rank R``.  Four random rank-R adapters over every projection of
 the model are written in PEFT's layout from the checkpoint's headers
@@ -12,7 +12,9 @@ folder first.
 For each batch size B: B prompts of P tokens cut from
 benchmarks/data/text.txt, G new tokens each, greedy, EOS ignored, timed
 twice per repetition: with G new tokens and with 1, so that decode tokens/s
-is B*(G-1) over the difference (prefills excluded).  The base engine runs
+is B*(G-1) over the difference (prefills excluded).  The engines take
+turns, one repetition each, so that a ratio compares rates measured in the
+same minutes.  The base engine runs
 every B without adapters; the LoRA engine runs every B with one adapter
 on every row, and the largest B also with the four adapters spread over
 its rows.  Reported: decode tokens/s, and the LoRA step's time over the
@@ -154,18 +156,15 @@ def write_adapters(model: str, root: Path, rank: int) -> list[tuple]:
     return out
 
 
-def decode_rate(child: Child, prompts, new_tokens: int, adapters,
-                reps: int) -> dict:
-    """Median decode tokens/s of ``prompts`` over ``reps`` repetitions
-    (G tokens against 1), and the compilations during them."""
-    rates, compiles = [], 0
-    for _ in range(reps):
-        full = child.call("generate", prompts, new_tokens, adapters)
-        first = child.call("generate", prompts, 1, adapters)
-        compiles += full["compiles"] + first["compiles"]
-        decode_s = full["seconds"] - first["seconds"]
-        rates.append(len(prompts) * (new_tokens - 1) / decode_s)
-    return dict(tok_s=statistics.median(rates), compiles=compiles)
+def decode_once(child: Child, prompts, new_tokens: int,
+                adapters) -> tuple[float, int]:
+    """Decode tokens/s of ``prompts`` (G tokens against 1), and the
+    compilations during them."""
+    full = child.call("generate", prompts, new_tokens, adapters)
+    first = child.call("generate", prompts, 1, adapters)
+    decode_s = full["seconds"] - first["seconds"]
+    return (len(prompts) * (new_tokens - 1) / decode_s,
+            full["compiles"] + first["compiles"])
 
 
 def main() -> int:
@@ -203,39 +202,53 @@ def main() -> int:
             engines.append(("base-inputs", base_args,
                             {"VLLM_SPYRE_INDUCTOR_FREEZING": "0"}))
         engines.append(("lora", lora_args, {}))
-        for name, engine_args, extra_env in engines:
-            print(f"[{name}] starting ...", flush=True)
-            child = Child(name, Runner, args.model, engine_args,
-                          env=dict(env, **extra_env))
-            try:
-                result[name] = child.result()
+        children: dict = {}
+        try:
+            for name, engine_args, extra_env in engines:
+                print(f"[{name}] starting ...", flush=True)
+                children[name] = Child(name, Runner, args.model, engine_args,
+                                       env=dict(env, **extra_env))
+                result[name] = children[name].result()
+            plans = []  # (engine, B, plan, prompts, each row's adapter)
+            for name in children:
                 for b in sizes:
                     prompts = build_prompts(ids, b, args.prompt_len)
-                    plans = {"none": [None] * b}
+                    rows_of = {"none": [None] * b}
                     if name == "lora":
-                        plans = {"one adapter": [adapters[0]] * b}
+                        rows_of = {"one adapter": [adapters[0]] * b}
                         if b == largest and b > 1:
-                            plans[f"{SLOTS} adapters"] = [
+                            rows_of[f"{SLOTS} adapters"] = [
                                 adapters[i % SLOTS] for i in range(b)]
-                    for plan, rows_adapters in plans.items():
-                        # Warm: loads the adapters, runs every graph.
-                        child.call("generate", prompts, 2, rows_adapters)
-                        run = decode_rate(child, prompts, args.new_tokens,
-                                          rows_adapters, args.repetitions)
-                        runs[(name, b, plan)] = run
-                        compiles += run["compiles"]
-                if name == "lora" and largest > 1:
-                    # One slot of the batch left for the arriving requests.
-                    run = child.call(
-                        "load_while_decoding",
-                        build_prompts(ids, largest - 1, args.prompt_len),
-                        args.new_tokens, adapters[0], adapters[1],
-                        adapters[-1])
-                    compiles += run.pop("compiles")
-                    result["load_while_decoding"] = run
-                # After every run: the LoRA engine holds all its adapters.
+                    plans += [(name, b, plan, prompts, rows)
+                              for plan, rows in rows_of.items()]
+            for name, _, _, prompts, rows in plans:
+                # Warm: loads the adapters, runs every graph.
+                children[name].call("generate", prompts, 2, rows)
+            # The engines take turns, repetition by repetition, so that
+            # each ratio compares rates from the same minutes (this
+            # machine's speed drifts by a tenth from minute to minute).
+            rates: dict = {}
+            for _ in range(args.repetitions):
+                for name, b, plan, prompts, rows in plans:
+                    rate, compiled = decode_once(children[name], prompts,
+                                                 args.new_tokens, rows)
+                    rates.setdefault((name, b, plan), []).append(rate)
+                    compiles += compiled
+            runs = {key: dict(tok_s=statistics.median(values))
+                    for key, values in rates.items()}
+            if largest > 1:
+                # One slot of the batch left for the arriving requests.
+                run = children["lora"].call(
+                    "load_while_decoding",
+                    build_prompts(ids, largest - 1, args.prompt_len),
+                    args.new_tokens, adapters[0], adapters[1], adapters[-1])
+                compiles += run.pop("compiles")
+                result["load_while_decoding"] = run
+            # After every run: the LoRA engine holds all its adapters.
+            for name, child in children.items():
                 result[name]["end_rss_gib"] = child.call("rss_gib")
-            finally:
+        finally:
+            for child in children.values():
                 child.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -130,6 +130,28 @@ def test_linear_benchmark_small(smollm2, tmp_path):
     assert len(lines) - header == 2 + 2 * len(names)
 
 
+def test_lora_kernel_benchmark_small(tiny_llama, tmp_path):
+    """benchmarks/lora_kernel.py: a decode step's adapter products on the
+    kernel and on torch ops, their outputs compared first, the rows on one
+    slot and on two; the bytes read grow with the slots used."""
+    out = tmp_path / "lora_kernel.json"
+    proc = preloaded.run(
+        [str(REPO / "benchmarks" / "lora_kernel.py"),
+         "--model", str(tiny_llama), "--rows", "3", "--slots", "2",
+         "--passes", "2", "--json", str(out)],
+        timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert set(runs) == {"1", "2"}
+    assert all(run["kernel"] > 0 and run["torch-ops"] > 0
+               for run in runs.values())
+    assert runs["2"]["bytes"] == 2 * runs["1"]["bytes"]
+    lines = proc.stdout.strip().splitlines()
+    header = next(i for i, line in enumerate(lines)
+                  if line.startswith("path "))
+    assert len(lines) - header == 2 + 4
+
+
 @pytest.mark.smollm2
 def test_attention_benchmark_small(smollm2, tmp_path):
     """benchmarks/attention.py: the C++ attention kernels against the torch
