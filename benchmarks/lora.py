@@ -219,19 +219,19 @@ def main() -> int:
                         if b == largest and b > 1:
                             rows_of[f"{SLOTS} adapters"] = [
                                 adapters[i % SLOTS] for i in range(b)]
-                    plans += [(name, b, plan, prompts, rows)
-                              for plan, rows in rows_of.items()]
-            for name, _, _, prompts, rows in plans:
+                    plans += [(name, b, plan, prompts, on)
+                              for plan, on in rows_of.items()]
+            for name, _, _, prompts, on in plans:
                 # Warm: loads the adapters, runs every graph.
-                children[name].call("generate", prompts, 2, rows)
+                children[name].call("generate", prompts, 2, on)
             # The engines take turns, repetition by repetition, so that
             # each ratio compares rates from the same minutes (this
             # machine's speed drifts by a tenth from minute to minute).
             rates: dict = {}
             for _ in range(args.repetitions):
-                for name, b, plan, prompts, rows in plans:
+                for name, b, plan, prompts, on in plans:
                     rate, compiled = decode_once(children[name], prompts,
-                                                 args.new_tokens, rows)
+                                                 args.new_tokens, on)
                     rates.setdefault((name, b, plan), []).append(rate)
                     compiles += compiled
             runs = {key: dict(tok_s=statistics.median(values))

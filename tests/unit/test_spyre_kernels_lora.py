@@ -158,3 +158,22 @@ def test_more_slices_than_one_call_takes():
         _add_masked(ref[:, offset:offset + w], x, ai, bi, slots, 0.5)
         offset += w
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_head_product_runs_only_while_a_slot_adapts_the_head():
+    """``add_lora_logits`` skips the product while no slot's adapter has
+    the output head (``head_slots``, filled as slots are), and adds it once
+    one has."""
+    x, a, b, slots = _slices(4, 64, 8, [80], torch.float32)
+    punica = PunicaWrapperSpyre(64, 8, "cpu")
+    punica.native = True
+    punica._sampler_indices[:4] = slots
+    logits = torch.randn(4, 80)
+    start = logits.clone()
+    punica.head_slots = {0: False, 1: False}
+    punica.add_lora_logits(logits, x, a[0], _tiled(b[0]), 1.0)
+    assert torch.equal(logits, start)
+    punica.head_slots[1] = True
+    punica.add_lora_logits(logits, x, a[0], _tiled(b[0]), 1.0)
+    _add_masked(start, x, a[0], b[0], slots, 1.0)
+    torch.testing.assert_close(logits, start, rtol=1e-5, atol=1e-5)

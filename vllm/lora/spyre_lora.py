@@ -39,7 +39,8 @@ from torch import nn
 
 from vllm.config.spyre_model_facts import VLLM
 from vllm.logger import init_logger
-from vllm.lora.layers import LoRAMapping, VocabParallelEmbeddingWithLoRA
+from vllm.lora.layers import (LogitsProcessorWithLoRA, LoRAMapping,
+                              VocabParallelEmbeddingWithLoRA)
 from vllm.lora.models import LRUCacheLoRAModelManager
 from vllm.lora.punica_wrapper.spyre_punica import tile_b_
 from vllm.lora.request import LoRARequest
@@ -79,23 +80,30 @@ def check_config(vllm_config: "VllmConfig", model_impl: str,
 
 
 class _Slots(LRUCacheLoRAModelManager):
-    """vLLM's manager of the adapter slots; where the products run on the
-    C++ kernel, an adapter's B matrices, once vLLM's layers have copied
-    them into its slot, laid out as the kernel reads them
-    (``spyre_punica.tile_b_``).  The token embedding's products run on
-    torch ops and keep vLLM's layout."""
+    """vLLM's manager of the adapter slots.  Once vLLM's layers have copied
+    an adapter into its slot: where the products run on the C++ kernel,
+    its B matrices laid out as the kernel reads them
+    (``spyre_punica.tile_b_``; the token embedding's products run on torch
+    ops and keep vLLM's layout); and the punica wrapper told whether it
+    adapts the output head (``head_slots``), whose product, outside the
+    graphs, is skipped while no slot does."""
 
     def activate_adapter(self, lora_id: int) -> bool:
         if not super().activate_adapter(lora_id):
             return False
-        if self.punica_wrapper.native:
-            slot = self.lora_index_to_id.index(lora_id)
-            for module in self.modules.values():
-                if isinstance(module, VocabParallelEmbeddingWithLoRA):
-                    continue
-                b = module.lora_b_stacked
-                for tensor in (b if isinstance(b, tuple) else (b, )):
-                    tile_b_(tensor, slot)
+        slot = self.lora_index_to_id.index(lora_id)
+        adapter = self._registered_adapters[lora_id]
+        punica = self.punica_wrapper
+        for name, module in self.modules.items():
+            if isinstance(module, LogitsProcessorWithLoRA):
+                punica.head_slots[slot] = self._get_lora_layer_weights(
+                    adapter, name) is not None
+            if not punica.native or isinstance(
+                    module, VocabParallelEmbeddingWithLoRA):
+                continue
+            b = module.lora_b_stacked
+            for tensor in (b if isinstance(b, tuple) else (b, )):
+                tile_b_(tensor, slot)
         return True
 
 

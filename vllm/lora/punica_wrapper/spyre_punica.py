@@ -107,6 +107,10 @@ class PunicaWrapperSpyre(PunicaWrapperBase):
         #: Whether the products run on the C++ kernel (``lora_add_``),
         #: set by ``spyre_lora`` where the model runs on the kernels.
         self.native = False
+        #: Per slot, whether its adapter adapts the output head (set by
+        #: ``spyre_lora`` as it fills the slot): while none does, the
+        #: head's product (zero) is not computed.
+        self.head_slots: dict[int, bool] = {}
         # Padding and inactive rows: no adapter, before the first mapping.
         self._token_lora_indices.fill_(-1)
         self._sampler_indices.fill_(-1)
@@ -138,8 +142,10 @@ class PunicaWrapperSpyre(PunicaWrapperBase):
         if lora_bias_stacked is not None:
             raise NotImplementedError(
                 "LoRA adapters with biases are not supported on Spyre")
-        flat_y = y.view(-1, y.shape[-1])
-        flat_x = x.view(-1, x.shape[-1])
+        # Already [tokens, features] on vLLM's model code: no view (in a
+        # graph run by eager, each would be one more call per layer).
+        flat_y = y if y.dim() == 2 else y.view(-1, y.shape[-1])
+        flat_x = x if x.dim() == 2 else x.view(-1, x.shape[-1])
         slots = self._token_lora_indices
         if self.native:
             # Three slices a call (the op's most), at their columns.
@@ -178,6 +184,8 @@ class PunicaWrapperSpyre(PunicaWrapperBase):
                         ) -> None:
         """The output head's adapter product, one slot per row (run after
         the graph, on the rows whose logits are computed)."""
+        if not any(self.head_slots.values()):
+            return
         flat_y, flat_x = y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1])
         if self.native:
             torch.ops.spyre_kernels.lora_add_(
