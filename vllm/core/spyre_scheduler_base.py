@@ -7,7 +7,10 @@ mode's ``refusal`` before queueing a request, and overrides the least it
 can.  The static and continuous-batching schedulers refuse the same
 unsupported sampling features (``refuse_unsupported``), and all three
 narrow upstream's prefill scheduling to the requests they picked
-(``waiting_only``).
+(``waiting_only``).  With LoRA, upstream holds back a request whose
+adapter would be one more than ``--max-loras`` in the running batch; the
+Spyre schedulers say so once per request (``note_adapter_waits``), naming
+the count and the limit.
 """
 from __future__ import annotations
 
@@ -15,9 +18,12 @@ import contextlib
 from collections import deque
 from typing import Optional
 
-from vllm.core.scheduler import Scheduler
+from vllm.core.scheduler import Scheduler, SchedulerOutputs
+from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import SequenceGroup
+
+logger = init_logger(__name__)
 
 
 class RefusingScheduler(Scheduler):
@@ -25,6 +31,40 @@ class RefusingScheduler(Scheduler):
     its mode could never schedule: a ``ValueError`` naming the value and
     the limit, which offline callers get directly and the OpenAI server
     answers with HTTP 400, instead of a request that waits forever."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        #: Waiting requests already said to wait for an adapter slot.
+        self._adapter_waits: set[str] = set()
+
+    def _schedule(self) -> SchedulerOutputs:
+        """Upstream's, then (with LoRA) ``note_adapter_waits``."""
+        outputs = super()._schedule()
+        if self.lora_enabled:
+            self.note_adapter_waits()
+        return outputs
+
+    def note_adapter_waits(self) -> None:
+        """One log line for each waiting request that its adapter holds
+        back: the running batch already runs ``--max-loras`` different
+        adapters and its adapter is not one of them (it starts once the
+        requests of one of them have finished)."""
+        assert self.lora_config is not None
+        limit = self.lora_config.max_loras
+        running = {g.lora_int_id for g in self.running if g.lora_int_id > 0}
+        waiting = {g.request_id for g in self.waiting}
+        self._adapter_waits &= waiting
+        if len(running) < limit:
+            return
+        for group in self.waiting:
+            if (group.lora_int_id > 0 and group.lora_int_id not in running
+                    and group.request_id not in self._adapter_waits):
+                self._adapter_waits.add(group.request_id)
+                logger.info(
+                    "Request %s waits for an adapter slot: its adapter %r "
+                    "would make %d different adapters in the running "
+                    "batch, more than --max-loras=%d", group.request_id,
+                    group.lora_request.lora_name, len(running) + 1, limit)
 
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
         """Upstream's, after ``refusal`` found nothing to refuse."""
