@@ -52,8 +52,8 @@ class RefusingScheduler(Scheduler):
         assert self.lora_config is not None
         limit = self.lora_config.max_loras
         running = {g.lora_int_id for g in self.running if g.lora_int_id > 0}
-        waiting = {g.request_id for g in self.waiting}
-        self._adapter_waits &= waiting
+        if self._adapter_waits:  # forget the requests no longer waiting
+            self._adapter_waits &= {g.request_id for g in self.waiting}
         if len(running) < limit:
             return
         for group in self.waiting:

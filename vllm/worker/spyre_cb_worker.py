@@ -24,7 +24,7 @@ from vllm.config.spyre import CB_BLOCK_SIZE
 from vllm.core.spyre_cb_blocks import blocks_needed
 from vllm.logger import init_logger
 from vllm.spyre_kernels import ops as native
-from vllm.worker import spyre_heap, spyre_memory
+from vllm.worker import spyre_memory
 from vllm.worker.spyre_cb_model_runner import SpyreCBModelRunner
 from vllm.worker.spyre_worker_base import SpyreWorkerBase
 
@@ -109,8 +109,7 @@ class SpyreCBWorker(SpyreWorkerBase):
         self.cache_config.num_gpu_blocks = num_gpu_blocks
         self.cache_config.num_cpu_blocks = num_cpu_blocks
         self.model_runner.allocate_pool(num_gpu_blocks)
-        self.model_runner.warmup()
-        spyre_heap.freeze_start_up_objects()
+        self.warm_up()
 
     def get_cache_block_size_bytes(self) -> int:
         return self.model_runner.block_bytes()

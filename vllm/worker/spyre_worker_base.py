@@ -88,6 +88,12 @@ class SpyreWorkerBase(LocalOrDistributedWorkerBase):
         the model, then warms up every shape."""
         self.check_memory()
         self.load_weights()
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """The runner's warm-up (every graph serving will use), then the
+        objects start-up made frozen out of the collector's reach
+        (``spyre_heap.freeze_start_up_objects``)."""
         self.model_runner.warmup()
         spyre_heap.freeze_start_up_objects()
 
