@@ -40,6 +40,7 @@ setup(
             "vllm.engine.spyre_pending_grammars:install",
             "spyre_parallel_streams = "
             "vllm.engine.spyre_parallel_streams:install",
+            "spyre_spec_outputs = vllm.engine.spyre_spec_outputs:install",
             "spyre_error_status = "
             "vllm.entrypoints.openai.spyre_error_status:install",
             "spyre_request_checks = "

@@ -20,7 +20,9 @@ holds the running sequences' decodes and one chunk of a prefill
 * ``_schedule_prefills`` admits one sequence per prefill step, as the card
   prefills one sequence at a time;
 * under chunked prefill, every chunk is ``prefill_chunk`` tokens (the last
-  one of a prompt what is left), whatever the step's decodes.
+  one of a prompt what is left), whatever the step's decodes;
+* with speculative decoding, a decoding sequence gets the lookahead slots
+  of its proposals (``num_lookahead_slots``; upstream's V0 gives none).
 """
 from __future__ import annotations
 
@@ -81,6 +83,12 @@ class SpyreCBScheduler(RefusingScheduler):
     def _usable_blocks(self) -> int:
         manager = self.block_manager
         return manager.num_total_gpu_blocks - manager.watermark_blocks
+
+    def _get_num_lookahead_slots(self, is_prefill: bool,
+                                 enable_chunking: bool) -> int:
+        """Slots beyond a decoding sequence's tokens: where the keys and
+        values of its proposed tokens go (0 without speculation)."""
+        return 0 if is_prefill else self.scheduler_config.num_lookahead_slots
 
     def _schedule_running(self, budget: SchedulingBudget, curr_loras,
                           enable_chunking: bool = False,

@@ -222,12 +222,14 @@ class SpyrePlatform(Platform):
             spyre_lora.check_config(vllm_config, impl, spyre.dynamo_backend)
             _check_tensor_parallel(model_config, impl,
                                    parallel_config.tensor_parallel_size)
-            _check_hybrid(model_config.hf_config, vllm_config.cache_config)
+            hybrid = _check_hybrid(model_config.hf_config,
+                                   vllm_config.cache_config)
             if spyre.use_cb:
                 spyre_modes.configure_continuous_batching(vllm_config,
                                                           spyre)
             else:
                 spyre_modes.configure_static_batching(vllm_config, spyre)
+            spyre_modes.configure_speculative(vllm_config, spyre, hybrid)
             facts = SpyreModelFacts(
                 model_impl=impl,
                 sliding_window=_sliding_window(model_config.hf_config, impl)
@@ -296,13 +298,14 @@ def _choose_model_impl(model_config, spyre: SpyreConfig) -> str:
     return impl
 
 
-def _check_hybrid(hf_config, cache_config) -> None:
+def _check_hybrid(hf_config, cache_config) -> bool:
     """A hybrid (Mamba-2 and attention) model runs its Mamba-2 layers over
     Spyre's state slots (``spyre_mamba``), without prefix caching, whose
-    cached blocks would hold keys and values but no state."""
+    cached blocks would hold keys and values but no state.  Whether the
+    model is one."""
     from vllm.model_executor.models.spyre_families import FAMILIES, family_of
     if not any(a in FAMILIES for a in hf_config.architectures or []):
-        return
+        return False
     family = family_of(hf_config)
     if family.hybrid and cache_config.enable_prefix_caching:
         raise NotImplementedError(
@@ -310,6 +313,7 @@ def _check_hybrid(hf_config, cache_config) -> None:
             "Spyre: a cached prefix would hold its attention layers' keys "
             "and values but not its Mamba-2 layers' states; drop "
             "--enable-prefix-caching")
+    return family.hybrid
 
 
 def _sliding_window(hf_config, model_impl: str) -> Optional[int]:

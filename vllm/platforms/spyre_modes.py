@@ -27,6 +27,9 @@ SPYRE_STATIC_WORKER_CLS = "vllm.worker.spyre_static_worker.SpyreStaticWorker"
 SPYRE_CB_WORKER_CLS = "vllm.worker.spyre_cb_worker.SpyreCBWorker"
 SPYRE_POOLING_WORKER_CLS = \
     "vllm.worker.spyre_pooling_worker.SpyrePoolingWorker"
+SPYRE_SPEC_WORKER_CLS = "vllm.worker.spyre_spec_worker.SpyreSpecWorker"
+#: The speculative methods Spyre runs.
+SPEC_METHODS = ("ngram", )
 
 
 def configure_static_batching(vllm_config: "VllmConfig",
@@ -99,6 +102,61 @@ def configure_continuous_batching(vllm_config: "VllmConfig",
         cache_config.block_size,
         "on" if cache_config.enable_prefix_caching else "off",
         f"on ({chunk}-token chunks)" if chunk else "off")
+
+
+def configure_speculative(vllm_config: "VllmConfig", spyre: SpyreConfig,
+                          hybrid: bool) -> None:
+    """``--speculative-config``: n-gram proposals verified in one pass
+    per step, under continuous batching on the CPU backends; anything
+    else is refused here, naming what runs."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return
+    method = spec.method
+    if method not in SPEC_METHODS:
+        raise NotImplementedError(
+            f"Speculative decoding method {method!r} is not supported on "
+            f"Spyre; it runs {', '.join(SPEC_METHODS)} (n-gram prompt "
+            "lookup: \"method\": \"ngram\")")
+    if not spyre.use_cb:
+        raise NotImplementedError(
+            "Speculative decoding on Spyre runs under continuous batching: "
+            "set VLLM_SPYRE_USE_CB=1 (a static batch decodes its sequences "
+            "in lockstep, one token each)")
+    if spyre.dynamo_backend == "sendnn":
+        raise NotImplementedError(
+            "Speculative decoding runs on the CPU backends "
+            "(VLLM_SPYRE_DYNAMO_BACKEND=eager or inductor), not yet on the "
+            "card (sendnn), whose verify graph has not been compiled")
+    if hybrid:
+        raise NotImplementedError(
+            "Speculative decoding of a hybrid (Mamba-2 and attention) model "
+            "is not supported on Spyre: a rejected proposal would have to "
+            "be undone in its Mamba-2 states")
+    k = spec.num_speculative_tokens
+    scheduler_config = vllm_config.scheduler_config
+    if k is None or not 1 <= k < CB_BLOCK_SIZE:
+        raise ValueError(
+            f"num_speculative_tokens={k}: Spyre verifies 1 to "
+            f"{CB_BLOCK_SIZE - 1} proposed tokens a step (a sequence's "
+            f"lookahead slots fit in one block of {CB_BLOCK_SIZE})")
+    if k >= scheduler_config.max_model_len:
+        raise ValueError(
+            f"num_speculative_tokens={k} must be less than max_model_len="
+            f"{scheduler_config.max_model_len}")
+    low, high = spec.prompt_lookup_min, spec.prompt_lookup_max
+    if low is None or high is None or not 1 <= low <= high:
+        raise ValueError(
+            f"prompt_lookup_min={low} and prompt_lookup_max={high}: n-gram "
+            "lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max")
+    parallel_config = vllm_config.parallel_config
+    if parallel_config.worker_cls == SPYRE_CB_WORKER_CLS:
+        parallel_config.worker_cls = SPYRE_SPEC_WORKER_CLS
+    scheduler_config.num_lookahead_slots = k
+    logger.info(
+        "Spyre speculative decoding: n-gram prompt lookup (suffixes of %d "
+        "to %d tokens), up to %d proposed tokens a sequence, verified in "
+        "one pass of %d positions", low, high, k, k + 1)
 
 
 def prefill_chunk_size(max_num_batched_tokens: int) -> int:

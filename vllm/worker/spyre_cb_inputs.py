@@ -149,3 +149,52 @@ def decode_batch(last_tokens: Sequence[int], seq_lens: Sequence[int],
     column = lambda xs: torch.tensor(xs, dtype=torch.long).unsqueeze(1)  # noqa: E731
     return PagedInputs(column(tokens), column(positions), column(slots),
                        torch.tensor(tables, dtype=torch.long), column(lens))
+
+
+def verify_batch(last_tokens: Sequence[int],
+                 proposals: Sequence[Sequence[int]],
+                 seq_lens: Sequence[int],
+                 block_tables: Sequence[Sequence[int]], width: int,
+                 block_size: int, max_blocks: int, pad_id: int,
+                 pad_block: int) -> PagedInputs:
+    """A speculative verify step: per sequence of ``seq_lens[i]`` tokens,
+    its last token at position ``seq_lens[i] - 1`` and its proposals at
+    the positions after it, each position seeing its sequence up to
+    itself, in rows of ``width`` positions.  The columns after a row's
+    proposals, and the rows beyond the sequences up to
+    ``MIN_DECODE_BATCH``, are padding: they write into the spare block
+    and see one token."""
+    n = len(last_tokens)
+    if not n == len(proposals) == len(seq_lens) == len(block_tables):
+        raise ValueError("one token, proposal list, length and block table "
+                         "per sequence")
+    rows = max(n, MIN_DECODE_BATCH)
+    ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    positions = torch.zeros((rows, width), dtype=torch.long)
+    slots = (pad_block * block_size +
+             torch.arange(rows * width) % block_size).view(rows, width)
+    ctx = torch.ones((rows, width), dtype=torch.long)
+    tables = [_table_row(t, max_blocks, pad_block)
+              for t in block_tables] + [[pad_block] * max_blocks] * (rows - n)
+    for i in range(n):
+        row = [last_tokens[i], *proposals[i]]
+        if len(row) > width:
+            raise ValueError(f"{len(proposals[i])} proposals do not fit a "
+                             f"verify step of {width} positions")
+        first = seq_lens[i] - 1
+        if first < 0:
+            raise ValueError(f"sequence lengths must be positive, got "
+                             f"{seq_lens[i]}")
+        last = first + len(row) - 1
+        if last // block_size >= len(block_tables[i]):
+            raise ValueError(f"position {last} lies beyond the "
+                             f"{len(block_tables[i])} blocks of its sequence")
+        pos = torch.arange(first, last + 1)
+        table = torch.tensor(block_tables[i], dtype=torch.long)
+        ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+        positions[i, :len(row)] = pos
+        slots[i, :len(row)] = (table[pos // block_size] * block_size +
+                               pos % block_size)
+        ctx[i, :len(row)] = pos + 1
+    return PagedInputs(ids, positions, slots,
+                       torch.tensor(tables, dtype=torch.long), ctx)

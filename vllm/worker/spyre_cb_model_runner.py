@@ -232,16 +232,16 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                 lora_requests=step_adapters(metas),
                 prefill_lora=prefills[0].lora_int_id if prefills else 0,
                 decode_loras=tuple(m.lora_int_id for m in decodes))
-        return SpyreCBModelInput(prefill=prefill,
-                                 decode=decode,
-                                 num_live=len(decodes),
-                                 sample_prefill=sample_prefill,
-                                 sampling_metadata=sampling_metadata,
-                                 logprob_ids=logprob_ids,
-                                 logprob_k=logprob_k,
-                                 prefill_states=prefill_states,
-                                 decode_states=decode_states,
-                                 **loras)
+        return self.input_cls(prefill=prefill,
+                              decode=decode,
+                              num_live=len(decodes),
+                              sample_prefill=sample_prefill,
+                              sampling_metadata=sampling_metadata,
+                              logprob_ids=logprob_ids,
+                              logprob_k=logprob_k,
+                              prefill_states=prefill_states,
+                              decode_states=decode_states,
+                              **loras)
 
     def run_step(
         self, model_input: SpyreCBModelInput
@@ -256,10 +256,9 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                                    (adapters, (model_input.prefill_lora, )))
             if model_input.sample_prefill:
                 rows.append(logits)
-        if model_input.decode is not None:
-            rows.append(self._forward(
-                model_input.decode, model_input.decode_states,
-                (adapters, model_input.decode_loras))[:model_input.num_live])
+        decoded = self._decode_rows(model_input)
+        if decoded is not None:
+            rows.append(decoded)
         computed = {}
         if model_input.logprob_ids is not None:
             assert self.model is not None
@@ -281,6 +280,17 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
             sample(self.get_model(), logits, model_input.sampling_metadata),
             computed)]
 
+    def _decode_rows(
+            self, model_input: SpyreCBModelInput) -> Optional[torch.Tensor]:
+        """The logits the step's decode rows sample from (``[num_live,
+        vocab]``), or None without decodes."""
+        if model_input.decode is None:
+            return None
+        return self._forward(
+            model_input.decode, model_input.decode_states,
+            (model_input.lora_requests or (), model_input.decode_loras)
+        )[:model_input.num_live]
+
     # ---- helpers --------------------------------------------------------
     def _chunks(self, tokens: list[int], blocks: list[int], start: int = 0,
                 cached: int = 0) -> PagedInputs:
@@ -297,8 +307,12 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
 
     def _decode(self, tokens: list[int], lens: list[int],
                 tables: list[list[int]]) -> PagedInputs:
-        return decode_batch(tokens, lens, tables, CB_BLOCK_SIZE,
-                            self.max_blocks, self.pad_id, self.pad_block)
+        # A speculating sequence near max_model_len holds lookahead blocks
+        # beyond it, which no step writes.
+        return decode_batch(tokens, lens,
+                            [t[:self.max_blocks] for t in tables],
+                            CB_BLOCK_SIZE, self.max_blocks, self.pad_id,
+                            self.pad_block)
 
     def _prefill_states(self, slot: int, chunks: PagedInputs, real: int,
                         first: bool) -> Optional[StateRows]:

@@ -73,8 +73,11 @@ class SpyreCBWorker(SpyreWorkerBase):
         budget /= self.parallel_config.world_size  # ranks share the machine
         # A hybrid model's Mamba-2 state slots come first.
         budget -= self.model_runner.state_bytes()
-        per_seq = blocks_needed(self.scheduler_config.max_model_len,
-                                CB_BLOCK_SIZE)
+        # With speculative decoding a sequence also holds the lookahead
+        # slots of its proposals.
+        per_seq = blocks_needed(
+            self.scheduler_config.max_model_len +
+            self.scheduler_config.num_lookahead_slots, CB_BLOCK_SIZE)
         # vLLM's block manager lets a sequence decode only while a block is
         # free for it (the block it writes into counts as touched), so a
         # full batch of full-length sequences needs one spare block each;

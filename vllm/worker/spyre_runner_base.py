@@ -107,6 +107,8 @@ class SpyreRunnerBase(ModelRunnerBase[T]):
     #: Whether that class runs vLLM's own model code too (``--model-impl
     #: vllm``; ``spyre_model_code``), not only FMS's.
     runs_vllm_model_code = False
+    #: Whether it runs speculative decoding (``--speculative-config``).
+    speculates = False
     #: The runner's model input, rebuilt on every other rank from the
     #: driver's broadcast (``from_broadcasted_tensor_dict``).
     input_cls: type

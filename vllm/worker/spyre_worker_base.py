@@ -60,9 +60,11 @@ class SpyreWorkerBase(LocalOrDistributedWorkerBase):
         self.distributed_init_method = distributed_init_method
         self.is_driver_worker = is_driver_worker
         self.spyre_config = SpyreConfig.from_vllm_config(vllm_config)
-        if self.speculative_config is not None:
+        if self.speculative_config is not None and \
+                not self.runner_cls.speculates:
             raise NotImplementedError(
-                "Speculative decoding is not supported on Spyre")
+                f"{type(self).__name__} does not run speculative decoding; "
+                "it runs under continuous batching (VLLM_SPYRE_USE_CB=1)")
         self.model_runner = self.runner_cls(vllm_config, self.spyre_config)
 
     def init_device(self) -> None:

@@ -11,7 +11,10 @@ instead of a cache per warm-up shape.  Two graphs serve every step:
   hold a ``[heads, L, context]`` score tensor) a chunk of ``block_size``
   positions (``L = 64``);
 * a decode step, ``[B, 1]``, its batch dimension marked dynamic
-  (``B >= MIN_DECODE_BATCH``), so one graph serves every batch size.
+  (``B >= MIN_DECODE_BATCH``), so one graph serves every batch size;
+* with speculative decoding, a verify step, ``[B, k + 1]``: each running
+  sequence's last token and up to ``k`` proposed tokens, the logits of
+  every position kept, its batch dimension dynamic as a decode step's.
 
 The block table always has the width of a ``max_model_len`` sequence and
 the pools never change size, so nothing recompiles while serving.
@@ -66,6 +69,10 @@ class SpyreCBCausalLM(SpyreCausalLM):
         self.prefill_len_range = (MIN_PREFILL_LEN, max(
             self.max_model_len, MIN_PREFILL_LEN + 1)) if (
                 self.native and self.state_layout is None) else None
+        spec = vllm_config.speculative_config
+        #: Positions of a speculative verify step (``k + 1``), or None.
+        self.verify_len = (spec.num_speculative_tokens + 1
+                           if spec is not None else None)
 
     def block_bytes(self) -> int:
         """Bytes one block of the pool takes on this rank."""
@@ -98,10 +105,12 @@ class SpyreCBCausalLM(SpyreCausalLM):
                 self.state_layout.layers, self.state_pool.slots,
                 self.state_bytes() / 2**20)
 
-    def paged_graph_name(self, is_prompt: bool, max_blocks: int) -> str:
-        """Names the two graphs by what fixes their shapes: the block
-        table's width, the pool's size, and the prefill length range (none
-        for static chunks) or the decode batch range."""
+    def paged_graph_name(self, is_prompt: bool, max_blocks: int,
+                         verify: bool = False) -> str:
+        """Names the graphs by what fixes their shapes: the block table's
+        width, the pool's size, and the prefill length range (none for
+        static chunks), or the decode batch range (and a verify step's
+        length)."""
         sizes = f"w{max_blocks}-n{self.num_blocks}"
         if is_prompt and self.prefill_len_range is None:
             return f"cb-prefill-{sizes}"
@@ -109,6 +118,8 @@ class SpyreCBCausalLM(SpyreCausalLM):
             low, high = self.prefill_len_range
             return f"cb-prefill-l{low}to{high}-{sizes}"
         low, high = self.decode_batch_range
+        if verify:
+            return f"cb-verify-l{self.verify_len}-b{low}to{high}-{sizes}"
         return f"cb-decode-b{low}to{high}-{sizes}"
 
     def expected_graphs(self) -> dict[str, str]:
@@ -116,12 +127,17 @@ class SpyreCBCausalLM(SpyreCausalLM):
         limits = (f"(max_model_len={self.max_model_len}, max_num_seqs="
                   f"{self.decode_batch_range[1]}, "
                   f"{self.num_blocks} blocks)")
-        return {
+        graphs = {
             self.paged_graph_name(True, max_blocks):
             f"continuous-batching prefill {limits}",
             self.paged_graph_name(False, max_blocks):
             f"continuous-batching decode {limits}",
         }
+        if self.verify_len is not None:
+            graphs[self.paged_graph_name(False, max_blocks, True)] = (
+                f"speculative verify of {self.verify_len} positions "
+                f"{limits}")
+        return graphs
 
     def forward(self, step: PagedInputs,
                 states: Optional[spyre_mamba.StateRows] = None
@@ -134,6 +150,25 @@ class SpyreCBCausalLM(SpyreCausalLM):
             self.model,
             self.paged_graph_name(not is_decode, step.block_table.shape[1]),
             step, self._pool_caches(states), self.window)
+
+    def verify(self, step: PagedInputs) -> torch.Tensor:
+        """One speculative verify step, ``[B, verify_len]``: the logits of
+        every position, ``[B, verify_len, vocab]``."""
+        if self.verify_len is None or \
+                step.input_ids.shape[1] != self.verify_len:
+            raise RuntimeError(
+                f"a verify step of {step.input_ids.shape[1]} positions; "
+                f"the verify graph takes {self.verify_len}")
+        if self.kv_pool is None:
+            raise RuntimeError("a step before the key/value pool exists")
+        low, high = self.decode_batch_range
+        for t in (step.input_ids, step.position_ids, step.cache_slots,
+                  step.block_table, step.ctx_lens):
+            torch._dynamo.mark_dynamic(t, 0, min=low, max=high)
+        return self.code.paged_step(
+            self.model,
+            self.paged_graph_name(False, step.block_table.shape[1], True),
+            step, self.kv_pool, self.window, self.verify_len)
 
     def _pool_caches(self, states: Optional[spyre_mamba.StateRows]) -> list:
         """The pools as the model takes them; a hybrid model's Mamba-2

@@ -101,21 +101,22 @@ class FmsModelCode(ModelCode):
         )
         return logits[:, -1, :]
 
-    def paged_step(self, graphs, graph, step: PagedInputs, caches, window):
+    def paged_step(self, graphs, graph, step: PagedInputs, caches, window,
+                   last_n: int = 1):
         logits, _ = graphs(
             graph,
             step.input_ids,
             position_ids=step.position_ids,
             past_key_value_states=caches,
             use_cache=True,
-            last_n_tokens=1,
+            last_n_tokens=last_n,
             attn_name=self.attn_name,
             cache_slots=step.cache_slots,
             block_table=step.block_table,
             ctx_lens=step.ctx_lens,
             spyre_window=window,
         )
-        return logits[:, -1, :]
+        return logits[:, -1, :] if last_n == 1 else logits[:, -last_n:, :]
 
     # ---- prompt log-probabilities (``spyre_prompt_logprobs``) -----------
     def prompt_hidden(self, ids: torch.Tensor) -> torch.Tensor:

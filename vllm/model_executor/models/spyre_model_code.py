@@ -80,9 +80,12 @@ class ModelCode(nn.Module):
         raise NotImplementedError
 
     def paged_step(self, graphs, graph: str, step: PagedInputs,
-                   caches: list, window: int) -> torch.Tensor:
+                   caches: list, window: int,
+                   last_n: int = 1) -> torch.Tensor:
         """One continuous-batching prefill or decode step on the block
-        pool: ``[B, vocab]`` logits of each row's last position."""
+        pool: ``[B, vocab]`` logits of each row's last position, or with
+        ``last_n > 1`` (a speculative verify step) ``[B, last_n, vocab]``
+        of its last ``last_n``."""
         raise NotImplementedError
 
     def prompt_hidden(self, ids: torch.Tensor) -> torch.Tensor:

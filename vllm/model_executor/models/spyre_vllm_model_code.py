@@ -53,7 +53,8 @@ class _LastHidden(nn.Module):
     """What is compiled: vLLM's model over a step of ``[B, L]`` token ids
     (flattened, as vLLM's models take them), attending in the step the
     other inputs describe (``AttentionStep.begin``), returning each row's
-    last hidden state, ``[B, hidden]``."""
+    last hidden state, ``[B, hidden]`` (its last ``last_n``, ``[B *
+    last_n, hidden]``, for a speculative verify step)."""
 
     def __init__(self, model: nn.Module, step: AttentionStep) -> None:
         super().__init__()
@@ -64,13 +65,16 @@ class _LastHidden(nn.Module):
                 caches: list, kind: str, mask: Optional[torch.Tensor],
                 cache_slots: torch.Tensor,
                 block_table: Optional[torch.Tensor],
-                ctx_lens: Optional[torch.Tensor]) -> torch.Tensor:
+                ctx_lens: Optional[torch.Tensor],
+                last_n: int = 1) -> torch.Tensor:
         rows, length = input_ids.shape
         self.step.begin(kind, rows, length, caches, mask, cache_slots,
                         block_table, ctx_lens)
         hidden = self.vllm_model(input_ids.flatten(), positions.flatten())
         self.step.end()
-        return hidden.view(rows, length, -1)[:, -1]
+        if last_n == 1:
+            return hidden.view(rows, length, -1)[:, -1]
+        return hidden.view(rows, length, -1)[:, -last_n:].flatten(0, 1)
 
 
 class VllmModelCode(ModelCode):
@@ -140,14 +144,19 @@ class VllmModelCode(ModelCode):
 
     def _run(self, graphs, graph: str, input_ids: torch.Tensor,
              positions: torch.Tensor, caches: list,
-             meta: SpyreAttentionMetadata) -> torch.Tensor:
+             meta: SpyreAttentionMetadata, last_n: int = 1) -> torch.Tensor:
         """The compiled module on the step ``meta`` describes (also vLLM's
-        forward context), then vLLM's logits: ``[B, vocab]``."""
+        forward context), then vLLM's logits: ``[B, vocab]`` (``[B,
+        last_n, vocab]`` for more than the last position)."""
+        extra = {"last_n": last_n} if last_n > 1 else {}
         with set_forward_context(meta, self.vllm_config):
             hidden = graphs(graph, input_ids, positions, caches, meta.kind,
                             meta.mask, meta.cache_slots, meta.block_table,
-                            meta.ctx_lens)
-        return self.vllm_model.compute_logits(hidden, None)
+                            meta.ctx_lens, **extra)
+        logits = self.vllm_model.compute_logits(hidden, None)
+        if last_n == 1:
+            return logits
+        return logits.view(input_ids.shape[0], last_n, -1)
 
     def static_step(self, graphs, graph, input_ids, positions, caches, mask,
                     cache_slots, is_prompt):
@@ -155,12 +164,14 @@ class VllmModelCode(ModelCode):
         return self._run(graphs, graph, input_ids, positions, caches,
                          self.metadata.build([], [], 0, input_ids.shape[0]))
 
-    def paged_step(self, graphs, graph, step: PagedInputs, caches, window):
+    def paged_step(self, graphs, graph, step: PagedInputs, caches, window,
+                   last_n: int = 1):
         self.metadata.paged(step)
         return self._run(graphs, graph, step.input_ids, step.position_ids,
                          caches,
                          self.metadata.build([], [], 0,
-                                             step.input_ids.shape[0]))
+                                             step.input_ids.shape[0]),
+                         last_n)
 
     # ---- prompt log-probabilities -----------------------------------------
     def prompt_hidden(self, ids: torch.Tensor) -> torch.Tensor:

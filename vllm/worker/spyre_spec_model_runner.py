@@ -1,0 +1,253 @@
+"""SpyreSpecModelRunner: continuous batching with speculative decoding.
+
+With ``--speculative-config '{"method": "ngram", ...}'`` a decode step
+becomes a verify step where any running sequence has proposals
+(``spyre_ngram``): each sequence's last token and up to ``k`` proposed
+tokens, ``[B, k + 1]`` positions in one pass over the block pool (the
+verify graph, ``SpyreCBCausalLM.verify``), their keys and values written
+into the lookahead slots vLLM's block manager gave the sequence.  A step
+without proposals is the plain decode step.
+
+Acceptance, position by position through vLLM's logits processors and
+sampler (``_accept``): the token sampled at a sequence's first position
+is emitted; while it equals the proposal there, the next position's
+token, sampled with the proposal counted as output (penalties, minimum
+tokens), is emitted too.  The first mismatch ends the sequence's tokens
+for the step, and a sequence whose proposals all hold gets the token
+after them as well.  Proposals are deterministic, so keeping a proposal
+exactly when the target samples it is the rejection-sampling rule for
+them: greedy requests get the tokens plain decoding gives, sampled ones
+the target's distribution, seeded ones reproduce themselves (their
+generator draws once per position sampled).
+
+The keys and values of rejected positions stay in the slots after the
+sequence's end, where the next step writes over them before any position
+attends to them.  Requests with logits processors (structured output)
+propose nothing: their processors see one new token per step.
+
+The step's groups carry one ``SequenceOutput`` per emitted token
+(``SpeculativeGroupOutput``, with the number proposed), which the engine's
+``SpyreSpeculativeOutputProcessor`` appends one at a time.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from vllm.attention.ops.spyre_paged_inputs import PagedInputs
+from vllm.config import VllmConfig
+from vllm.config.spyre import CB_BLOCK_SIZE, SpyreConfig
+from vllm.logger import init_logger
+from vllm.model_executor.layers.sampler import SamplerOutput
+from vllm.platforms import current_platform
+from vllm.sequence import (CompletionSequenceGroupOutput, SequenceData,
+                           SequenceGroupMetadata)
+from vllm.worker import spyre_ngram
+from vllm.worker.spyre_cb_inputs import verify_batch
+from vllm.worker.spyre_cb_model_runner import (SpyreCBModelInput,
+                                               SpyreCBModelRunner, _seq)
+from vllm.worker.spyre_runner_base import sample
+
+logger = init_logger(__name__)
+
+
+class SpeculativeGroupOutput(CompletionSequenceGroupOutput):
+    """A sequence group's output of a verify step: one sample per emitted
+    token, and how many tokens were proposed."""
+
+    proposed: int = 0
+
+
+@dataclass(frozen=True)
+class SpyreSpecModelInput(SpyreCBModelInput):
+    """A continuous-batching step whose decodes may be a verify step."""
+
+    NESTED = dict(SpyreCBModelInput.NESTED, verify=PagedInputs)
+    LOCAL = SpyreCBModelInput.LOCAL + ("proposals", "decode_metas")
+
+    #: The verify step, in place of ``decode``; else None.
+    verify: Optional[PagedInputs] = None
+    #: Driver only: each decode row's proposals and its group.
+    proposals: Optional[tuple[tuple[int, ...], ...]] = None
+    decode_metas: Optional[tuple[SequenceGroupMetadata, ...]] = None
+
+
+class SpyreSpecModelRunner(SpyreCBModelRunner):
+
+    input_cls = SpyreSpecModelInput
+    speculates = True
+
+    def __init__(self, vllm_config: VllmConfig,
+                 spyre_config: SpyreConfig) -> None:
+        super().__init__(vllm_config, spyre_config)
+        spec = vllm_config.speculative_config
+        assert spec is not None
+        self.k = spec.num_speculative_tokens
+        self.lookup = (spec.prompt_lookup_min or 1,
+                       spec.prompt_lookup_max or spec.prompt_lookup_min or 1)
+        self.backoff = spyre_ngram.Backoff()
+        #: The verify graph's logits of the step being sampled (driver).
+        self._verified: Optional[torch.Tensor] = None
+
+    # ---- start-up -------------------------------------------------------
+    @current_platform.inference_mode()
+    def warmup(self) -> None:
+        """The continuous-batching graphs, then the verify graph at the
+        smallest and the largest batch."""
+        super().warmup()
+        start = time.perf_counter()
+        assert self.model is not None
+        before = self.model.graph_cache_stats()
+        for batch in sorted({1, self.scheduler_config.max_num_seqs}):
+            step = verify_batch([1] * batch, [[1] * self.k] * batch,
+                                [2] * batch, [[0]] * batch, self.k + 1,
+                                CB_BLOCK_SIZE, self.max_blocks, self.pad_id,
+                                self.pad_block)
+            self._verify(step, None)
+        seconds = time.perf_counter() - start
+        self.startup_timings["warmup verify"] = seconds
+        logger.info("Spyre speculative verify graph (%d positions) warm-up "
+                    "took %.1f s (%s)", self.k + 1, seconds,
+                    self.graph_source(before))
+
+    # ---- per step -------------------------------------------------------
+    def prepare_model_input(
+        self,
+        seq_group_metadata_list: list[SequenceGroupMetadata],
+        virtual_engine: int = 0,
+        finished_requests_ids: Optional[list[str]] = None,
+    ) -> SpyreSpecModelInput:
+        """The continuous-batching step; its decodes as a verify step
+        where any running sequence proposes."""
+        self.backoff.forget(finished_requests_ids or ())
+        base = super().prepare_model_input(seq_group_metadata_list,
+                                           virtual_engine,
+                                           finished_requests_ids)
+        if base.decode is None:
+            return base
+        metas = [m for m in seq_group_metadata_list if not m.is_prompt]
+        proposals = tuple(self._proposals(m) for m in metas)
+        if not any(proposals):
+            return base
+        seqs = [_seq(m) for m in metas]
+        verify = verify_batch(
+            [d.get_last_token_id() for _, d in seqs], proposals,
+            [d.get_len() for _, d in seqs],
+            [m.block_tables[i][:self.max_blocks]
+             for m, (i, _) in zip(metas, seqs)], self.k + 1, CB_BLOCK_SIZE,
+            self.max_blocks, self.pad_id, self.pad_block)
+        return dataclasses.replace(base, decode=None, verify=verify,
+                                   proposals=proposals,
+                                   decode_metas=tuple(metas))
+
+    def _proposals(self, meta: SequenceGroupMetadata) -> tuple[int, ...]:
+        """A running sequence's proposals: none while it pauses, for a
+        request with logits processors, or without room (its blocks,
+        ``max_model_len``, ``max_tokens``)."""
+        params = meta.sampling_params
+        if params is None or params.logits_processors:
+            return ()
+        if not self.backoff.proposes(meta.request_id):
+            return ()
+        seq_id, data = _seq(meta)
+        length = data.get_len()
+        room = min(self.k,
+                   len(meta.block_tables[seq_id]) * CB_BLOCK_SIZE - length,
+                   self.scheduler_config.max_model_len - length)
+        if params.max_tokens is not None:
+            room = min(room,
+                       params.max_tokens - data.get_output_len() - 1)
+        if room <= 0:
+            return ()
+        return tuple(
+            spyre_ngram.propose(data.get_token_ids(), room, *self.lookup))
+
+    def _decode_rows(
+            self, model_input: SpyreCBModelInput) -> Optional[torch.Tensor]:
+        """A verify step's logits: all kept for ``_accept``, the first
+        position's sampled with the step's other rows."""
+        verify = getattr(model_input, "verify", None)
+        if verify is None:
+            return super()._decode_rows(model_input)
+        logits = self._verify(
+            verify,
+            (model_input.lora_requests or (), model_input.decode_loras))
+        self._verified = logits[:model_input.num_live]
+        return self._verified[:, 0]
+
+    def run_step(
+        self, model_input: SpyreCBModelInput
+    ) -> Optional[list[SamplerOutput]]:
+        out = super().run_step(model_input)
+        verified, self._verified = self._verified, None
+        if not out or getattr(model_input, "verify", None) is None:
+            return out
+        assert verified is not None
+        return [self._accept(out[0], model_input, verified)]
+
+    def _verify(self, step: PagedInputs, loras) -> torch.Tensor:
+        assert self.model is not None
+        if self.model.lora is not None:
+            self.model.lora.set_step(loras, *step.input_ids.shape)
+        return self.model.verify(step)
+
+    def _accept(self, first: SamplerOutput, model_input: SpyreSpecModelInput,
+                logits: torch.Tensor) -> SamplerOutput:
+        """Each decode row's emitted tokens: the first position's from
+        ``first`` (the step's sampler output), then position by position
+        while the sampled token equals the proposal."""
+        assert model_input.proposals is not None
+        assert model_input.decode_metas is not None
+        offset = len(first.outputs) - len(model_input.proposals)
+        emitted = [[g.samples[0]] for g in first.outputs[offset:]]
+        alive = [i for i, p in enumerate(model_input.proposals)
+                 if p and emitted[i][0].output_token == p[0]]
+        position = 1
+        while alive:
+            metas = [_extended(model_input.decode_metas[i],
+                               model_input.proposals[i][:position])
+                     for i in alive]
+            lens = [only.get_len() for m in metas
+                    for only in m.seq_data.values()]
+            sm = self.sampling_metadata(metas, lens, [1] * len(metas), None)
+            rows = logits[alive, position]
+            outs = sample(self.get_model(), rows, sm).outputs
+            still = []
+            for i, group in zip(alive, outs):
+                token = group.samples[0]
+                emitted[i].append(token)
+                proposals = model_input.proposals[i]
+                if position < len(proposals) and \
+                        token.output_token == proposals[position]:
+                    still.append(i)
+            alive, position = still, position + 1
+        outputs = list(first.outputs[:offset])
+        for i, tokens in enumerate(emitted):
+            proposed = len(model_input.proposals[i])
+            if proposed:
+                self.backoff.verified(model_input.decode_metas[i].request_id,
+                                      len(tokens) - 1)
+            outputs.append(
+                SpeculativeGroupOutput(samples=tokens, prompt_logprobs=None,
+                                       proposed=proposed))
+        first.outputs = outputs
+        return first
+
+
+def _extended(meta: SequenceGroupMetadata,
+              accepted: tuple[int, ...]) -> SequenceGroupMetadata:
+    """``meta`` as the sampler sees it with ``accepted`` appended to its
+    output (a copy; the engine's sequence is untouched)."""
+    seq_id, data = _seq(meta)
+    seen = copy.copy(meta)
+    seen.seq_data = {
+        seq_id:
+        SequenceData.from_seqs(data.get_prompt_token_ids(),
+                               [*data.get_output_token_ids(), *accepted])
+    }
+    return seen
