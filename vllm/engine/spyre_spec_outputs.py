@@ -91,11 +91,13 @@ def _processor(single, counters: "SpecCounters"):
                 # the last token is fed back next step.
                 seq.data.update_num_computed_tokens(appended - 1)
 
-    return SpyreSpeculativeOutputProcessor(single.scheduler_config,
-                                           single.detokenizer,
-                                           single.scheduler,
-                                           single.seq_counter,
-                                           single.stop_checker)
+    processor = SpyreSpeculativeOutputProcessor(single.scheduler_config,
+                                                single.detokenizer,
+                                                single.scheduler,
+                                                single.seq_counter,
+                                                single.stop_checker)
+    processor.counters = counters
+    return processor
 
 
 class SpecCounters:

@@ -1,0 +1,155 @@
+"""Speculative decoding (``--speculative-config``, n-gram prompt lookup)
+under continuous batching, offline.
+
+Prompts built of repeated spans give the n-gram lookup something to
+propose; greedy ids must equal Hugging Face transformers' (plain greedy
+decoding) for every request, on both CPU backends, with proposals made
+and accepted and nothing compiled after warm-up; again with prefix
+caching and chunked prefill on, and with a block pool so small that
+requests are preempted and recomputed.  Seeded sampled requests
+reproduce themselves.  Settings Spyre does not run are refused at
+start-up, naming the value."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spyre_support.engines import compile_count, spyre_llm
+from spyre_support.envs import cb_env
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4,
+        "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+MAX_NUM_SEQS = 3
+MAX_MODEL_LEN = 256
+# (span length, repeats, tail length, max_tokens): prompts whose spans
+# repeat (the lookup finds them) and some that do not, block boundaries
+# (64) crossed while speculating.
+PLAN = [(5, 6, 3, 40), (8, 8, 0, 33), (3, 1, 0, 30), (12, 4, 17, 60),
+        (1, 1, 0, 12), (20, 3, 4, 1), (7, 9, 1, 70)]
+PREEMPT_PLAN = [(10, 10, 0, 60), (11, 10, 0, 50), (12, 10, 0, 40),
+                (5, 1, 0, 30)]
+
+
+def make_requests(vocab: int, plan=PLAN) -> list[tuple[list[int], int]]:
+    gen = torch.Generator().manual_seed(11)
+    reqs = []
+    for span, repeats, tail, max_tokens in plan:
+        ids = torch.randint(4, vocab, (span, ), generator=gen).tolist()
+        rest = torch.randint(4, vocab, (tail, ), generator=gen).tolist()
+        reqs.append((ids * repeats + rest, max_tokens))
+    return reqs
+
+
+def greedy(llm, reqs):
+    from vllm import SamplingParams, TokensPrompt
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p, _ in reqs],
+        [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+         for _, m in reqs],
+        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def run_workload(model, backend, plan=PLAN, **kwargs) -> dict:
+    with spyre_llm(model, cb_env(backend), max_num_seqs=MAX_NUM_SEQS,
+                   max_model_len=MAX_MODEL_LEN, speculative_config=SPEC,
+                   **kwargs) as llm:
+        engine = llm.llm_engine
+        reqs = make_requests(engine.model_config.get_vocab_size(), plan)
+        before = compile_count()
+        ids = greedy(llm, reqs)
+        counters = engine.output_processor.counters
+        manager = engine.scheduler[0].block_manager
+        return dict(
+            reqs=reqs, ids=ids, compiled=compile_count() - before,
+            drafts=counters.drafts, proposed=counters.draft_tokens,
+            accepted=counters.accepted,
+            preemptions=engine.scheduler[0].num_cumulative_preemption,
+            free_blocks=manager.get_num_free_gpu_blocks(),
+            total_blocks=manager.num_total_gpu_blocks,
+            worker=type(engine.model_executor.driver_worker.worker).__name__,
+            timings=llm.collective_rpc("get_startup_timings")[0])
+
+
+def assert_plain_greedy(run, hf):
+    for (prompt, max_tokens), got in zip(run["reqs"], run["ids"]):
+        assert got == hf.greedy(prompt, max_tokens)[0], (
+            f"prompt of {len(prompt)} tokens, max_tokens={max_tokens}")
+
+
+def assert_speculated(run):
+    assert run["worker"] == "SpyreSpecWorker"
+    assert run["compiled"] == 0
+    assert run["drafts"] > 0 and run["accepted"] > 0
+    assert run["accepted"] <= run["proposed"] <= 4 * run["drafts"]
+    assert run["free_blocks"] == run["total_blocks"]
+
+
+@pytest.fixture(scope="module", params=["eager", "inductor"])
+def spec_run(request, tiny_llama):
+    return dict(run_workload(tiny_llama, request.param),
+                backend=request.param)
+
+
+def test_greedy_ids_equal_plain_decoding(spec_run, hf_tiny):
+    assert_plain_greedy(spec_run, hf_tiny)
+
+
+def test_proposals_are_made_and_accepted_without_compiling(spec_run):
+    assert_speculated(spec_run)
+    assert "warmup verify" in spec_run["timings"]
+
+
+def test_with_prefix_caching_and_chunked_prefill(tiny_llama, hf_tiny):
+    run = run_workload(tiny_llama, "eager", PLAN + PLAN[:3],
+                       enable_prefix_caching=True,
+                       enable_chunked_prefill=True,
+                       max_num_batched_tokens=64)
+    assert_speculated(run)
+    assert_plain_greedy(run, hf_tiny)
+
+
+def test_preempted_requests_finish_with_the_same_tokens(tiny_llama,
+                                                        hf_tiny):
+    run = run_workload(tiny_llama, "eager", PREEMPT_PLAN,
+                       num_gpu_blocks_override=8)
+    assert run["preemptions"] > 0
+    assert_speculated(run)
+    assert_plain_greedy(run, hf_tiny)
+
+
+def test_seeded_sampled_requests_reproduce_themselves(tiny_llama):
+    from vllm import SamplingParams, TokensPrompt
+    with spyre_llm(tiny_llama, cb_env("eager"), max_num_seqs=MAX_NUM_SEQS,
+                   max_model_len=MAX_MODEL_LEN,
+                   speculative_config=SPEC) as llm:
+        reqs = make_requests(llm.llm_engine.model_config.get_vocab_size())
+        prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in reqs[:4]]
+        params = [SamplingParams(temperature=0.7, top_k=3, seed=100 + i,
+                                 max_tokens=40, ignore_eos=True)
+                  for i in range(4)]
+        first = llm.generate(prompts, params, use_tqdm=False)
+        again = llm.generate(prompts[::-1], params[::-1], use_tqdm=False)
+        counters = llm.llm_engine.output_processor.counters
+        assert counters.drafts > 0
+    assert [list(o.outputs[0].token_ids) for o in first] == \
+        [list(o.outputs[0].token_ids) for o in again[::-1]]
+
+
+@pytest.mark.parametrize("env, spec, message", [
+    (cb_env("eager"), dict(SPEC, num_speculative_tokens=0),
+     "num_speculative_tokens to be greater than zero"),
+    (cb_env("eager"), dict(SPEC, num_speculative_tokens=64),
+     "num_speculative_tokens=64"),
+    ({"VLLM_SPYRE_DYNAMO_BACKEND": "eager"}, SPEC, "VLLM_SPYRE_USE_CB=1"),
+])
+def test_settings_spyre_does_not_run_are_refused(tiny_llama, env, spec,
+                                                 message):
+    import os
+    from unittest import mock
+
+    from vllm import EngineArgs
+    with mock.patch.dict(os.environ, env):
+        with pytest.raises((ValueError, NotImplementedError), match=message):
+            EngineArgs(model=str(tiny_llama), speculative_config=spec,
+                       max_model_len=MAX_MODEL_LEN).create_engine_config()
