@@ -153,3 +153,42 @@ def test_settings_spyre_does_not_run_are_refused(tiny_llama, env, spec,
         with pytest.raises((ValueError, NotImplementedError), match=message):
             EngineArgs(model=str(tiny_llama), speculative_config=spec,
                        max_model_len=MAX_MODEL_LEN).create_engine_config()
+
+
+def test_tensor_parallel_2_equals_transformers(tiny_llama, hf_tiny):
+    """The driver proposes and samples; both ranks run the verify step."""
+    plan = [(5, 6, 3, 40), (8, 8, 0, 33), (3, 1, 0, 30)]
+    run = run_workload(tiny_llama, "eager", plan, tensor_parallel_size=2)
+    assert_speculated(run)
+    assert_plain_greedy(run, hf_tiny)
+
+
+def test_lora_rows_speculate_on_their_adapters(tiny_llama, tmp_path):
+    """vLLM's model code with two adapters: rows on each adapter and on
+    none equal transformers with the adapter merged."""
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    from spyre_support.tiny_lora import MergedReference, build_adapter
+    folders = [build_adapter(tiny_llama, tmp_path / f"a{i}", seed=i, rank=8)
+               for i in (1, 2)]
+    with spyre_llm(tiny_llama, cb_env("eager"), max_num_seqs=MAX_NUM_SEQS,
+                   max_model_len=MAX_MODEL_LEN, speculative_config=SPEC,
+                   model_impl="vllm", enable_lora=True, max_loras=2,
+                   max_lora_rank=8) as llm:
+        reqs = make_requests(llm.llm_engine.model_config.get_vocab_size())
+        on = [0, 1, None, 1, 0, None, 0]
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p, _ in reqs],
+            [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+             for _, m in reqs],
+            lora_request=[LoRARequest(f"a{a}", a + 1, str(folders[a]))
+                          if a is not None else None for a in on],
+            use_tqdm=False)
+        assert llm.llm_engine.output_processor.counters.accepted > 0
+    refs = {a: MergedReference(tiny_llama,
+                               folders[a] if a is not None else None)
+            for a in (0, 1, None)}
+    for (prompt, max_tokens), a, out in zip(reqs, on, outs):
+        assert list(out.outputs[0].token_ids) == \
+            refs[a].greedy(prompt, max_tokens)[0]

@@ -171,13 +171,15 @@ class SpyreLoRA:
                     self.layers, self.max_loras)
 
     def set_step(self, loras: Optional["StepAdapters"], rows: int,
-                 length: int) -> None:
+                 length: int, logits_per_row: int = 1) -> None:
         """The next forward: ``rows`` rows of ``length`` tokens; ``loras``
         the step's adapters and the lora ids of its first rows (the live
-        ones; the rest, padding, use none), or None: no adapter."""
+        ones; the rest, padding, use none), or None: no adapter; the
+        logits of ``logits_per_row`` positions of each row follow (a
+        speculative verify step's: all of them)."""
         adapters, ids = loras or ((), ())
         ids = tuple(ids) + (0, ) * (rows - len(ids))
-        self._set(adapters, ids, length)
+        self._set(adapters, ids, length, logits_per_row)
 
     def one_sequence(self, adapters: Iterable[LoRARequest], lora_id: int,
                      length: int) -> None:
@@ -194,13 +196,15 @@ class SpyreLoRA:
         self._set(adapters, (lora_id, ) * rows, 1)
 
     def _set(self, adapters: Iterable[LoRARequest], ids: tuple[int, ...],
-             length: int) -> None:
+             length: int, logits_per_row: int = 1) -> None:
         """vLLM's ``LoRAMapping``: a lora id per token (each row's,
-        ``length`` times) and per row whose logits are computed; the
-        adapters named are loaded if they are not."""
+        ``length`` times) and per position whose logits are computed
+        (each row's, ``logits_per_row`` times); the adapters named are
+        loaded if they are not."""
         mapping = LoRAMapping(
             index_mapping=tuple(i for i in ids for _ in range(length)),
-            prompt_mapping=ids,
+            prompt_mapping=tuple(i for i in ids
+                                 for _ in range(logits_per_row)),
             is_prefill=length > 1)
         self.manager.set_active_adapters(set(adapters), mapping)
 

@@ -193,7 +193,8 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
     def _verify(self, step: PagedInputs, loras) -> torch.Tensor:
         assert self.model is not None
         if self.model.lora is not None:
-            self.model.lora.set_step(loras, *step.input_ids.shape)
+            rows, length = step.input_ids.shape
+            self.model.lora.set_step(loras, rows, length, length)
         return self.model.verify(step)
 
     def _accept(self, first: SamplerOutput, model_input: SpyreSpecModelInput,

@@ -1,0 +1,76 @@
+"""Speculative decoding through ``vllm serve`` (the MQLLMEngine OpenAI
+server) on loopback, driven by the openai client: greedy ids equal
+transformers' for prompts that repeat themselves, a stream's text equals
+the whole answer, a stop string ends the text where plain decoding ends
+it (the tokens a verify step emits after it are dropped), and vLLM's
+speculative-decoding counters on ``/metrics`` count the drafts and the
+accepted tokens."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spyre_support.envs import cb_env
+from spyre_support.server import Server, metric, served_ids
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4,
+        "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+ARGS = ("--max-num-seqs", "4", "--max-model-len", "256",
+        "--speculative-config", json.dumps(SPEC))
+#: Prompts of a repeated span (the n-gram lookup finds it).
+PROMPTS = [[37, 81, 112, 9] * 6, [5, 300, 17, 45, 88, 61] * 5 + [5, 300]]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    with Server(tiny_llama, cb_env("eager"), args=ARGS) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused",
+                         max_retries=0, timeout=120)
+
+
+def test_greedy_ids_equal_transformers(server, hf_tiny):
+    for prompt in PROMPTS:
+        assert served_ids(server, prompt, 40) == hf_tiny.greedy(prompt,
+                                                                40)[0]
+    assert "Spyre speculative decoding: n-gram prompt lookup" in server.log()
+
+
+def test_a_stream_gives_the_whole_answer(server, client):
+    whole = client.completions.create(model=server.model, prompt=PROMPTS[0],
+                                      max_tokens=40, temperature=0,
+                                      extra_body=dict(ignore_eos=True))
+    chunks = client.completions.create(model=server.model,
+                                       prompt=PROMPTS[0], max_tokens=40,
+                                       temperature=0, stream=True,
+                                       extra_body=dict(ignore_eos=True))
+    assert "".join(c.choices[0].text for c in chunks) == \
+        whole.choices[0].text
+
+
+def test_a_stop_string_ends_the_text_where_plain_decoding_does(server,
+                                                              client):
+    text = client.completions.create(
+        model=server.model, prompt=PROMPTS[1], max_tokens=40, temperature=0,
+        extra_body=dict(ignore_eos=True)).choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 4]
+    stopped = client.completions.create(
+        model=server.model, prompt=PROMPTS[1], max_tokens=40, temperature=0,
+        stop=[stop], extra_body=dict(ignore_eos=True)).choices[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == text[:text.index(stop)]
+
+
+def test_metrics_count_drafts_and_accepted_tokens(server):
+    served_ids(server, PROMPTS[0], 30)
+    drafts = metric(server, "vllm:spec_decode_num_drafts_total")
+    proposed = metric(server, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = metric(server, "vllm:spec_decode_num_accepted_tokens_total")
+    assert drafts > 0 and accepted > 0
+    assert accepted <= proposed <= 4 * drafts
