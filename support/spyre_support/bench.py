@@ -135,6 +135,22 @@ def mixed_requests(ids: list[int], n: int, prompt_lens: tuple[int, int],
     return requests
 
 
+def repeated_spans(vocab: int, plan, seed: int = 11
+                   ) -> list[tuple[list[int], int]]:
+    """Requests ``(prompt ids, max_tokens)`` whose prompts repeat a span,
+    what n-gram speculation finds to propose: for each ``(span length,
+    repeats, tail length, max_tokens)`` of ``plan``, a random span of ids
+    (4 to ``vocab - 1``) ``repeats`` times, then ``tail`` random ids."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    reqs = []
+    for span, repeats, tail, max_tokens in plan:
+        ids = torch.randint(4, vocab, (span, ), generator=gen).tolist()
+        rest = torch.randint(4, vocab, (tail, ), generator=gen).tolist()
+        reqs.append((ids * repeats + rest, max_tokens))
+    return reqs
+
+
 @dataclass(frozen=True)
 class Workload:
     """What every engine runs: for each batch size B, the same B prompts,

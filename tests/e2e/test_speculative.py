@@ -12,8 +12,8 @@ start-up, naming the value."""
 from __future__ import annotations
 
 import pytest
-import torch
 
+from spyre_support.bench import repeated_spans
 from spyre_support.engines import compile_count, spyre_llm
 from spyre_support.envs import cb_env
 
@@ -31,13 +31,7 @@ PREEMPT_PLAN = [(10, 10, 0, 60), (11, 10, 0, 50), (12, 10, 0, 40),
 
 
 def make_requests(vocab: int, plan=PLAN) -> list[tuple[list[int], int]]:
-    gen = torch.Generator().manual_seed(11)
-    reqs = []
-    for span, repeats, tail, max_tokens in plan:
-        ids = torch.randint(4, vocab, (span, ), generator=gen).tolist()
-        rest = torch.randint(4, vocab, (tail, ), generator=gen).tolist()
-        reqs.append((ids * repeats + rest, max_tokens))
-    return reqs
+    return repeated_spans(vocab, plan)
 
 
 def greedy(llm, reqs):

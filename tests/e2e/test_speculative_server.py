@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from spyre_support.bench import repeated_spans
 from spyre_support.envs import cb_env
 from spyre_support.server import Server, metric, served_ids
 
@@ -18,8 +19,9 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4,
         "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 ARGS = ("--max-num-seqs", "4", "--max-model-len", "256",
         "--speculative-config", json.dumps(SPEC))
-#: Prompts of a repeated span (the n-gram lookup finds it).
-PROMPTS = [[37, 81, 112, 9] * 6, [5, 300, 17, 45, 88, 61] * 5 + [5, 300]]
+#: Prompts of a repeated span (the n-gram lookup finds it), 40 tokens
+#: each; the tiny Llama's answers to them repeat themselves too.
+PLAN = [(5, 6, 3, 40), (8, 8, 0, 40), (12, 4, 17, 40)]
 
 
 @pytest.fixture(scope="module")
@@ -29,46 +31,54 @@ def server(tiny_llama):
 
 
 @pytest.fixture(scope="module")
+def prompts(tiny_llama) -> list[list[int]]:
+    from transformers import AutoConfig
+    vocab = AutoConfig.from_pretrained(tiny_llama).vocab_size
+    return [p for p, _ in repeated_spans(vocab, PLAN)]
+
+
+@pytest.fixture(scope="module")
 def client(server):
     import openai
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused",
                          max_retries=0, timeout=120)
 
 
-def test_greedy_ids_equal_transformers(server, hf_tiny):
-    for prompt in PROMPTS:
+def test_greedy_ids_equal_transformers(server, prompts, hf_tiny):
+    for prompt in prompts:
         assert served_ids(server, prompt, 40) == hf_tiny.greedy(prompt,
                                                                 40)[0]
     assert "Spyre speculative decoding: n-gram prompt lookup" in server.log()
 
 
-def test_a_stream_gives_the_whole_answer(server, client):
-    whole = client.completions.create(model=server.model, prompt=PROMPTS[0],
+def test_a_stream_gives_the_whole_answer(server, prompts, client):
+    whole = client.completions.create(model=server.model, prompt=prompts[0],
                                       max_tokens=40, temperature=0,
                                       extra_body=dict(ignore_eos=True))
     chunks = client.completions.create(model=server.model,
-                                       prompt=PROMPTS[0], max_tokens=40,
+                                       prompt=prompts[0], max_tokens=40,
                                        temperature=0, stream=True,
                                        extra_body=dict(ignore_eos=True))
     assert "".join(c.choices[0].text for c in chunks) == \
         whole.choices[0].text
 
 
-def test_a_stop_string_ends_the_text_where_plain_decoding_does(server,
-                                                              client):
+def test_a_stop_string_ends_the_text_where_plain_decoding_does(
+        server, prompts, client):
     text = client.completions.create(
-        model=server.model, prompt=PROMPTS[1], max_tokens=40, temperature=0,
+        model=server.model, prompt=prompts[2], max_tokens=40, temperature=0,
         extra_body=dict(ignore_eos=True)).choices[0].text
     stop = text[len(text) // 2:len(text) // 2 + 4]
     stopped = client.completions.create(
-        model=server.model, prompt=PROMPTS[1], max_tokens=40, temperature=0,
+        model=server.model, prompt=prompts[2], max_tokens=40, temperature=0,
         stop=[stop], extra_body=dict(ignore_eos=True)).choices[0]
     assert stopped.finish_reason == "stop"
     assert stopped.text == text[:text.index(stop)]
 
 
-def test_metrics_count_drafts_and_accepted_tokens(server):
-    served_ids(server, PROMPTS[0], 30)
+def test_metrics_count_drafts_and_accepted_tokens(server, prompts):
+    for prompt in prompts:
+        served_ids(server, prompt, 40)
     drafts = metric(server, "vllm:spec_decode_num_drafts_total")
     proposed = metric(server, "vllm:spec_decode_num_draft_tokens_total")
     accepted = metric(server, "vllm:spec_decode_num_accepted_tokens_total")
