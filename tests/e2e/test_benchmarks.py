@@ -152,6 +152,28 @@ def test_lora_kernel_benchmark_small(tiny_llama, tmp_path):
     assert len(lines) - header == 2 + 4
 
 
+def test_speculative_benchmark_small(tiny_llama, tmp_path):
+    """benchmarks/speculative.py: plain decoding and n-gram speculation on
+    both workloads at two batch sizes, the same tokens from both, nothing
+    compiled in the timed runs, a row per workload and batch size."""
+    out = tmp_path / "speculative.json"
+    proc = preloaded.run(
+        [str(REPO / "benchmarks" / "speculative.py"),
+         "--model", str(tiny_llama), "--backend", "eager",
+         "--batch-sizes", "1,2", "--new-tokens", "24", "--repetitions", "1",
+         "--json", str(out)],
+        timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["compiles"] == 0
+    runs = result["runs"]
+    assert [(r["workload"], r["batch"]) for r in runs] == [
+        ("grounded", 1), ("grounded", 2), ("open", 1), ("open", 2)]
+    assert all(r["same_tokens"] and r["plain_tok_s"] > 0
+               and r["ngram_tok_s"] > 0 for r in runs)
+    assert all(r["accepted"] <= r["proposed"] for r in runs)
+
+
 @pytest.mark.smollm2
 def test_attention_benchmark_small(smollm2, tmp_path):
     """benchmarks/attention.py: the C++ attention kernels against the torch

@@ -35,13 +35,16 @@ def make_requests(vocab: int, plan=PLAN) -> list[tuple[list[int], int]]:
 
 
 def greedy(llm, reqs):
+    """Each request's greedy ids and their log-probabilities."""
     from vllm import SamplingParams, TokensPrompt
     outs = llm.generate(
         [TokensPrompt(prompt_token_ids=p) for p, _ in reqs],
-        [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
-         for _, m in reqs],
+        [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True,
+                        logprobs=0) for _, m in reqs],
         use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return [(list(c.token_ids),
+             [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+            for c in (o.outputs[0] for o in outs)]
 
 
 def run_workload(model, backend, plan=PLAN, **kwargs) -> dict:
@@ -51,11 +54,13 @@ def run_workload(model, backend, plan=PLAN, **kwargs) -> dict:
         engine = llm.llm_engine
         reqs = make_requests(engine.model_config.get_vocab_size(), plan)
         before = compile_count()
-        ids = greedy(llm, reqs)
+        answers = greedy(llm, reqs)
         counters = engine.output_processor.counters
         manager = engine.scheduler[0].block_manager
         return dict(
-            reqs=reqs, ids=ids, compiled=compile_count() - before,
+            reqs=reqs, ids=[ids for ids, _ in answers],
+            logprobs=[lps for _, lps in answers],
+            compiled=compile_count() - before,
             drafts=counters.drafts, proposed=counters.draft_tokens,
             accepted=counters.accepted,
             preemptions=engine.scheduler[0].num_cumulative_preemption,
@@ -66,9 +71,14 @@ def run_workload(model, backend, plan=PLAN, **kwargs) -> dict:
 
 
 def assert_plain_greedy(run, hf):
-    for (prompt, max_tokens), got in zip(run["reqs"], run["ids"]):
-        assert got == hf.greedy(prompt, max_tokens)[0], (
-            f"prompt of {len(prompt)} tokens, max_tokens={max_tokens}")
+    """Every request's ids, and each emitted token's log-probability,
+    equal transformers' greedy decoding."""
+    for (prompt, max_tokens), got, lps in zip(run["reqs"], run["ids"],
+                                              run["logprobs"]):
+        ids, ref = hf.greedy(prompt, max_tokens)
+        assert got == ids, (f"prompt of {len(prompt)} tokens, "
+                            f"max_tokens={max_tokens}")
+        assert lps == pytest.approx(ref, abs=1e-3)
 
 
 def assert_speculated(run):
@@ -128,6 +138,40 @@ def test_seeded_sampled_requests_reproduce_themselves(tiny_llama):
         assert counters.drafts > 0
     assert [list(o.outputs[0].token_ids) for o in first] == \
         [list(o.outputs[0].token_ids) for o in again[::-1]]
+
+
+def test_guided_and_parallel_requests_beside_speculating_ones(tiny_llama,
+                                                              hf_tiny):
+    """A request with a choice (structured output) proposes nothing and
+    answers one of its choices; two greedy samples (``n=2``) and the
+    speculating requests beside them get plain decoding's tokens."""
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.sampling_params import GuidedDecodingParams
+    choices = ["alpha beta", "gamma", "delta epsilon zeta"]
+    with spyre_llm(tiny_llama, cb_env("eager"), max_num_seqs=MAX_NUM_SEQS,
+                   max_model_len=MAX_MODEL_LEN,
+                   speculative_config=SPEC) as llm:
+        reqs = make_requests(llm.llm_engine.model_config.get_vocab_size())
+        guided = SamplingParams(temperature=0, max_tokens=20,
+                                guided_decoding=GuidedDecodingParams(
+                                    choice=choices))
+        # Two samples of the most likely token each time (vLLM takes n > 1
+        # only for sampled requests): plain greedy decoding's tokens.
+        plain = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+                 for _, m in reqs[:3]]
+        plain[0] = SamplingParams(temperature=1.0, top_k=1, n=2,
+                                  max_tokens=reqs[0][1], ignore_eos=True)
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p, _ in reqs[:3]] +
+            [TokensPrompt(prompt_token_ids=reqs[0][0])], plain + [guided],
+            use_tqdm=False)
+        assert llm.llm_engine.output_processor.counters.accepted > 0
+    for (prompt, max_tokens), out in zip(reqs[:3], outs):
+        want = hf_tiny.greedy(prompt, max_tokens)[0]
+        assert [list(c.token_ids) for c in out.outputs] == \
+            [want] * len(out.outputs)
+    assert len(outs[0].outputs) == 2
+    assert outs[3].outputs[0].text in choices
 
 
 @pytest.mark.parametrize("env, spec, message", [

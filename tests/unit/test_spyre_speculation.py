@@ -16,6 +16,7 @@ from vllm.sequence import SequenceData, SequenceGroupMetadata
 from vllm.worker import spyre_ngram
 from vllm.worker.spyre_cb_inputs import verify_batch
 from vllm.worker.spyre_runner_base import sample
+from vllm.worker.spyre_spec_cost import PRIOR, VerifyCost
 from vllm.worker.spyre_spec_model_runner import (SpyreSpecModelInput,
                                                  SpyreSpecModelRunner)
 
@@ -59,6 +60,29 @@ def test_a_sequence_whose_proposals_fail_pauses_longer_each_time():
     backoff.verified("r", 0)
     backoff.forget(["r"])
     assert backoff.proposes("r")
+
+
+def test_a_step_verifies_when_its_expected_tokens_beat_its_cost():
+    """A verify step costs 1.3 decode steps at batch 1 and 4.4 at batch 8
+    (SmolLM2's, measured): one sequence proposing 4 tokens at the prior
+    rate (1 + 0.6 * 4 = 3.4 tokens) verifies; at batch 8 even every
+    sequence proposing 4 (8 * 3.4 = 27 tokens against 35 decode tokens'
+    time) does not, at batch 4 (2.7) it does unless only one proposes; a
+    request whose proposals keep failing stops verifying."""
+    cost = VerifyCost((1, 8), (0.010, 0.020), (0.013, 0.088))
+    assert cost.ratio(1) == pytest.approx(1.3)
+    assert cost.ratio(8) == pytest.approx(4.4)
+    assert cost.pays(["a"], [4])
+    ids = [f"r{i}" for i in range(8)]
+    assert not cost.pays(ids, [4] * 8)
+    assert cost.pays(ids[:4], [4] * 4)
+    assert not cost.pays(ids[:4], [4, 0, 0, 0])
+    for _ in range(8):
+        cost.verified("a", 4, 0)
+    assert cost.rates["a"] < PRIOR / 10
+    assert not cost.pays(["a"], [4])
+    cost.forget(["a"])
+    assert cost.pays(["a"], [4])
 
 
 # ---- the verify step's inputs ---------------------------------------------
@@ -108,6 +132,7 @@ def _runner(k: int) -> SpyreSpecModelRunner:
     runner = object.__new__(SpyreSpecModelRunner)
     runner.k = k
     runner.backoff = spyre_ngram.Backoff()
+    runner.cost = None
     runner.generators = {}
     runner.model = _Model()
     runner.device_config = DeviceConfig("cpu")

@@ -1,12 +1,14 @@
 """SpyreSpecModelRunner: continuous batching with speculative decoding.
 
 With ``--speculative-config '{"method": "ngram", ...}'`` a decode step
-becomes a verify step where any running sequence has proposals
-(``spyre_ngram``): each sequence's last token and up to ``k`` proposed
+becomes a verify step where running sequences have proposals
+(``spyre_ngram``) and verifying them pays (``spyre_spec_cost``: the
+tokens it is expected to emit against its time over a decode step's, both
+measured at warm-up): each sequence's last token and up to ``k`` proposed
 tokens, ``[B, k + 1]`` positions in one pass over the block pool (the
 verify graph, ``SpyreCBCausalLM.verify``), their keys and values written
-into the lookahead slots vLLM's block manager gave the sequence.  A step
-without proposals is the plain decode step.
+into the lookahead slots vLLM's block manager gave the sequence.  Any
+other step is the plain decode step.
 
 Acceptance, position by position through vLLM's logits processors and
 sampler (``_accept``): the token sampled at a sequence's first position
@@ -48,6 +50,7 @@ from vllm.platforms import current_platform
 from vllm.sequence import (CompletionSequenceGroupOutput, SequenceData,
                            SequenceGroupMetadata)
 from vllm.worker import spyre_ngram
+from vllm.worker.spyre_spec_cost import VerifyCost
 from vllm.worker.spyre_cb_inputs import verify_batch
 from vllm.worker.spyre_cb_model_runner import (SpyreCBModelInput,
                                                SpyreCBModelRunner, _seq)
@@ -91,6 +94,8 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
         self.lookup = (spec.prompt_lookup_min or 1,
                        spec.prompt_lookup_max or spec.prompt_lookup_min or 1)
         self.backoff = spyre_ngram.Backoff()
+        #: When a verify step pays; measured by ``warmup``.
+        self.cost: Optional[VerifyCost] = None
         #: The verify graph's logits of the step being sampled (driver).
         self._verified: Optional[torch.Tensor] = None
 
@@ -98,22 +103,37 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
     @current_platform.inference_mode()
     def warmup(self) -> None:
         """The continuous-batching graphs, then the verify graph at the
-        smallest and the largest batch."""
+        smallest and the largest batch; then both steps' times there
+        (``VerifyCost``)."""
         super().warmup()
         start = time.perf_counter()
         assert self.model is not None
         before = self.model.graph_cache_stats()
-        for batch in sorted({1, self.scheduler_config.max_num_seqs}):
-            step = verify_batch([1] * batch, [[1] * self.k] * batch,
-                                [2] * batch, [[0]] * batch, self.k + 1,
-                                CB_BLOCK_SIZE, self.max_blocks, self.pad_id,
-                                self.pad_block)
-            self._verify(step, None)
+        batches = (1, self.scheduler_config.max_num_seqs)
+        steps = {}
+        for batch in sorted(set(batches)):
+            steps[batch] = (
+                self._decode([1] * batch, [2] * batch, [[0]] * batch),
+                verify_batch([1] * batch, [[1] * self.k] * batch,
+                             [2] * batch, [[0]] * batch, self.k + 1,
+                             CB_BLOCK_SIZE, self.max_blocks, self.pad_id,
+                             self.pad_block))
+            self._verify(steps[batch][1], None)
         seconds = time.perf_counter() - start
         self.startup_timings["warmup verify"] = seconds
         logger.info("Spyre speculative verify graph (%d positions) warm-up "
                     "took %.1f s (%s)", self.k + 1, seconds,
                     self.graph_source(before))
+        times = {b: (_best_of(lambda: self._forward(decode)),
+                     _best_of(lambda: self._verify(verify, None)))
+                 for b, (decode, verify) in steps.items()}
+        self.cost = VerifyCost(batches, (times[1][0], times[batches[1]][0]),
+                               (times[1][1], times[batches[1]][1]))
+        logger.info(
+            "Spyre speculative decoding: a verify step costs %.2f decode "
+            "steps at batch 1 and %.2f at batch %d; a step verifies when "
+            "its proposals are expected to emit more tokens than that",
+            self.cost.ratio(1), self.cost.ratio(batches[1]), batches[1])
 
     # ---- per step -------------------------------------------------------
     def prepare_model_input(
@@ -125,6 +145,8 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
         """The continuous-batching step; its decodes as a verify step
         where any running sequence proposes."""
         self.backoff.forget(finished_requests_ids or ())
+        if self.cost is not None:
+            self.cost.forget(finished_requests_ids or ())
         base = super().prepare_model_input(seq_group_metadata_list,
                                            virtual_engine,
                                            finished_requests_ids)
@@ -132,7 +154,10 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
             return base
         metas = [m for m in seq_group_metadata_list if not m.is_prompt]
         proposals = tuple(self._proposals(m) for m in metas)
-        if not any(proposals):
+        if not any(proposals) or (self.cost is not None
+                                  and not self.cost.pays(
+                                      [m.request_id for m in metas],
+                                      [len(p) for p in proposals])):
             return base
         seqs = [_seq(m) for m in metas]
         verify = verify_batch(
@@ -231,13 +256,26 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
         for i, tokens in enumerate(emitted):
             proposed = len(model_input.proposals[i])
             if proposed:
-                self.backoff.verified(model_input.decode_metas[i].request_id,
-                                      len(tokens) - 1)
+                request_id = model_input.decode_metas[i].request_id
+                self.backoff.verified(request_id, len(tokens) - 1)
+                if self.cost is not None:
+                    self.cost.verified(request_id, proposed,
+                                       len(tokens) - 1)
             outputs.append(
                 SpeculativeGroupOutput(samples=tokens, prompt_logprobs=None,
                                        proposed=proposed))
         first.outputs = outputs
         return first
+
+
+def _best_of(run, times: int = 3) -> float:
+    """The shortest of ``times`` timed calls of ``run``."""
+    best = float("inf")
+    for _ in range(times):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _extended(meta: SequenceGroupMetadata,
