@@ -35,8 +35,13 @@ VOCAB = 6
     ([5, 6, 7, 5, 6], 4, [7, 5, 6]),
     # No earlier occurrence of any suffix of 2 to 3 tokens.
     ([1, 2, 3, 4, 5], 4, []),
-    # A single token repeated: its suffix matches itself shifted.
+    # A single token repeated: its suffix matches itself shifted; the
+    # earliest occurrence has the most followers.
     ([4, 4, 4], 2, [4]),
+    ([4, 4, 4, 4, 4, 4, 4], 3, [4, 4, 4]),
+    # The latest occurrence with k followers, over a later one with fewer.
+    ([1, 2, 7, 8, 9, 1, 2, 6, 1, 2], 4, [7, 8, 9, 1]),
+    ([1, 2, 7, 8, 9, 1, 2, 6, 1, 2], 2, [6, 1]),
     ([3], 2, []),
 ])
 def test_propose(tokens, k, expected):

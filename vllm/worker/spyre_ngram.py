@@ -4,7 +4,10 @@ Speculative decoding with ``"method": "ngram"`` proposes, for each running
 sequence, the tokens that followed an earlier occurrence of its last ``n``
 tokens (prompt and output alike), for ``n`` from ``prompt_lookup_max`` down
 to ``prompt_lookup_min``: the longest suffix that occurs earlier wins, and
-of its occurrences the latest.  Text that an answer repeats from its
+of its occurrences the latest that ``k`` tokens follow (the one most
+tokens follow where none has ``k``: in a run of one repeated token, the
+latest occurrence of the suffix overlaps it and only one token follows).
+Text that an answer repeats from its
 prompt (an edited passage, extracted fields, code) is proposed whole.
 
 A sequence whose proposals keep failing stops proposing for a while
@@ -30,8 +33,9 @@ MAX_PAUSE = 16
 def propose(tokens: Sequence[int], k: int, n_min: int,
             n_max: int) -> list[int]:
     """Up to ``k`` tokens to follow ``tokens``: those after the latest
-    earlier occurrence of its longest suffix of ``n_min`` to ``n_max``
-    tokens that occurs earlier; none if no such suffix does."""
+    earlier occurrence, with ``k`` followers if any has, of its longest
+    suffix of ``n_min`` to ``n_max`` tokens that occurs earlier; none if
+    no such suffix does."""
     ids = np.asarray(tokens, dtype=np.int64)
     length = len(ids)
     for n in range(min(n_max, length - 1), n_min - 1, -1):
@@ -39,7 +43,9 @@ def propose(tokens: Sequence[int], k: int, n_min: int,
         windows = sliding_window_view(ids[:length - 1], n)
         hits = np.flatnonzero((windows == ids[length - n:]).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
+            # Tokens after each occurrence: length - (hit + n).
+            whole = hits[hits + n + k <= length]
+            start = int(whole[-1] if whole.size else hits[0]) + n
             return ids[start:start + k].tolist()
     return []
 
