@@ -94,6 +94,10 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
         self.lookup = (spec.prompt_lookup_min or 1,
                        spec.prompt_lookup_max or spec.prompt_lookup_min or 1)
         self.backoff = spyre_ngram.Backoff()
+        #: vLLM's ``disable_by_batch_size``: if set, a step with proposals
+        #: verifies while it runs at most this many sequences, in place of
+        #: the measured ``cost``.
+        self.max_verify_batch: Optional[int] = spec.disable_by_batch_size
         #: When a verify step pays; measured by ``warmup``.
         self.cost: Optional[VerifyCost] = None
         #: The verify graph's logits of the step being sampled (driver).
@@ -124,6 +128,12 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
         logger.info("Spyre speculative verify graph (%d positions) warm-up "
                     "took %.1f s (%s)", self.k + 1, seconds,
                     self.graph_source(before))
+        if self.max_verify_batch is not None:
+            logger.info(
+                "Spyre speculative decoding: a step with proposals verifies "
+                "while it runs at most %d sequences (disable_by_batch_size)",
+                self.max_verify_batch)
+            return
         times = {b: (_best_of(lambda: self._forward(decode)),
                      _best_of(lambda: self._verify(verify, None)))
                  for b, (decode, verify) in steps.items()}
@@ -154,10 +164,7 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
             return base
         metas = [m for m in seq_group_metadata_list if not m.is_prompt]
         proposals = tuple(self._proposals(m) for m in metas)
-        if not any(proposals) or (self.cost is not None
-                                  and not self.cost.pays(
-                                      [m.request_id for m in metas],
-                                      [len(p) for p in proposals])):
+        if not any(proposals) or not self._verifies(metas, proposals):
             return base
         seqs = [_seq(m) for m in metas]
         verify = verify_batch(
@@ -169,6 +176,14 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
         return dataclasses.replace(base, decode=None, verify=verify,
                                    proposals=proposals,
                                    decode_metas=tuple(metas))
+
+    def _verifies(self, metas: list[SequenceGroupMetadata],
+                  proposals: tuple[tuple[int, ...], ...]) -> bool:
+        """Whether a step with these proposals verifies them."""
+        if self.max_verify_batch is not None:
+            return len(metas) <= self.max_verify_batch
+        return self.cost is None or self.cost.pays(
+            [m.request_id for m in metas], [len(p) for p in proposals])
 
     def _proposals(self, meta: SequenceGroupMetadata) -> tuple[int, ...]:
         """A running sequence's proposals: none while it pauses, for a
@@ -268,7 +283,7 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
         return first
 
 
-def _best_of(run, times: int = 3) -> float:
+def _best_of(run, times: int = 5) -> float:
     """The shortest of ``times`` timed calls of ``run``."""
     best = float("inf")
     for _ in range(times):
