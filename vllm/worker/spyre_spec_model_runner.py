@@ -153,7 +153,8 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
         finished_requests_ids: Optional[list[str]] = None,
     ) -> SpyreSpecModelInput:
         """The continuous-batching step; its decodes as a verify step
-        where any running sequence proposes."""
+        where running sequences propose and verifying pays
+        (``_verifies``)."""
         self.backoff.forget(finished_requests_ids or ())
         if self.cost is not None:
             self.cost.forget(finished_requests_ids or ())
