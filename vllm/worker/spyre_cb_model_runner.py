@@ -176,7 +176,7 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                 f"first; got {len(prefills)} of {len(metas)} groups")
         decodes = metas[len(prefills):]
         prefill = None
-        prefill_states = decode_states = None
+        prefill_states = None
         sample_prefill = True
         seq_lens, query_lens = [], []
         logprob_ids = None
@@ -210,17 +210,11 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                     logprob_ids = torch.tensor(tokens, dtype=torch.long)
                     logprob_k = meta.sampling_params.prompt_logprobs
                 metas[0] = prompt_logprobs.for_sampler(prefills, asking)[0]
-        decode = None
+        decode_fields: dict = dict(decode=None)
         if decodes:
             seqs = [_seq(m) for m in decodes]
             lens = [d.get_len() for _, d in seqs]
-            decode = self._decode(
-                [d.get_last_token_id() for _, d in seqs], lens,
-                [m.block_tables[i] for m, (i, _) in zip(decodes, seqs)])
-            if self.state_slots is not None:
-                decode_states = self._decode_states(
-                    [self.state_slots.of(m.request_id) for m in decodes],
-                    decode)
+            decode_fields = self._decode_fields(decodes, seqs, lens)
             seq_lens += lens
             query_lens += [1] * len(seqs)
         sampling_metadata = self.sampling_metadata(metas, seq_lens,
@@ -233,14 +227,13 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                 prefill_lora=prefills[0].lora_int_id if prefills else 0,
                 decode_loras=tuple(m.lora_int_id for m in decodes))
         return self.input_cls(prefill=prefill,
-                              decode=decode,
                               num_live=len(decodes),
                               sample_prefill=sample_prefill,
                               sampling_metadata=sampling_metadata,
                               logprob_ids=logprob_ids,
                               logprob_k=logprob_k,
                               prefill_states=prefill_states,
-                              decode_states=decode_states,
+                              **decode_fields,
                               **loras)
 
     def run_step(
@@ -279,6 +272,20 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         return [prompt_logprobs.attach(
             sample(self.get_model(), logits, model_input.sampling_metadata),
             computed)]
+
+    def _decode_fields(self, metas: list[SequenceGroupMetadata], seqs: list,
+                       lens: list[int]) -> dict:
+        """The step input's fields of the running sequences' decodes
+        (``metas``; ``seqs`` their (id, data), ``lens`` their lengths):
+        the decode batch, and a hybrid model's state rows."""
+        decode = self._decode(
+            [d.get_last_token_id() for _, d in seqs], lens,
+            [m.block_tables[i] for m, (i, _) in zip(metas, seqs)])
+        fields = dict(decode=decode)
+        if self.state_slots is not None:
+            fields["decode_states"] = self._decode_states(
+                [self.state_slots.of(m.request_id) for m in metas], decode)
+        return fields
 
     def _decode_rows(
             self, model_input: SpyreCBModelInput) -> Optional[torch.Tensor]:

@@ -34,7 +34,6 @@ The step's groups carry one ``SequenceOutput`` per emitted token
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -152,31 +151,28 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
         virtual_engine: int = 0,
         finished_requests_ids: Optional[list[str]] = None,
     ) -> SpyreSpecModelInput:
-        """The continuous-batching step; its decodes as a verify step
-        where running sequences propose and verifying pays
-        (``_verifies``)."""
+        """The continuous-batching step (its decodes from
+        ``_decode_fields``), after finished requests are forgotten."""
         self.backoff.forget(finished_requests_ids or ())
         if self.cost is not None:
             self.cost.forget(finished_requests_ids or ())
-        base = super().prepare_model_input(seq_group_metadata_list,
-                                           virtual_engine,
-                                           finished_requests_ids)
-        if base.decode is None:
-            return base
-        metas = [m for m in seq_group_metadata_list if not m.is_prompt]
+        return super().prepare_model_input(  # type: ignore[return-value]
+            seq_group_metadata_list, virtual_engine, finished_requests_ids)
+
+    def _decode_fields(self, metas: list[SequenceGroupMetadata], seqs: list,
+                       lens: list[int]) -> dict:
+        """A verify step where running sequences propose and verifying
+        pays (``_verifies``); else the decode batch."""
         proposals = tuple(self._proposals(m) for m in metas)
         if not any(proposals) or not self._verifies(metas, proposals):
-            return base
-        seqs = [_seq(m) for m in metas]
+            return super()._decode_fields(metas, seqs, lens)
         verify = verify_batch(
-            [d.get_last_token_id() for _, d in seqs], proposals,
-            [d.get_len() for _, d in seqs],
+            [d.get_last_token_id() for _, d in seqs], proposals, lens,
             [m.block_tables[i][:self.max_blocks]
              for m, (i, _) in zip(metas, seqs)], self.k + 1, CB_BLOCK_SIZE,
             self.max_blocks, self.pad_id, self.pad_block)
-        return dataclasses.replace(base, decode=None, verify=verify,
-                                   proposals=proposals,
-                                   decode_metas=tuple(metas))
+        return dict(decode=None, verify=verify, proposals=proposals,
+                    decode_metas=tuple(metas))
 
     def _verifies(self, metas: list[SequenceGroupMetadata],
                   proposals: tuple[tuple[int, ...], ...]) -> bool:
@@ -209,10 +205,11 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
             spyre_ngram.propose(data.get_token_ids(), room, *self.lookup))
 
     def _decode_rows(
-            self, model_input: SpyreCBModelInput) -> Optional[torch.Tensor]:
+            self, model_input: SpyreSpecModelInput  # type: ignore[override]
+    ) -> Optional[torch.Tensor]:
         """A verify step's logits: all kept for ``_accept``, the first
         position's sampled with the step's other rows."""
-        verify = getattr(model_input, "verify", None)
+        verify = model_input.verify
         if verify is None:
             return super()._decode_rows(model_input)
         logits = self._verify(
@@ -222,11 +219,11 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
         return self._verified[:, 0]
 
     def run_step(
-        self, model_input: SpyreCBModelInput
+        self, model_input: SpyreSpecModelInput  # type: ignore[override]
     ) -> Optional[list[SamplerOutput]]:
         out = super().run_step(model_input)
         verified, self._verified = self._verified, None
-        if not out or getattr(model_input, "verify", None) is None:
+        if not out or model_input.verify is None:
             return out
         assert verified is not None
         return [self._accept(out[0], model_input, verified)]

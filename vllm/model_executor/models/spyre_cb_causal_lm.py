@@ -161,10 +161,7 @@ class SpyreCBCausalLM(SpyreCausalLM):
                 f"the verify graph takes {self.verify_len}")
         if self.kv_pool is None:
             raise RuntimeError("a step before the key/value pool exists")
-        low, high = self.decode_batch_range
-        for t in (step.input_ids, step.position_ids, step.cache_slots,
-                  step.block_table, step.ctx_lens):
-            torch._dynamo.mark_dynamic(t, 0, min=low, max=high)
+        self._mark_batch_dynamic(step)
         return self.code.paged_step(
             self.model,
             self.paged_graph_name(False, step.block_table.shape[1], True),
@@ -193,11 +190,7 @@ class SpyreCBCausalLM(SpyreCausalLM):
         rows = ((states.slots, states.fresh, states.valid)
                 if states is not None else ())
         if is_decode:
-            # Decode: one graph for every batch size.
-            low, high = self.decode_batch_range
-            for t in (step.input_ids, step.position_ids, step.cache_slots,
-                      step.block_table, step.ctx_lens, *rows):
-                torch._dynamo.mark_dynamic(t, 0, min=low, max=high)
+            self._mark_batch_dynamic(step, rows)
         elif self.prefill_len_range is not None:
             # Prefill: one graph for every prompt length.
             low, high = self.prefill_len_range
@@ -205,3 +198,10 @@ class SpyreCBCausalLM(SpyreCausalLM):
                       step.ctx_lens, *rows[2:]):
                 torch._dynamo.mark_dynamic(t, 1, min=low, max=high)
         return is_decode
+
+    def _mark_batch_dynamic(self, step: PagedInputs, rows: tuple = ()) -> None:
+        """A decode or verify step: one graph for every batch size."""
+        low, high = self.decode_batch_range
+        for t in (step.input_ids, step.position_ids, step.cache_slots,
+                  step.block_table, step.ctx_lens, *rows):
+            torch._dynamo.mark_dynamic(t, 0, min=low, max=high)
