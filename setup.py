@@ -41,6 +41,7 @@ setup(
             "spyre_parallel_streams = "
             "vllm.engine.spyre_parallel_streams:install",
             "spyre_spec_outputs = vllm.engine.spyre_spec_outputs:install",
+            "spyre_spec_config = vllm.engine.spyre_spec_config:install",
             "spyre_error_status = "
             "vllm.entrypoints.openai.spyre_error_status:install",
             "spyre_request_checks = "

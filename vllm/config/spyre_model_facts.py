@@ -26,6 +26,9 @@ class SpyreModelFacts:
 
     #: Where the facts travel in ``vllm_config.additional_config``.
     KEY: ClassVar[str] = "spyre_model"
+    #: Where a speculative draft model's facts travel
+    #: (``"method": "draft_model"``).
+    DRAFT_KEY: ClassVar[str] = "spyre_draft_model"
 
     #: The decoder's model code: FMS's (``"fms"``) or vLLM's own
     #: (``"vllm"``).
@@ -35,14 +38,16 @@ class SpyreModelFacts:
     #: cleared).
     sliding_window: int = 0
 
-    def store(self, vllm_config: Any) -> None:
+    def store(self, vllm_config: Any, key: str = KEY) -> None:
         extra = dict(vllm_config.additional_config or {})
-        extra[self.KEY] = asdict(self)
+        extra[key] = asdict(self)
         vllm_config.additional_config = extra
 
     @classmethod
-    def from_vllm_config(cls, vllm_config: Any) -> "SpyreModelFacts":
-        """The facts the platform stored; the defaults where it stored
-        none (a pooling model)."""
+    def from_vllm_config(cls, vllm_config: Any,
+                         key: str = KEY) -> "SpyreModelFacts":
+        """The facts the platform stored (under ``key``: the served
+        model's, or the draft model's); the defaults where it stored none
+        (a pooling model)."""
         extra = vllm_config.additional_config or {}
-        return cls(**extra.get(cls.KEY, {}))
+        return cls(**extra.get(key, {}))

@@ -230,6 +230,7 @@ class SpyrePlatform(Platform):
             else:
                 spyre_modes.configure_static_batching(vllm_config, spyre)
             spyre_modes.configure_speculative(vllm_config, spyre, hybrid)
+            _store_draft_facts(vllm_config, spyre)
             facts = SpyreModelFacts(
                 model_impl=impl,
                 sliding_window=_sliding_window(model_config.hf_config, impl)
@@ -296,6 +297,26 @@ def _choose_model_impl(model_config, spyre: SpyreConfig) -> str:
         "FMS" if impl == spyre_model_impl.FMS else "vLLM", arch,
         spyre_model_impl.flag_value(model_config.model_impl))
     return impl
+
+
+def _store_draft_facts(vllm_config, spyre: SpyreConfig) -> None:
+    """A speculative draft model's model code and sliding window, chosen
+    as the served model's are, beside them (``SpyreModelFacts.DRAFT_KEY``);
+    nothing without a draft model."""
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return
+    from vllm.config.spyre_model_facts import SpyreModelFacts
+    draft = spec.draft_model_config
+    impl = _choose_model_impl(draft, spyre)
+    if _check_hybrid(draft.hf_config, vllm_config.cache_config):
+        raise NotImplementedError(
+            f"A hybrid (Mamba-2 and attention) draft model ({draft.model}) "
+            "is not supported on Spyre")
+    SpyreModelFacts(
+        model_impl=impl,
+        sliding_window=_sliding_window(draft.hf_config, impl) or 0).store(
+            vllm_config, SpyreModelFacts.DRAFT_KEY)
 
 
 def _check_hybrid(hf_config, cache_config) -> bool:

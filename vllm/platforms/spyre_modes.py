@@ -29,7 +29,7 @@ SPYRE_POOLING_WORKER_CLS = \
     "vllm.worker.spyre_pooling_worker.SpyrePoolingWorker"
 SPYRE_SPEC_WORKER_CLS = "vllm.worker.spyre_spec_worker.SpyreSpecWorker"
 #: The speculative methods Spyre runs.
-SPEC_METHODS = ("ngram", )
+SPEC_METHODS = ("ngram", "draft_model")
 
 
 def configure_static_batching(vllm_config: "VllmConfig",
@@ -106,9 +106,9 @@ def configure_continuous_batching(vllm_config: "VllmConfig",
 
 def configure_speculative(vllm_config: "VllmConfig", spyre: SpyreConfig,
                           hybrid: bool) -> None:
-    """``--speculative-config``: n-gram proposals verified in one pass
-    per step, under continuous batching on the CPU backends; anything
-    else is refused here, naming what runs."""
+    """``--speculative-config``: n-gram proposals or a draft model's,
+    verified in one pass per step, under continuous batching on the CPU
+    backends; anything else is refused here, naming what runs."""
     spec = vllm_config.speculative_config
     if spec is None:
         return
@@ -117,7 +117,8 @@ def configure_speculative(vllm_config: "VllmConfig", spyre: SpyreConfig,
         raise NotImplementedError(
             f"Speculative decoding method {method!r} is not supported on "
             f"Spyre; it runs {', '.join(SPEC_METHODS)} (n-gram prompt "
-            "lookup: \"method\": \"ngram\")")
+            "lookup: \"method\": \"ngram\"; a smaller model with the same "
+            "tokenizer: \"model\": <folder>)")
     if not spyre.use_cb:
         raise NotImplementedError(
             "Speculative decoding on Spyre runs under continuous batching: "
@@ -144,19 +145,53 @@ def configure_speculative(vllm_config: "VllmConfig", spyre: SpyreConfig,
         raise ValueError(
             f"num_speculative_tokens={k} must be less than max_model_len="
             f"{scheduler_config.max_model_len}")
-    low, high = spec.prompt_lookup_min, spec.prompt_lookup_max
-    if low is None or high is None or not 1 <= low <= high:
-        raise ValueError(
-            f"prompt_lookup_min={low} and prompt_lookup_max={high}: n-gram "
-            "lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max")
+    if method == "ngram":
+        low, high = spec.prompt_lookup_min, spec.prompt_lookup_max
+        if low is None or high is None or not 1 <= low <= high:
+            raise ValueError(
+                f"prompt_lookup_min={low} and prompt_lookup_max={high}: "
+                "n-gram lookup needs 1 <= prompt_lookup_min <= "
+                "prompt_lookup_max")
+        how = (f"n-gram prompt lookup (suffixes of {low} to {high} "
+               "tokens)")
+    else:
+        _check_draft_model(vllm_config)
+        how = f"draft model {spec.draft_model_config.model}"
     parallel_config = vllm_config.parallel_config
     if parallel_config.worker_cls == SPYRE_CB_WORKER_CLS:
         parallel_config.worker_cls = SPYRE_SPEC_WORKER_CLS
     scheduler_config.num_lookahead_slots = k
     logger.info(
-        "Spyre speculative decoding: n-gram prompt lookup (suffixes of %d "
-        "to %d tokens), up to %d proposed tokens a sequence, verified in "
-        "one pass of %d positions", low, high, k, k + 1)
+        "Spyre speculative decoding: %s, up to %d proposed tokens a "
+        "sequence, verified in one pass of %d positions", how, k, k + 1)
+
+
+def _check_draft_model(vllm_config: "VllmConfig") -> None:
+    """A draft model proposes for the target's sequences over their
+    block tables, one process beside the target: same vocabulary, as
+    long a context, no tensor parallelism."""
+    spec = vllm_config.speculative_config
+    draft = spec.draft_model_config
+    target = vllm_config.model_config
+    theirs = draft.hf_text_config.vocab_size
+    ours = target.hf_text_config.vocab_size
+    if theirs != ours:
+        raise ValueError(
+            f"The draft model {draft.model} has a vocabulary of {theirs} "
+            f"tokens, the served model {ours}: a draft model must share "
+            "the served model's tokenizer")
+    max_model_len = vllm_config.scheduler_config.max_model_len
+    if draft.max_model_len < max_model_len:
+        raise ValueError(
+            f"The draft model {draft.model} holds {draft.max_model_len} "
+            f"positions, fewer than max_model_len={max_model_len}: lower "
+            "--max-model-len")
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp > 1:
+        raise NotImplementedError(
+            f"A draft model with tensor parallelism (tensor_parallel_size="
+            f"{tp}) is not supported on Spyre yet; n-gram speculation "
+            "(\"method\": \"ngram\") is")
 
 
 def prefill_chunk_size(max_num_batched_tokens: int) -> int:

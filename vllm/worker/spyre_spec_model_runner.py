@@ -1,10 +1,11 @@
 """SpyreSpecModelRunner: continuous batching with speculative decoding.
 
-With ``--speculative-config '{"method": "ngram", ...}'`` a decode step
-becomes a verify step where running sequences have proposals
-(``spyre_ngram``) and verifying them pays (``spyre_spec_cost``: the
-tokens it is expected to emit against its time over a decode step's, both
-measured at warm-up): each sequence's last token and up to ``k`` proposed
+With ``--speculative-config`` a decode step becomes a verify step where
+running sequences have proposals (n-gram prompt lookup, ``spyre_ngram``,
+or a draft model's, ``spyre_draft``) and verifying them pays
+(``spyre_spec_cost``: the tokens it is expected to emit against its time,
+a draft model's proposing included, over a decode step's, both measured
+at warm-up): each sequence's last token and up to ``k`` proposed
 tokens, ``[B, k + 1]`` positions in one pass over the block pool (the
 verify graph, ``SpyreCBCausalLM.verify``), their keys and values written
 into the lookahead slots vLLM's block manager gave the sequence.  Any
@@ -49,6 +50,7 @@ from vllm.platforms import current_platform
 from vllm.sequence import (CompletionSequenceGroupOutput, SequenceData,
                            SequenceGroupMetadata)
 from vllm.worker import spyre_ngram
+from vllm.worker.spyre_draft import DraftModel
 from vllm.worker.spyre_spec_cost import VerifyCost
 from vllm.worker.spyre_cb_inputs import verify_batch
 from vllm.worker.spyre_cb_model_runner import (SpyreCBModelInput,
@@ -101,18 +103,42 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
         self.cost: Optional[VerifyCost] = None
         #: The verify graph's logits of the step being sampled (driver).
         self._verified: Optional[torch.Tensor] = None
+        #: The draft model (``"method": "draft_model"``); set by
+        #: ``load_model``.
+        self.draft: Optional[DraftModel] = None
 
     # ---- start-up -------------------------------------------------------
+    def load_model(self) -> None:
+        super().load_model()
+        spec = self.vllm_config.speculative_config
+        if spec.method == "draft_model":
+            self.draft = DraftModel(self.vllm_config, self.spyre_config,
+                                    self.max_blocks, self.pad_id)
+            self.draft.load()
+
+    def block_bytes(self) -> int:
+        """A block of the served model's pool, and of the draft's."""
+        draft = self.draft.block_bytes() if self.draft else 0
+        return super().block_bytes() + draft
+
+    def allocate_pool(self, num_blocks: int) -> None:
+        super().allocate_pool(num_blocks)
+        if self.draft is not None:
+            self.draft.allocate_pool(num_blocks + 1, self.pad_block)
+
     @current_platform.inference_mode()
     def warmup(self) -> None:
         """The continuous-batching graphs, then the verify graph at the
-        smallest and the largest batch; then both steps' times there
-        (``VerifyCost``)."""
+        smallest and the largest batch, and the draft model's graphs;
+        then both steps' times there (``VerifyCost``), a draft model's
+        proposing counted in the verify step's."""
         super().warmup()
         start = time.perf_counter()
         assert self.model is not None
         before = self.model.graph_cache_stats()
         batches = (1, self.scheduler_config.max_num_seqs)
+        if self.draft is not None:
+            self.draft.warmup(batches[1])
         steps = {}
         for batch in sorted(set(batches)):
             steps[batch] = (
@@ -134,7 +160,8 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
                 self.max_verify_batch)
             return
         times = {b: (_best_of(lambda: self._forward(decode)),
-                     _best_of(lambda: self._verify(verify, None)))
+                     _best_of(lambda: self._verify(verify, None)) +
+                     self._propose_time(b))
                  for b, (decode, verify) in steps.items()}
         self.cost = VerifyCost(batches, (times[1][0], times[batches[1]][0]),
                                (times[1][1], times[batches[1]][1]))
@@ -156,15 +183,52 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
         self.backoff.forget(finished_requests_ids or ())
         if self.cost is not None:
             self.cost.forget(finished_requests_ids or ())
+        if self.draft is not None:
+            self.draft.forget(finished_requests_ids or ())
         return super().prepare_model_input(  # type: ignore[return-value]
             seq_group_metadata_list, virtual_engine, finished_requests_ids)
+
+    def _prefilling(self, request_id: str, end: int) -> None:
+        if self.draft is not None:
+            self.draft.prefilled(request_id, end)
+
+    def _propose_time(self, batch: int) -> float:
+        """Seconds a draft model takes to propose ``k`` tokens for
+        ``batch`` sequences (0 for n-gram lookup)."""
+        if self.draft is None:
+            return 0.0
+        ids = [f"warm-up {i}" for i in range(batch)]
+
+        def propose():
+            self.draft.propose(ids, [[1, 1]] * batch, [[0]] * batch,
+                               [self.k] * batch)
+            self.draft.forget(ids)
+
+        return _best_of(propose)
 
     def _decode_fields(self, metas: list[SequenceGroupMetadata], seqs: list,
                        lens: list[int]) -> dict:
         """A verify step where running sequences propose and verifying
-        pays (``_verifies``); else the decode batch."""
-        proposals = tuple(self._proposals(m) for m in metas)
-        if not any(proposals) or not self._verifies(metas, proposals):
+        pays (``_verifies``); else the decode batch.  A draft model
+        proposes only once the step is to verify."""
+        rooms = [self._room(m) for m in metas]
+        if self.draft is None:
+            proposals = tuple(
+                tuple(spyre_ngram.propose(d.get_token_ids(), room,
+                                          *self.lookup)) if room else ()
+                for room, (_, d) in zip(rooms, seqs))
+        elif any(rooms):
+            proposals = tuple(() for _ in rooms)
+            if self._verifies(metas, rooms):
+                proposals = self.draft.propose(
+                    [m.request_id for m in metas],
+                    [d.get_token_ids() for _, d in seqs],
+                    [m.block_tables[i] for m, (i, _) in zip(metas, seqs)],
+                    rooms)
+        else:
+            proposals = ()
+        if not any(proposals) or not self._verifies(
+                metas, [len(p) for p in proposals]):
             return super()._decode_fields(metas, seqs, lens)
         verify = verify_batch(
             [d.get_last_token_id() for _, d in seqs], proposals, lens,
@@ -175,22 +239,23 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
                     decode_metas=tuple(metas))
 
     def _verifies(self, metas: list[SequenceGroupMetadata],
-                  proposals: tuple[tuple[int, ...], ...]) -> bool:
-        """Whether a step with these proposals verifies them."""
+                  proposed: list[int]) -> bool:
+        """Whether a step with this many proposals per sequence verifies
+        them."""
         if self.max_verify_batch is not None:
             return len(metas) <= self.max_verify_batch
         return self.cost is None or self.cost.pays(
-            [m.request_id for m in metas], [len(p) for p in proposals])
+            [m.request_id for m in metas], proposed)
 
-    def _proposals(self, meta: SequenceGroupMetadata) -> tuple[int, ...]:
-        """A running sequence's proposals: none while it pauses, for a
-        request with logits processors, or without room (its blocks,
-        ``max_model_len``, ``max_tokens``)."""
+    def _room(self, meta: SequenceGroupMetadata) -> int:
+        """How many tokens a running sequence may propose: none while it
+        pauses, for a request with logits processors, or without room
+        (its blocks, ``max_model_len``, ``max_tokens``)."""
         params = meta.sampling_params
         if params is None or params.logits_processors:
-            return ()
+            return 0
         if not self.backoff.proposes(meta.request_id):
-            return ()
+            return 0
         seq_id, data = _seq(meta)
         length = data.get_len()
         room = min(self.k,
@@ -199,10 +264,7 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
         if params.max_tokens is not None:
             room = min(room,
                        params.max_tokens - data.get_output_len() - 1)
-        if room <= 0:
-            return ()
-        return tuple(
-            spyre_ngram.propose(data.get_token_ids(), room, *self.lookup))
+        return max(room, 0)
 
     def _decode_rows(
             self, model_input: SpyreSpecModelInput  # type: ignore[override]
@@ -222,6 +284,8 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
         self, model_input: SpyreSpecModelInput  # type: ignore[override]
     ) -> Optional[list[SamplerOutput]]:
         out = super().run_step(model_input)
+        if self.draft is not None and model_input.prefill is not None:
+            self.draft.prefill(model_input.prefill)
         verified, self._verified = self._verified, None
         if not out or model_input.verify is None:
             return out
@@ -271,6 +335,8 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
             if proposed:
                 request_id = model_input.decode_metas[i].request_id
                 self.backoff.verified(request_id, len(tokens) - 1)
+                if self.draft is not None:
+                    self.draft.verified(request_id, len(tokens) - 1)
                 if self.cost is not None:
                     self.cost.verified(request_id, proposed,
                                        len(tokens) - 1)

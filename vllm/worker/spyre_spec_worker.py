@@ -2,12 +2,16 @@
 
 The platform installs this worker when ``VLLM_SPYRE_USE_CB=1`` and
 ``--speculative-config`` are both set.  It is ``SpyreCBWorker`` (the pool
-sized for each sequence's lookahead slots too) with the runner that
-verifies proposals, ``SpyreSpecModelRunner``.
+sized for each sequence's lookahead slots too, and a block of the draft
+model's pool with each of the served model's) with the runner that
+verifies proposals, ``SpyreSpecModelRunner``; the up-front memory check
+counts a draft model's weights.
 """
 from __future__ import annotations
 
+from vllm.config import VllmConfig
 from vllm.worker.spyre_cb_worker import SpyreCBWorker
+from vllm.worker.spyre_draft import draft_vllm_config
 from vllm.worker.spyre_spec_model_runner import SpyreSpecModelRunner
 
 
@@ -16,3 +20,9 @@ class SpyreSpecWorker(SpyreCBWorker):
 
     model_runner: SpyreSpecModelRunner  # type: ignore[assignment]
     runner_cls = SpyreSpecModelRunner
+
+    def weighed_configs(self) -> tuple[VllmConfig, ...]:
+        spec = self.vllm_config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return super().weighed_configs()
+        return (self.vllm_config, draft_vllm_config(self.vllm_config))

@@ -158,10 +158,14 @@ class SpyreWorkerBase(LocalOrDistributedWorkerBase):
         matrix_item = (torch.empty((), dtype=precision.linear).element_size()
                        if self.reads_linears_narrow() else None)
         geometry = spyre_memory.geometry_of(self.vllm_config, item, kv_item)
-        weights = spyre_memory.weights_of(self.vllm_config, item,
-                                          matrix_item)
+        weights = sum(spyre_memory.weights_of(config, item, matrix_item)
+                      for config in self.weighed_configs())
         lora = spyre_lora_memory.lora_bytes(geometry, self.lora_config)
         return weights + lora, geometry
+
+    def weighed_configs(self) -> tuple[VllmConfig, ...]:
+        """The configs of the models this rank holds the weights of."""
+        return (self.vllm_config, )
 
     def reads_linears_narrow(self) -> bool:
         """Whether the checkpoint's linear weights are read straight into
