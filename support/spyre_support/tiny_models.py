@@ -358,3 +358,21 @@ def build_tiny_fms(max_len: int):
     model.reset_parameters()
     model.post_init()
     return model.eval()
+
+
+def build_tiny_draft(out_dir: Path, like: Path, seed: int = 1) -> Path:
+    """A 2-layer random Llama with the vocabulary and tokenizer of the
+    checkpoint at ``like``: a speculative draft model for it."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, LlamaConfig
+    from transformers import LlamaForCausalLM
+    target = AutoConfig.from_pretrained(like)
+    tokenizer = AutoTokenizer.from_pretrained(like)
+    torch.manual_seed(seed)
+    common = _common(target.vocab_size, 4)
+    common.update(bos_token_id=target.bos_token_id,
+                  eos_token_id=target.eos_token_id,
+                  pad_token_id=getattr(target, "pad_token_id", None),
+                  max_position_embeddings=target.max_position_embeddings)
+    config = LlamaConfig(**common, num_key_value_heads=2, rms_norm_eps=1e-5)
+    return _save(LlamaForCausalLM(config).eval(), tokenizer, out_dir)

@@ -14,8 +14,12 @@ from __future__ import annotations
 import pytest
 
 from spyre_support.bench import repeated_spans
-from spyre_support.engines import compile_count, spyre_llm
+from spyre_support.engines import spyre_llm
 from spyre_support.envs import cb_env
+from spyre_support.speculative import (MAX_MODEL_LEN, MAX_NUM_SEQS, PLAN,
+                                       assert_plain_greedy,
+                                       assert_speculated)
+from spyre_support.speculative import run_workload as run_spec
 
 #: Every step with proposals verifies (``disable_by_batch_size`` above the
 #: batch), so that what the tests see does not depend on the step times
@@ -25,13 +29,6 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4,
         "disable_by_batch_size": 64}
 #: Steps verify when the times measured at warm-up say it pays.
 MEASURED = {k: v for k, v in SPEC.items() if k != "disable_by_batch_size"}
-MAX_NUM_SEQS = 3
-MAX_MODEL_LEN = 256
-# (span length, repeats, tail length, max_tokens): prompts whose spans
-# repeat (the lookup finds them) and some that do not, block boundaries
-# (64) crossed while speculating.
-PLAN = [(5, 6, 3, 40), (8, 8, 0, 33), (3, 1, 0, 30), (12, 4, 17, 60),
-        (1, 1, 0, 12), (20, 3, 4, 1), (7, 9, 1, 70)]
 PREEMPT_PLAN = [(10, 10, 0, 60), (11, 10, 0, 50), (12, 10, 0, 40),
                 (5, 1, 0, 30)]
 
@@ -40,59 +37,8 @@ def make_requests(vocab: int, plan=PLAN) -> list[tuple[list[int], int]]:
     return repeated_spans(vocab, plan)
 
 
-def greedy(llm, reqs):
-    """Each request's greedy ids and their log-probabilities."""
-    from vllm import SamplingParams, TokensPrompt
-    outs = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p, _ in reqs],
-        [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True,
-                        logprobs=0) for _, m in reqs],
-        use_tqdm=False)
-    return [(list(c.token_ids),
-             [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-            for c in (o.outputs[0] for o in outs)]
-
-
 def run_workload(model, backend, plan=PLAN, **kwargs) -> dict:
-    with spyre_llm(model, cb_env(backend), max_num_seqs=MAX_NUM_SEQS,
-                   max_model_len=MAX_MODEL_LEN, speculative_config=SPEC,
-                   **kwargs) as llm:
-        engine = llm.llm_engine
-        reqs = make_requests(engine.model_config.get_vocab_size(), plan)
-        before = compile_count()
-        answers = greedy(llm, reqs)
-        counters = engine.output_processor.counters
-        manager = engine.scheduler[0].block_manager
-        return dict(
-            reqs=reqs, ids=[ids for ids, _ in answers],
-            logprobs=[lps for _, lps in answers],
-            compiled=compile_count() - before,
-            drafts=counters.drafts, proposed=counters.draft_tokens,
-            accepted=counters.accepted,
-            preemptions=engine.scheduler[0].num_cumulative_preemption,
-            free_blocks=manager.get_num_free_gpu_blocks(),
-            total_blocks=manager.num_total_gpu_blocks,
-            worker=type(engine.model_executor.driver_worker.worker).__name__,
-            timings=llm.collective_rpc("get_startup_timings")[0])
-
-
-def assert_plain_greedy(run, hf):
-    """Every request's ids, and each emitted token's log-probability,
-    equal transformers' greedy decoding."""
-    for (prompt, max_tokens), got, lps in zip(run["reqs"], run["ids"],
-                                              run["logprobs"]):
-        ids, ref = hf.greedy(prompt, max_tokens)
-        assert got == ids, (f"prompt of {len(prompt)} tokens, "
-                            f"max_tokens={max_tokens}")
-        assert lps == pytest.approx(ref, abs=1e-3)
-
-
-def assert_speculated(run):
-    assert run["worker"] == "SpyreSpecWorker"
-    assert run["compiled"] == 0
-    assert run["drafts"] > 0 and run["accepted"] > 0
-    assert run["accepted"] <= run["proposed"] <= 4 * run["drafts"]
-    assert run["free_blocks"] == run["total_blocks"]
+    return run_spec(model, backend, SPEC, plan, **kwargs)
 
 
 @pytest.fixture(scope="module", params=["eager", "inductor"])

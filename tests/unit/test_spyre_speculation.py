@@ -138,6 +138,7 @@ def _runner(k: int) -> SpyreSpecModelRunner:
     runner.k = k
     runner.backoff = spyre_ngram.Backoff()
     runner.cost = None
+    runner.draft = None
     runner.generators = {}
     runner.model = _Model()
     runner.device_config = DeviceConfig("cpu")

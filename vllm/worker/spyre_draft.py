@@ -44,6 +44,7 @@ from vllm.config.spyre_model_facts import SpyreModelFacts
 from vllm.core.spyre_cb_blocks import blocks_needed
 from vllm.logger import init_logger
 from vllm.model_executor.models.spyre_cb_causal_lm import SpyreCBCausalLM
+from vllm.platforms import current_platform
 from vllm.worker.spyre_cb_inputs import (decode_batch, prefill_chunks,
                                          verify_batch, whole_prefill_len)
 
@@ -119,6 +120,7 @@ class DraftModel:
                                            [[0]] * batch))
 
     # ---- per step -------------------------------------------------------
+    @current_platform.inference_mode()
     def prefill(self, chunks: PagedInputs) -> torch.Tensor:
         """The served model's prefill rows, on the draft's pool; the last
         position's logits."""
@@ -131,6 +133,7 @@ class DraftModel:
         """A prefill of the request's positions up to ``end`` ran."""
         self.fed[request_id] = end
 
+    @current_platform.inference_mode()
     def propose(self, request_ids: Sequence[str],
                 tokens: Sequence[Sequence[int]],
                 tables: Sequence[Sequence[int]],
