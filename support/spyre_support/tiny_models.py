@@ -376,3 +376,44 @@ def build_tiny_draft(out_dir: Path, like: Path, seed: int = 1) -> Path:
                   max_position_embeddings=target.max_position_embeddings)
     config = LlamaConfig(**common, num_key_value_heads=2, rms_norm_eps=1e-5)
     return _save(LlamaForCausalLM(config).eval(), tokenizer, out_dir)
+
+
+def build_tiny_mlp_speculator(out_dir: Path, like: Path, n_predict: int = 4,
+                              inner_dim: int = 32, seed: int = 2,
+                              scale_input: bool = True) -> Path:
+    """A random MLP speculator (IBM's ``MLPSpeculator``, as vLLM loads it)
+    for the checkpoint at ``like``: its hidden size and vocabulary,
+    ``n_predict`` stages."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+    target = AutoConfig.from_pretrained(like)
+    vocab, emb = target.vocab_size, target.hidden_size
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen) / shape[-1]**0.5)
+
+    tensors = {}
+    for i in range(n_predict):
+        tensors[f"emb.{i}.weight"] = rand(vocab, inner_dim) * inner_dim**0.5
+        tensors[f"proj.{i}.weight"] = rand(inner_dim,
+                                           emb if i == 0 else inner_dim)
+        tensors[f"head.{i}.weight"] = rand(vocab, inner_dim) * 4
+        tensors[f"ln.{i}.weight"] = torch.ones(inner_dim)
+        tensors[f"ln.{i}.bias"] = torch.zeros(inner_dim)
+    if scale_input:
+        tensors["ln0.weight"] = torch.ones(emb)
+        tensors["ln0.bias"] = torch.zeros(emb)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps({
+        "architectures": ["MLPSpeculatorPreTrainedModel"],
+        "model_type": "mlp_speculator", "vocab_size": vocab,
+        "emb_dim": emb, "inner_dim": inner_dim, "n_predict": n_predict,
+        "top_k_tokens_per_head": [1] * n_predict, "n_candidates": 1,
+        "tie_weights": False, "scale_input": scale_input,
+        "torch_dtype": "float32"}))
+    return out_dir

@@ -29,7 +29,7 @@ SPYRE_POOLING_WORKER_CLS = \
     "vllm.worker.spyre_pooling_worker.SpyrePoolingWorker"
 SPYRE_SPEC_WORKER_CLS = "vllm.worker.spyre_spec_worker.SpyreSpecWorker"
 #: The speculative methods Spyre runs.
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "mlp_speculator")
 
 
 def configure_static_batching(vllm_config: "VllmConfig",
@@ -106,8 +106,8 @@ def configure_continuous_batching(vllm_config: "VllmConfig",
 
 def configure_speculative(vllm_config: "VllmConfig", spyre: SpyreConfig,
                           hybrid: bool) -> None:
-    """``--speculative-config``: n-gram proposals or a draft model's,
-    verified in one pass per step, under continuous batching on the CPU
+    """``--speculative-config``: n-gram proposals, a draft model's or an
+    MLP speculator's, verified in one pass per step, under continuous batching on the CPU
     backends; anything else is refused here, naming what runs."""
     spec = vllm_config.speculative_config
     if spec is None:
@@ -118,7 +118,7 @@ def configure_speculative(vllm_config: "VllmConfig", spyre: SpyreConfig,
             f"Speculative decoding method {method!r} is not supported on "
             f"Spyre; it runs {', '.join(SPEC_METHODS)} (n-gram prompt "
             "lookup: \"method\": \"ngram\"; a smaller model with the same "
-            "tokenizer: \"model\": <folder>)")
+            "tokenizer, or an MLP speculator: \"model\": <folder>)")
     if not spyre.use_cb:
         raise NotImplementedError(
             "Speculative decoding on Spyre runs under continuous batching: "
@@ -154,6 +154,9 @@ def configure_speculative(vllm_config: "VllmConfig", spyre: SpyreConfig,
                 "prompt_lookup_max")
         how = (f"n-gram prompt lookup (suffixes of {low} to {high} "
                "tokens)")
+    elif method == "mlp_speculator":
+        _check_mlp_speculator(vllm_config)
+        how = f"MLP speculator {spec.draft_model_config.model}"
     else:
         _check_draft_model(vllm_config)
         how = f"draft model {spec.draft_model_config.model}"
@@ -166,13 +169,30 @@ def configure_speculative(vllm_config: "VllmConfig", spyre: SpyreConfig,
         "sequence, verified in one pass of %d positions", how, k, k + 1)
 
 
-def _check_draft_model(vllm_config: "VllmConfig") -> None:
-    """A draft model proposes for the target's sequences over their
-    block tables, one process beside the target: same vocabulary, as
-    long a context, no tensor parallelism."""
+def _check_mlp_speculator(vllm_config: "VllmConfig") -> None:
+    """An MLP speculator reads the served model's hidden states and
+    proposes in its vocabulary, a token per stage, beside the driver
+    rank's model."""
     spec = vllm_config.speculative_config
     draft = spec.draft_model_config
+    config = draft.hf_config
     target = vllm_config.model_config
+    hidden = target.get_hidden_size()
+    if config.emb_dim != hidden:
+        raise ValueError(
+            f"The MLP speculator {draft.model} reads hidden states of "
+            f"{config.emb_dim} values (emb_dim), the served model's have "
+            f"{hidden}: it was trained for another model")
+    _same_vocabulary(draft, target)
+    if spec.num_speculative_tokens > config.n_predict:
+        raise ValueError(
+            f"num_speculative_tokens={spec.num_speculative_tokens}: the MLP "
+            f"speculator {draft.model} proposes at most {config.n_predict} "
+            "tokens (n_predict), one per stage")
+    _no_tensor_parallel(vllm_config, "An MLP speculator")
+
+
+def _same_vocabulary(draft, target) -> None:
     theirs = draft.hf_text_config.vocab_size
     ours = target.hf_text_config.vocab_size
     if theirs != ours:
@@ -180,18 +200,32 @@ def _check_draft_model(vllm_config: "VllmConfig") -> None:
             f"The draft model {draft.model} has a vocabulary of {theirs} "
             f"tokens, the served model {ours}: a draft model must share "
             "the served model's tokenizer")
+
+
+def _no_tensor_parallel(vllm_config: "VllmConfig", what: str) -> None:
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp > 1:
+        raise NotImplementedError(
+            f"{what} with tensor parallelism (tensor_parallel_size={tp}) is "
+            "not supported on Spyre yet; n-gram speculation "
+            "(\"method\": \"ngram\") is")
+
+
+def _check_draft_model(vllm_config: "VllmConfig") -> None:
+    """A draft model proposes for the target's sequences over their
+    block tables, one process beside the target: same vocabulary, as
+    long a context, no tensor parallelism."""
+    spec = vllm_config.speculative_config
+    draft = spec.draft_model_config
+    target = vllm_config.model_config
+    _same_vocabulary(draft, target)
     max_model_len = vllm_config.scheduler_config.max_model_len
     if draft.max_model_len < max_model_len:
         raise ValueError(
             f"The draft model {draft.model} holds {draft.max_model_len} "
             f"positions, fewer than max_model_len={max_model_len}: lower "
             "--max-model-len")
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    if tp > 1:
-        raise NotImplementedError(
-            f"A draft model with tensor parallelism (tensor_parallel_size="
-            f"{tp}) is not supported on Spyre yet; n-gram speculation "
-            "(\"method\": \"ngram\") is")
+    _no_tensor_parallel(vllm_config, "A draft model")
 
 
 def prefill_chunk_size(max_num_batched_tokens: int) -> int:

@@ -201,7 +201,6 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                                                       end - start,
                                                       start == 0)
             self.prompt_tokens_computed += end - start
-            self._prefilling(meta.request_id, end)
             sample_prefill = meta.do_sample
             seq_lens.append(end)
             query_lens.append(end - start)
@@ -273,9 +272,6 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         return [prompt_logprobs.attach(
             sample(self.get_model(), logits, model_input.sampling_metadata),
             computed)]
-
-    def _prefilling(self, request_id: str, end: int) -> None:
-        """The step prefills the request's positions up to ``end``."""
 
     def _decode_fields(self, metas: list[SequenceGroupMetadata], seqs: list,
                        lens: list[int]) -> dict:

@@ -47,6 +47,7 @@ from vllm.model_executor.models.spyre_cb_causal_lm import SpyreCBCausalLM
 from vllm.platforms import current_platform
 from vllm.worker.spyre_cb_inputs import (decode_batch, prefill_chunks,
                                          verify_batch, whole_prefill_len)
+from vllm.worker.spyre_spec_cost import best_of
 
 logger = init_logger(__name__)
 
@@ -105,6 +106,17 @@ class DraftModel:
         self.model.allocate_pool(num_blocks)
         self.pad_block = pad_block
 
+    def time_proposing(self, batch: int) -> float:
+        """Seconds to propose ``k`` tokens for ``batch`` sequences."""
+        ids = [f"warm-up {i}" for i in range(batch)]
+
+        def propose():
+            self._propose(ids, [[1, 1]] * batch, [[0]] * batch,
+                          [self.k] * batch)
+            self.forget(ids)
+
+        return best_of(propose)
+
     def warmup(self, max_num_seqs: int) -> None:
         """Its three graphs: a prefill, decode steps and catch-up passes
         at the smallest and the largest batch, on the pool's first
@@ -129,12 +141,33 @@ class DraftModel:
             logits = self.model(chunks.row(i))
         return logits
 
-    def prefilled(self, request_id: str, end: int) -> None:
-        """A prefill of the request's positions up to ``end`` ran."""
-        self.fed[request_id] = end
+    def propose(self, metas: Sequence, seqs: Sequence,
+                rooms: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+        """Up to ``rooms[i]`` proposals for each running sequence (its
+        group and its (id, data))."""
+        return self._propose(
+            [m.request_id for m in metas],
+            [d.get_token_ids() for _, d in seqs],
+            [m.block_tables[i] for m, (i, _) in zip(metas, seqs)], rooms)
+
+    def stepped(self, model_input, outputs, hidden) -> None:
+        """After a step: its prefill runs on the draft's pool too; a verify
+        step's kept proposals stay in it (``verified``)."""
+        if model_input.prefill is not None:
+            self.prefill(model_input.prefill)
+            self.fed[model_input.prefill_request] = int(
+                model_input.prefill.position_ids.max()) + 1
+        if model_input.verify is None or outputs is None:
+            return
+        offset = len(outputs) - len(model_input.proposals)
+        for meta, group, proposed in zip(model_input.decode_metas,
+                                         outputs[offset:],
+                                         model_input.proposals):
+            if proposed:
+                self.verified(meta.request_id, len(group.samples) - 1)
 
     @current_platform.inference_mode()
-    def propose(self, request_ids: Sequence[str],
+    def _propose(self, request_ids: Sequence[str],
                 tokens: Sequence[Sequence[int]],
                 tables: Sequence[Sequence[int]],
                 rooms: Sequence[int]) -> tuple[tuple[int, ...], ...]:

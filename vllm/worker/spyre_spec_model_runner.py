@@ -1,8 +1,9 @@
 """SpyreSpecModelRunner: continuous batching with speculative decoding.
 
 With ``--speculative-config`` a decode step becomes a verify step where
-running sequences have proposals (n-gram prompt lookup, ``spyre_ngram``,
-or a draft model's, ``spyre_draft``) and verifying them pays
+running sequences have proposals (n-gram prompt lookup, ``spyre_ngram``;
+a draft model's, ``spyre_draft``; an MLP speculator's from the served
+model's hidden states, ``spyre_mlp_speculator``) and verifying them pays
 (``spyre_spec_cost``: the tokens it is expected to emit against its time,
 a draft model's proposing included, over a decode step's, both measured
 at warm-up): each sequence's last token and up to ``k`` proposed
@@ -35,6 +36,7 @@ The step's groups carry one ``SequenceOutput`` per emitted token
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -51,7 +53,8 @@ from vllm.sequence import (CompletionSequenceGroupOutput, SequenceData,
                            SequenceGroupMetadata)
 from vllm.worker import spyre_ngram
 from vllm.worker.spyre_draft import DraftModel
-from vllm.worker.spyre_spec_cost import VerifyCost
+from vllm.worker.spyre_mlp_speculator import MLPSpeculatorProposer
+from vllm.worker.spyre_spec_cost import VerifyCost, best_of
 from vllm.worker.spyre_cb_inputs import verify_batch
 from vllm.worker.spyre_cb_model_runner import (SpyreCBModelInput,
                                                SpyreCBModelRunner, _seq)
@@ -72,13 +75,21 @@ class SpyreSpecModelInput(SpyreCBModelInput):
     """A continuous-batching step whose decodes may be a verify step."""
 
     NESTED = dict(SpyreCBModelInput.NESTED, verify=PagedInputs)
-    LOCAL = SpyreCBModelInput.LOCAL + ("proposals", "decode_metas")
+    LOCAL = SpyreCBModelInput.LOCAL + ("proposals", "decode_metas",
+                                       "prefill_request")
 
     #: The verify step, in place of ``decode``; else None.
     verify: Optional[PagedInputs] = None
-    #: Driver only: each decode row's proposals and its group.
+    #: Driver only: each decode row's proposals (a verify step) and its
+    #: group; the prefill's request.
     proposals: Optional[tuple[tuple[int, ...], ...]] = None
     decode_metas: Optional[tuple[SequenceGroupMetadata, ...]] = None
+    prefill_request: Optional[str] = None
+
+
+#: The proposers of the methods that run a model, by method.
+PROPOSERS = {"draft_model": DraftModel,
+             "mlp_speculator": MLPSpeculatorProposer}
 
 
 class SpyreSpecModelRunner(SpyreCBModelRunner):
@@ -103,28 +114,31 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
         self.cost: Optional[VerifyCost] = None
         #: The verify graph's logits of the step being sampled (driver).
         self._verified: Optional[torch.Tensor] = None
-        #: The draft model (``"method": "draft_model"``); set by
-        #: ``load_model``.
-        self.draft: Optional[DraftModel] = None
+        #: The draft model or MLP speculator (``PROPOSERS``), else None
+        #: (n-gram lookup); set by ``load_model``.
+        self.proposer: Optional[DraftModel | MLPSpeculatorProposer] = None
+        #: The served model's hidden states of the step's prefill and
+        #: decode rows, where the MLP speculator wants them (driver).
+        self._hidden: list[Optional[torch.Tensor]] = [None, None]
 
     # ---- start-up -------------------------------------------------------
     def load_model(self) -> None:
         super().load_model()
-        spec = self.vllm_config.speculative_config
-        if spec.method == "draft_model":
-            self.draft = DraftModel(self.vllm_config, self.spyre_config,
-                                    self.max_blocks, self.pad_id)
-            self.draft.load()
+        proposer = PROPOSERS.get(self.vllm_config.speculative_config.method)
+        if proposer is not None:
+            self.proposer = proposer(self.vllm_config, self.spyre_config,
+                                     self.max_blocks, self.pad_id)
+            self.proposer.load()
 
     def block_bytes(self) -> int:
-        """A block of the served model's pool, and of the draft's."""
-        draft = self.draft.block_bytes() if self.draft else 0
-        return super().block_bytes() + draft
+        """A block of the served model's pool, and of a draft model's."""
+        extra = self.proposer.block_bytes() if self.proposer else 0
+        return super().block_bytes() + extra
 
     def allocate_pool(self, num_blocks: int) -> None:
         super().allocate_pool(num_blocks)
-        if self.draft is not None:
-            self.draft.allocate_pool(num_blocks + 1, self.pad_block)
+        if self.proposer is not None:
+            self.proposer.allocate_pool(num_blocks + 1, self.pad_block)
 
     @current_platform.inference_mode()
     def warmup(self) -> None:
@@ -137,8 +151,8 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
         assert self.model is not None
         before = self.model.graph_cache_stats()
         batches = (1, self.scheduler_config.max_num_seqs)
-        if self.draft is not None:
-            self.draft.warmup(batches[1])
+        if self.proposer is not None:
+            self.proposer.warmup(batches[1])
         steps = {}
         for batch in sorted(set(batches)):
             steps[batch] = (
@@ -159,9 +173,10 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
                 "while it runs at most %d sequences (disable_by_batch_size)",
                 self.max_verify_batch)
             return
-        times = {b: (_best_of(lambda: self._forward(decode)),
-                     _best_of(lambda: self._verify(verify, None)) +
-                     self._propose_time(b))
+        times = {b: (best_of(lambda: self._forward(decode)),
+                     best_of(lambda: self._verify(verify, None)) +
+                     (self.proposer.time_proposing(b)
+                      if self.proposer else 0.0))
                  for b, (decode, verify) in steps.items()}
         self.cost = VerifyCost(batches, (times[1][0], times[batches[1]][0]),
                                (times[1][1], times[batches[1]][1]))
@@ -183,53 +198,35 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
         self.backoff.forget(finished_requests_ids or ())
         if self.cost is not None:
             self.cost.forget(finished_requests_ids or ())
-        if self.draft is not None:
-            self.draft.forget(finished_requests_ids or ())
-        return super().prepare_model_input(  # type: ignore[return-value]
+        if self.proposer is not None:
+            self.proposer.forget(finished_requests_ids or ())
+        model_input = super().prepare_model_input(
             seq_group_metadata_list, virtual_engine, finished_requests_ids)
-
-    def _prefilling(self, request_id: str, end: int) -> None:
-        if self.draft is not None:
-            self.draft.prefilled(request_id, end)
-
-    def _propose_time(self, batch: int) -> float:
-        """Seconds a draft model takes to propose ``k`` tokens for
-        ``batch`` sequences (0 for n-gram lookup)."""
-        if self.draft is None:
-            return 0.0
-        ids = [f"warm-up {i}" for i in range(batch)]
-
-        def propose():
-            self.draft.propose(ids, [[1, 1]] * batch, [[0]] * batch,
-                               [self.k] * batch)
-            self.draft.forget(ids)
-
-        return _best_of(propose)
+        prefills = [m for m in seq_group_metadata_list if m.is_prompt]
+        if prefills:
+            model_input = dataclasses.replace(
+                model_input, prefill_request=prefills[0].request_id)
+        return model_input  # type: ignore[return-value]
 
     def _decode_fields(self, metas: list[SequenceGroupMetadata], seqs: list,
                        lens: list[int]) -> dict:
         """A verify step where running sequences propose and verifying
-        pays (``_verifies``); else the decode batch.  A draft model
-        proposes only once the step is to verify."""
+        pays (``_verifies``); else the decode batch.  A model proposes
+        only once the step is to verify."""
         rooms = [self._room(m) for m in metas]
-        if self.draft is None:
+        if self.proposer is None:
             proposals = tuple(
                 tuple(spyre_ngram.propose(d.get_token_ids(), room,
                                           *self.lookup)) if room else ()
                 for room, (_, d) in zip(rooms, seqs))
-        elif any(rooms):
-            proposals = tuple(() for _ in rooms)
-            if self._verifies(metas, rooms):
-                proposals = self.draft.propose(
-                    [m.request_id for m in metas],
-                    [d.get_token_ids() for _, d in seqs],
-                    [m.block_tables[i] for m, (i, _) in zip(metas, seqs)],
-                    rooms)
+        elif any(rooms) and self._verifies(metas, rooms):
+            proposals = self.proposer.propose(metas, seqs, rooms)
         else:
             proposals = ()
         if not any(proposals) or not self._verifies(
                 metas, [len(p) for p in proposals]):
-            return super()._decode_fields(metas, seqs, lens)
+            return dict(super()._decode_fields(metas, seqs, lens),
+                        decode_metas=tuple(metas))
         verify = verify_batch(
             [d.get_last_token_id() for _, d in seqs], proposals, lens,
             [m.block_tables[i][:self.max_blocks]
@@ -273,24 +270,35 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
         position's sampled with the step's other rows."""
         verify = model_input.verify
         if verify is None:
-            return super()._decode_rows(model_input)
+            logits = super()._decode_rows(model_input)
+            self._hidden[1] = self.model.last_hidden
+            return logits
         logits = self._verify(
             verify,
             (model_input.lora_requests or (), model_input.decode_loras))
+        self._hidden[1] = self.model.last_hidden
         self._verified = logits[:model_input.num_live]
         return self._verified[:, 0]
+
+    def _prefill(self, chunks: PagedInputs, states=None,
+                 loras=None) -> torch.Tensor:
+        logits = super()._prefill(chunks, states, loras)
+        self._hidden[0] = self.model.last_hidden
+        return logits
 
     def run_step(
         self, model_input: SpyreSpecModelInput  # type: ignore[override]
     ) -> Optional[list[SamplerOutput]]:
         out = super().run_step(model_input)
-        if self.draft is not None and model_input.prefill is not None:
-            self.draft.prefill(model_input.prefill)
         verified, self._verified = self._verified, None
-        if not out or model_input.verify is None:
-            return out
-        assert verified is not None
-        return [self._accept(out[0], model_input, verified)]
+        if out and model_input.verify is not None:
+            assert verified is not None
+            out = [self._accept(out[0], model_input, verified)]
+        if self.proposer is not None:
+            self.proposer.stepped(model_input, out[0].outputs if out else
+                                  None, self._hidden)
+        self._hidden = [None, None]
+        return out
 
     def _verify(self, step: PagedInputs, loras) -> torch.Tensor:
         assert self.model is not None
@@ -335,8 +343,6 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
             if proposed:
                 request_id = model_input.decode_metas[i].request_id
                 self.backoff.verified(request_id, len(tokens) - 1)
-                if self.draft is not None:
-                    self.draft.verified(request_id, len(tokens) - 1)
                 if self.cost is not None:
                     self.cost.verified(request_id, proposed,
                                        len(tokens) - 1)
@@ -345,16 +351,6 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
                                        proposed=proposed))
         first.outputs = outputs
         return first
-
-
-def _best_of(run, times: int = 5) -> float:
-    """The shortest of ``times`` timed calls of ``run``."""
-    best = float("inf")
-    for _ in range(times):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def _extended(meta: SequenceGroupMetadata,

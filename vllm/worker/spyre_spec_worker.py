@@ -5,7 +5,7 @@ The platform installs this worker when ``VLLM_SPYRE_USE_CB=1`` and
 sized for each sequence's lookahead slots too, and a block of the draft
 model's pool with each of the served model's) with the runner that
 verifies proposals, ``SpyreSpecModelRunner``; the up-front memory check
-counts a draft model's weights.
+counts a draft model's or an MLP speculator's weights.
 """
 from __future__ import annotations
 
@@ -23,6 +23,6 @@ class SpyreSpecWorker(SpyreCBWorker):
 
     def weighed_configs(self) -> tuple[VllmConfig, ...]:
         spec = self.vllm_config.speculative_config
-        if spec is None or spec.method != "draft_model":
+        if spec is None or spec.method == "ngram":
             return super().weighed_configs()
         return (self.vllm_config, draft_vllm_config(self.vllm_config))

@@ -135,7 +135,8 @@ class SpyreCausalLM(nn.Module):
             backend=backend,
             options={"freezing": False, "cpp_wrapper": backend == "inductor",
                      "attention": self.code.attn_name,
-                     "lora": self.lora.slots if self.lora else None},
+                     "lora": self.lora.slots if self.lora else None,
+                     **({"hidden": True} if self.code.keeps_hidden else {})},
             tp_size=self.tp_size,
             dtype=self.served_dtype)
         return spyre_graph_cache.GraphCache(

@@ -167,6 +167,12 @@ class SpyreCBCausalLM(SpyreCausalLM):
             self.paged_graph_name(False, step.block_table.shape[1], True),
             step, self.kv_pool, self.window, self.verify_len)
 
+    @property
+    def last_hidden(self) -> Optional[torch.Tensor]:
+        """The last step's hidden states where the model code keeps them
+        (an MLP speculator's; ``ModelCode.keeps_hidden``)."""
+        return self.code.last_hidden
+
     def _pool_caches(self, states: Optional[spyre_mamba.StateRows]) -> list:
         """The pools as the model takes them; a hybrid model's Mamba-2
         layers get their steps over the rows' state slots."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 import torch
+from fms.utils.headless import gather_outputs
 from torch import nn
 
 from vllm.attention.ops.spyre_kv_layout import CacheLayout
@@ -56,6 +57,8 @@ class FmsModelCode(ModelCode):
         self.state_layout = spyre_mamba.StateLayout.of(self.fms_model)
         self.is_ssm = (spyre_mamba.layer_kinds(self.fms_model)
                        if self.state_layout else [])
+        if self.keeps_hidden:
+            return _Headless(self.fms_model)
         return self.fms_model
 
     def _use_cpu_kernels(self) -> None:
@@ -103,7 +106,7 @@ class FmsModelCode(ModelCode):
 
     def paged_step(self, graphs, graph, step: PagedInputs, caches, window,
                    last_n: int = 1):
-        logits, _ = graphs(
+        out, _ = graphs(
             graph,
             step.input_ids,
             position_ids=step.position_ids,
@@ -116,7 +119,11 @@ class FmsModelCode(ModelCode):
             ctx_lens=step.ctx_lens,
             spyre_window=window,
         )
-        return logits[:, -1, :] if last_n == 1 else logits[:, -last_n:, :]
+        out = out[:, -1, :] if last_n == 1 else out[:, -last_n:, :]
+        if not self.keeps_hidden:
+            return out
+        self.last_hidden = out
+        return self._head(out)
 
     # ---- prompt log-probabilities (``spyre_prompt_logprobs``) -----------
     def prompt_hidden(self, ids: torch.Tensor) -> torch.Tensor:
@@ -130,7 +137,11 @@ class FmsModelCode(ModelCode):
         return hidden
 
     def prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.fms_model.head(hidden)[0].float()
+        return self._head(hidden)[0].float()
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of hidden states, as FMS's forward makes them."""
+        logits = self.fms_model.head(hidden)
         scale = getattr(self.fms_model.config, "logits_scaling", 1.0)
         return logits / scale if scale != 1.0 else logits
 
@@ -166,3 +177,20 @@ class FmsModelCode(ModelCode):
             self.fms_model, state_dict, layout,
             architecture=family.fms_architecture, source=family.source,
             tensor_parallel=self.tp_size > 1)
+
+
+class _Headless(nn.Module):
+    """What is compiled where the hidden states are kept (an MLP
+    speculator proposes from them): the FMS model's forward up to its head,
+    ``(hidden, cache)``; ``FmsModelCode._head`` makes the logits."""
+
+    def __init__(self, fms_model: nn.Module) -> None:
+        super().__init__()
+        self.fms_model = fms_model
+
+    def forward(self, x: torch.Tensor, position_ids=None,
+                past_key_value_states=None, use_cache: bool = False,
+                last_n_tokens: int = 0, **attn_kwargs):
+        hidden, cache = self.fms_model.base_model(
+            x, position_ids, past_key_value_states, use_cache, **attn_kwargs)
+        return gather_outputs(hidden, last_n_tokens, **attn_kwargs), cache

@@ -67,6 +67,18 @@ class ModelCode(nn.Module):
         self.is_ssm: list[bool] = []
         #: The LoRA adapters (``--enable-lora``; vLLM's model code only).
         self.lora: Optional[SpyreLoRA] = None
+        spec = vllm_config.speculative_config
+        #: Whether a continuous-batching step keeps its rows' last hidden
+        #: states (``last_hidden``), which an MLP speculator proposes from
+        #: (``"method": "mlp_speculator"``; the served model only).
+        self.keeps_hidden = (spec is not None
+                             and spec.method == "mlp_speculator"
+                             and vllm_config.model_config.runner_type !=
+                             "draft")
+        #: The last ``paged_step``'s hidden states, as its logits are
+        #: shaped (``[B, hidden]``, or ``[B, last_n, hidden]``), where
+        #: ``keeps_hidden``.
+        self.last_hidden: Optional[torch.Tensor] = None
 
     def build(self) -> nn.Module:
         raise NotImplementedError
@@ -85,7 +97,8 @@ class ModelCode(nn.Module):
         """One continuous-batching prefill or decode step on the block
         pool: ``[B, vocab]`` logits of each row's last position, or with
         ``last_n > 1`` (a speculative verify step) ``[B, last_n, vocab]``
-        of its last ``last_n``."""
+        of its last ``last_n``; their hidden states in ``last_hidden``
+        where ``keeps_hidden``."""
         raise NotImplementedError
 
     def prompt_hidden(self, ids: torch.Tensor) -> torch.Tensor:

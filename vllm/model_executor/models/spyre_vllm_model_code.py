@@ -154,6 +154,9 @@ class VllmModelCode(ModelCode):
                             meta.mask, meta.cache_slots, meta.block_table,
                             meta.ctx_lens, **extra)
         logits = self.vllm_model.compute_logits(hidden, None)
+        if self.keeps_hidden:
+            self.last_hidden = (hidden if last_n == 1 else hidden.view(
+                input_ids.shape[0], last_n, -1))
         if last_n == 1:
             return logits
         return logits.view(input_ids.shape[0], last_n, -1)
