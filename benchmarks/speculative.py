@@ -1,10 +1,14 @@
-"""Speculative decoding: decode speed with n-gram proposals against plain
+"""Speculative decoding: decode speed of each method against plain
 decoding, on an input-grounded workload and an open-ended one.
 
-Two engines, each in its own process, both alive, continuous batching
-(``--max-num-seqs`` the largest batch): plain decoding, and the same with
-``--speculative-config '{"method": "ngram", "num_speculative_tokens": K,
-"prompt_lookup_max": 4, "prompt_lookup_min": 2}'``.  The prompts go
+One engine per method, each in its own process, all alive, continuous
+batching (``--max-num-seqs`` the largest batch): plain decoding; n-gram
+lookup, ``--speculative-config '{"method": "ngram",
+"num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min":
+2}'``; with ``--draft DIR`` a draft model (``{"model": DIR,
+"num_speculative_tokens": K}``); with ``--speculator DIR`` an MLP
+speculator, the same way (``scripts/speculative_checkpoints.py`` writes
+both for a model).  ``--methods`` picks among them.  The prompts go
 through the model's chat template:
 
 * input-grounded: instructions whose answer repeats text of the prompt
@@ -18,14 +22,15 @@ greedy (stopping at the end-of-sequence token), timed with G new tokens
 and with 1, so that decode tokens/s is the tokens after the first over the
 difference (prefills excluded).  The engines take turns, one repetition
 each, so that a ratio compares rates measured in the same minutes.
-Reported: decode tokens/s of both, their ratio, whether both gave the same
-tokens (greedy: they must), and the speculative engine's drafts, tokens
-proposed and accepted in its timed runs (acceptance rate, mean accepted
-length: tokens a verify step emits per sequence).  Any compilation during
-the timed runs fails the run.
+Reported, per method: decode tokens/s against plain decoding's, their
+ratio, whether both gave the same tokens (greedy: they must), and its
+drafts, tokens proposed and accepted in the timed runs (acceptance rate,
+mean accepted length: tokens a verify step emits per sequence).  Any
+compilation during the timed runs fails the run.
 
     python benchmarks/speculative.py [--model DIR] [--backend inductor]
         [--k 4] [--batch-sizes 1,4,8] [--new-tokens 128]
+        [--draft DIR] [--speculator DIR] [--methods ngram,draft,mlp]
         [--repetitions 3] [--dtype float32] [--json PATH]
 """
 from __future__ import annotations
@@ -141,6 +146,11 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repetitions", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--draft", help="a draft model's folder")
+    ap.add_argument("--speculator", help="an MLP speculator's folder")
+    ap.add_argument("--methods", default="ngram,draft,mlp",
+                    help="of ngram, draft (with --draft), mlp (with "
+                    "--speculator)")
     add_json_option(ap, "speculative.json")
     args = ap.parse_args()
     sizes = parse_ints(args.batch_sizes)
@@ -150,10 +160,15 @@ def main() -> int:
     base_args = dict(dtype=args.dtype, max_num_seqs=max(sizes),
                      max_model_len=cb_max_model_len(longest,
                                                     args.new_tokens))
-    spec = {"method": "ngram", "num_speculative_tokens": args.k,
-            "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    engines = [("plain", base_args),
-               ("ngram", dict(base_args, speculative_config=spec))]
+    specs = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k,
+                       "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+             "draft": args.draft and {"model": args.draft,
+                                      "num_speculative_tokens": args.k},
+             "mlp": args.speculator and {"model": args.speculator,
+                                         "num_speculative_tokens": args.k}}
+    methods = [m for m in args.methods.split(",") if specs.get(m)]
+    engines = [("plain", base_args)] + [
+        (m, dict(base_args, speculative_config=specs[m])) for m in methods]
     result = dict(args=vars(args), machine=machine_info(), runs=[])
     env = cb_env(args.backend)
     children: dict = {}
@@ -180,32 +195,35 @@ def main() -> int:
 
     rows = []
     for kind, b, _ in plans:
-        plain, ngram = rates[(kind, b, "plain")], rates[(kind, b, "ngram")]
+        plain = rates[(kind, b, "plain")]
         p = statistics.median(r["rate"] for r in plain)
-        s = statistics.median(r["rate"] for r in ngram)
-        same = all(x["ids"] == y["ids"] for x, y in zip(plain, ngram))
-        drafts, proposed, accepted = (sum(r["counts"][i] for r in ngram)
-                                      for i in range(3))
-        rate = accepted / proposed if proposed else 0.0
-        length = 1 + accepted / drafts if drafts else 1.0
         tokens = sum(len(i) for i in plain[0]["ids"])
-        rows.append([kind, b, tokens, f"{p:.1f}", f"{s:.1f}", f"{s / p:.2f}x",
-                     "yes" if same else "NO", drafts,
-                     f"{100 * rate:.0f}%", f"{length:.2f}"])
-        result["runs"].append(dict(
-            workload=kind, batch=b, output_tokens=tokens, plain_tok_s=p,
-            ngram_tok_s=s, speedup=s / p, same_tokens=same, drafts=drafts,
-            proposed=proposed, accepted=accepted, acceptance_rate=rate,
-            mean_accepted_length=length))
+        for method in methods:
+            spec = rates[(kind, b, method)]
+            s = statistics.median(r["rate"] for r in spec)
+            same = all(x["ids"] == y["ids"] for x, y in zip(plain, spec))
+            drafts, proposed, accepted = (sum(r["counts"][i] for r in spec)
+                                          for i in range(3))
+            rate = accepted / proposed if proposed else 0.0
+            length = 1 + accepted / drafts if drafts else 1.0
+            rows.append([kind, b, method, tokens, f"{p:.1f}", f"{s:.1f}",
+                         f"{s / p:.2f}x", "yes" if same else "NO", drafts,
+                         f"{100 * rate:.0f}%", f"{length:.2f}"])
+            result["runs"].append(dict(
+                workload=kind, batch=b, method=method, output_tokens=tokens,
+                plain_tok_s=p, tok_s=s, speedup=s / p, same_tokens=same,
+                drafts=drafts, proposed=proposed, accepted=accepted,
+                acceptance_rate=rate, mean_accepted_length=length))
     result["compiles"] = compiles
     write_json(args.json, result)
     print(f"\nmodel {args.model} ({args.dtype}), backend {args.backend}, "
-          f"continuous batching, n-gram k={args.k} (suffixes of 2-4 "
-          f"tokens), up to G={args.new_tokens} new tokens, greedy, "
-          f"{cores()} cores, median of {args.repetitions}")
-    print(table(["workload", "B", "output tokens", "plain tok/s",
-                 "ngram tok/s", "speed-up", "same tokens", "drafts",
-                 "accepted", "mean accepted length"], rows))
+          f"continuous batching, k={args.k} (n-gram: suffixes of 2-4 "
+          f"tokens; draft: {args.draft}; mlp: {args.speculator}), up to "
+          f"G={args.new_tokens} new tokens, greedy, {cores()} cores, "
+          f"median of {args.repetitions}")
+    print(table(["workload", "B", "method", "output tokens", "plain tok/s",
+                 "tok/s", "speed-up", "same tokens", "drafts", "accepted",
+                 "mean accepted length"], rows))
     failed = compiled_in_timed_runs(compiles) or not all(
         r["same_tokens"] for r in result["runs"])
     if not all(r["same_tokens"] for r in result["runs"]):

@@ -6,6 +6,8 @@ and its table printed last."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -153,24 +155,35 @@ def test_lora_kernel_benchmark_small(tiny_llama, tmp_path):
 
 
 def test_speculative_benchmark_small(tiny_llama, tmp_path):
-    """benchmarks/speculative.py: plain decoding and n-gram speculation on
-    both workloads at two batch sizes, the same tokens from both, nothing
-    compiled in the timed runs, a row per workload and batch size."""
+    """benchmarks/speculative.py: plain decoding against n-gram
+    speculation, a draft model (the tiny Llama's own first layer) and an
+    MLP speculator, on both workloads at two batch sizes; the same tokens
+    from all, nothing compiled in the timed runs, a row per workload,
+    batch size and method."""
+    from spyre_support.tiny_models import build_tiny_mlp_speculator
+    draft = tmp_path / "draft"
+    subprocess.run([sys.executable,
+                    str(REPO / "scripts" / "speculative_checkpoints.py"),
+                    "draft", "--model", str(tiny_llama), "--layers", "1",
+                    "--out", str(draft)], check=True, cwd=REPO)
+    speculator = build_tiny_mlp_speculator(tmp_path / "mlp", tiny_llama)
     out = tmp_path / "speculative.json"
     proc = preloaded.run(
         [str(REPO / "benchmarks" / "speculative.py"),
          "--model", str(tiny_llama), "--backend", "eager",
          "--batch-sizes", "1,2", "--new-tokens", "24", "--repetitions", "1",
+         "--draft", str(draft), "--speculator", str(speculator),
          "--json", str(out)],
         timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["compiles"] == 0
     runs = result["runs"]
-    assert [(r["workload"], r["batch"]) for r in runs] == [
-        ("grounded", 1), ("grounded", 2), ("open", 1), ("open", 2)]
+    assert [(r["workload"], r["batch"], r["method"]) for r in runs] == [
+        (w, b, m) for w in ("grounded", "open") for b in (1, 2)
+        for m in ("ngram", "draft", "mlp")]
     assert all(r["same_tokens"] and r["plain_tok_s"] > 0
-               and r["ngram_tok_s"] > 0 for r in runs)
+               and r["tok_s"] > 0 for r in runs)
     assert all(r["accepted"] <= r["proposed"] for r in runs)
 
 
