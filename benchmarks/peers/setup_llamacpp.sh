@@ -14,7 +14,10 @@
 #      llama.cpp source tree the Python bindings were written against;
 #   2. llama.cpp built from that tree with cmake: CPU only, tuned for this
 #      machine (GGML_NATIVE), OpenMP, shared libraries; the tools
-#      llama-batched-bench, llama-bench and llama-quantize, and libllama.so;
+#      llama-batched-bench, llama-bench and llama-quantize, libllama.so, and
+#      the speculative-decoding examples llama-lookup (n-gram prompt
+#      lookup) and llama-speculative (a draft model) for
+#      benchmarks/speculative_peer.py;
 #   3. the bindings' Python package (llama_cpp, ctypes only) next to that
 #      libllama.so, for benchmarks/_peers.py to import;
 #   4. the model folder converted to GGUF at F32 and BF16 with llama.cpp's
@@ -93,9 +96,11 @@ else
 fi
 
 # 2. llama.cpp tools and library
-TARGETS=(llama llama-batched-bench llama-bench llama-quantize)
+TARGETS=(llama llama-batched-bench llama-bench llama-quantize llama-lookup
+         llama-speculative)
 if [ -x "$BUILD/bin/llama-batched-bench" ] && [ -x "$BUILD/bin/llama-bench" ] \
-    && [ -x "$BUILD/bin/llama-quantize" ] && [ -f "$BUILD/bin/libllama.so" ]
+    && [ -x "$BUILD/bin/llama-quantize" ] && [ -f "$BUILD/bin/libllama.so" ] \
+    && [ -x "$BUILD/bin/llama-lookup" ] && [ -x "$BUILD/bin/llama-speculative" ]
 then
   say "build: $BUILD/bin (present)"
 else
@@ -114,7 +119,7 @@ else
     -DGGML_BLAS=OFF -DGGML_CCACHE=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF \
-    -DLLAMA_BUILD_EXAMPLES=OFF
+    -DLLAMA_BUILD_EXAMPLES=ON
   logged "$BUILD.build.log" "$cmake" --build "$BUILD" -j "$JOBS" \
     --target "${TARGETS[@]}"
   say "build: $BUILD/bin (logs $BUILD.*.log)"
