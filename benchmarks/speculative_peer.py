@@ -5,7 +5,7 @@ llama.cpp speculates one sequence at a time, in its example tools:
 ``llama-lookup`` (n-gram lookup: n-grams of 1 to 4 tokens of the prompt
 and the answer so far, up to K drafted tokens a step) and, with
 ``--draft GGUF``, ``llama-speculative`` (a draft model); its plain
-decoding is ``llama-lookup`` with no draft (``--draft-max 0``).  Each
+decoding is ``llama-lookup`` with no draft (``--spec-draft-n-max 0``).  Each
 tool decodes the chat-templated prompt text (it tokenizes it itself),
 greedy, up to G new tokens, stopping at the end-of-sequence token, on
 ``cores()`` threads, and reports its decode tokens/s (prompt excluded)
@@ -44,7 +44,7 @@ from spyre_support.envs import cb_env, cb_max_model_len
 
 TOOLS = PEERS / "llama.cpp" / "build" / "bin"
 DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
-COUNT = re.compile(r"^\s*(n_drafted|n_accept)\s*=\s*(\d+)", re.M)
+COUNT = re.compile(r"\b(n_drafted|n_accept)\s*=\s*(\d+)")
 
 
 def llamacpp(tool: str, gguf: Path, text: str, new_tokens: int,
@@ -95,13 +95,14 @@ def main() -> int:
                 max_model_len=cb_max_model_len(longest, args.new_tokens))
     specs = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k,
                        "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
-    peers = {"ngram": ("llama-lookup", ["--draft-max", str(args.k)])}
+    peers = {"ngram": ("llama-lookup", ["--spec-draft-n-max", str(args.k)])}
     if args.draft and args.spyre_draft:
         specs["draft"] = {"model": args.spyre_draft,
                           "num_speculative_tokens": args.k}
         peers["draft"] = ("llama-speculative",
-                          ["-md", args.draft, "--draft-max", str(args.k),
-                           "--draft-min", "0", "-td", str(cores())])
+                          ["-md", args.draft, "--spec-draft-n-max",
+                           str(args.k), "--spec-draft-n-min", "0", "-td",
+                           str(cores())])
     engines = [("plain", base)] + [
         (m, dict(base, speculative_config=s)) for m, s in specs.items()]
     totals: dict = {}
@@ -125,7 +126,8 @@ def main() -> int:
                         (len(run["ids"][0]) - 1) / run["rate"],
                         run["counts"][1], run["counts"][2])
                 for name, (tool, extra) in [
-                        ("plain", ("llama-lookup", ["--draft-max", "0"])),
+                        ("plain", ("llama-lookup",
+                                   ["--spec-draft-n-max", "0"])),
                         *peers.items()]:
                     run = llamacpp(tool, gguf, text, args.new_tokens, extra)
                     add(totals, ("llama.cpp", kind, name), run["tokens"],

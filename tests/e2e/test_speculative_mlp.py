@@ -80,6 +80,22 @@ def test_the_kept_state_is_transformers_hidden_state(impl, tiny_llama,
             torch.testing.assert_close(hidden, want, atol=1e-3, rtol=1e-3)
 
 
+def test_with_preemption_prefix_caching_and_chunked_prefill(
+        tiny_llama, speculator, hf_tiny):
+    """A preempted sequence is recomputed and its kept state with it."""
+    plan = [(10, 10, 0, 60), (11, 10, 0, 50), (12, 10, 0, 40),
+            (10, 10, 0, 30)]
+    run = run_workload(tiny_llama, "eager", spec(speculator), plan,
+                       num_gpu_blocks_override=8,
+                       enable_prefix_caching=True,
+                       enable_chunked_prefill=True,
+                       max_num_batched_tokens=64)
+    assert run["preemptions"] > 0
+    assert run["drafts"] > 0 and run["compiled"] == 0
+    assert run["free_blocks"] == run["total_blocks"]
+    assert_plain_greedy(run, hf_tiny)
+
+
 def test_the_default_model_with_a_tiny_speculator(smollm2, tmp_path):
     speculator = build_tiny_mlp_speculator(tmp_path / "mlp", smollm2)
     plan = [(5, 6, 3, 24), (8, 4, 0, 16), (3, 1, 0, 20)]
