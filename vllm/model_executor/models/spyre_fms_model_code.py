@@ -58,7 +58,7 @@ class FmsModelCode(ModelCode):
         self.is_ssm = (spyre_mamba.layer_kinds(self.fms_model)
                        if self.state_layout else [])
         if self.keeps_hidden:
-            return _Headless(self.fms_model)
+            return _WithHidden(self.fms_model)
         return self.fms_model
 
     def _use_cpu_kernels(self) -> None:
@@ -119,11 +119,11 @@ class FmsModelCode(ModelCode):
             ctx_lens=step.ctx_lens,
             spyre_window=window,
         )
-        out = out[:, -1, :] if last_n == 1 else out[:, -last_n:, :]
-        if not self.keeps_hidden:
-            return out
-        self.last_hidden = out
-        return self._head(out)
+        if self.keeps_hidden:
+            out, hidden = out
+            self.last_hidden = (hidden[:, -1, :] if last_n == 1 else
+                                hidden[:, -last_n:, :])
+        return out[:, -1, :] if last_n == 1 else out[:, -last_n:, :]
 
     # ---- prompt log-probabilities (``spyre_prompt_logprobs``) -----------
     def prompt_hidden(self, ids: torch.Tensor) -> torch.Tensor:
@@ -179,18 +179,23 @@ class FmsModelCode(ModelCode):
             tensor_parallel=self.tp_size > 1)
 
 
-class _Headless(nn.Module):
+class _WithHidden(nn.Module):
     """What is compiled where the hidden states are kept (an MLP
-    speculator proposes from them): the FMS model's forward up to its head,
-    ``(hidden, cache)``; ``FmsModelCode._head`` makes the logits."""
+    speculator proposes from them): the FMS model's forward, its head
+    included, returning ``((logits, hidden), cache)``."""
 
     def __init__(self, fms_model: nn.Module) -> None:
         super().__init__()
         self.fms_model = fms_model
+        self.scale = getattr(fms_model.config, "logits_scaling", 1.0)
 
     def forward(self, x: torch.Tensor, position_ids=None,
                 past_key_value_states=None, use_cache: bool = False,
                 last_n_tokens: int = 0, **attn_kwargs):
         hidden, cache = self.fms_model.base_model(
             x, position_ids, past_key_value_states, use_cache, **attn_kwargs)
-        return gather_outputs(hidden, last_n_tokens, **attn_kwargs), cache
+        hidden = gather_outputs(hidden, last_n_tokens, **attn_kwargs)
+        logits = self.fms_model.head(hidden)
+        if self.scale != 1.0:
+            logits = logits / self.scale
+        return (logits, hidden), cache
