@@ -4,10 +4,11 @@ offline.
 
 A random speculator built for the tiny Llama proposes from the served
 model's hidden states; the emitted tokens stay plain greedy decoding's
-(transformers') on FMS's and vLLM's model code, both CPU backends and the
-default model, with nothing compiled after warm-up.  The hidden state the
-runner keeps for a sequence is transformers' last hidden state at the
-position whose logits gave the sequence's last token.  Speculators Spyre
+(transformers') on FMS's and vLLM's model code, both CPU backends,
+the default model and over 2 ranks, with nothing compiled after
+warm-up.  The hidden state the runner keeps for a sequence is
+transformers' last hidden state at the position whose logits gave the
+sequence's last token.  Speculators Spyre
 cannot run are refused at start-up, naming the value."""
 from __future__ import annotations
 
@@ -104,10 +105,20 @@ def test_the_default_model_with_a_tiny_speculator(smollm2, tmp_path):
     assert_plain_greedy(run, HFReference(smollm2))
 
 
+def test_tensor_parallel_2_equals_transformers(tiny_llama, speculator,
+                                               hf_tiny):
+    """The driver's unsharded speculator proposes from the whole hidden
+    states both ranks compute; both ranks run the verify step."""
+    plan = [(5, 6, 3, 40), (8, 8, 0, 33), (3, 1, 0, 30)]
+    run = run_workload(tiny_llama, "eager", spec(speculator), plan,
+                       tensor_parallel_size=2)
+    assert run["drafts"] > 0 and run["compiled"] == 0
+    assert_plain_greedy(run, hf_tiny)
+
+
 @pytest.mark.parametrize("case, message", [
     ("hidden size", "reads hidden states of 576 values"),
     ("stages", "proposes at most 4 tokens"),
-    ("tensor parallel", "tensor_parallel_size=2"),
 ])
 def test_speculators_spyre_cannot_run_are_refused(case, message, tiny_llama,
                                                   speculator, smollm2,
@@ -120,7 +131,6 @@ def test_speculators_spyre_cannot_run_are_refused(case, message, tiny_llama,
         "hidden size": (spec(build_tiny_mlp_speculator(tmp_path / "other",
                                                        smollm2)), {}),
         "stages": (spec(speculator, 8), {}),
-        "tensor parallel": (spec(speculator), {"tensor_parallel_size": 2}),
     }[case]
     with mock.patch.dict(os.environ, cb_env("eager")):
         with pytest.raises((ValueError, NotImplementedError), match=message):

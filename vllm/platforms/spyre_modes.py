@@ -171,8 +171,8 @@ def configure_speculative(vllm_config: "VllmConfig", spyre: SpyreConfig,
 
 def _check_mlp_speculator(vllm_config: "VllmConfig") -> None:
     """An MLP speculator reads the served model's hidden states and
-    proposes in its vocabulary, a token per stage, beside the driver
-    rank's model."""
+    proposes in its vocabulary, a token per stage, in the driver rank's
+    process (unsharded, also under tensor parallelism)."""
     spec = vllm_config.speculative_config
     draft = spec.draft_model_config
     config = draft.hf_config
@@ -189,7 +189,6 @@ def _check_mlp_speculator(vllm_config: "VllmConfig") -> None:
             f"num_speculative_tokens={spec.num_speculative_tokens}: the MLP "
             f"speculator {draft.model} proposes at most {config.n_predict} "
             "tokens (n_predict), one per stage")
-    _no_tensor_parallel(vllm_config, "An MLP speculator")
 
 
 def _same_vocabulary(draft, target) -> None:

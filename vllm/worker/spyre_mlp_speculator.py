@@ -15,11 +15,15 @@ The served model's model code keeps each step's hidden states
 each sequence that sampled (``keep``): a prefill's last position, a decode
 row, or a verify row's position of its last emitted token.  A sequence
 with no kept state yet proposes nothing.  The speculator runs in the
-driver worker's process, in float32, unsharded (tensor parallelism is
-refused at start-up).
+driver worker's process, in float32, unsharded, also under tensor
+parallelism: its parallel layers are built for one rank
+(``_one_rank``) and its embeddings read directly, so that no step of it
+waits on the other ranks; the served model's last hidden states are
+whole on every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -52,7 +56,7 @@ class MLPSpeculatorProposer:
         spec = self.vllm_config.speculative_config
         start = time.perf_counter()
         folder = spec.draft_model_config.model
-        with set_current_vllm_config(self.vllm_config):
+        with set_current_vllm_config(self.vllm_config), _one_rank():
             draft = _with_model(self.vllm_config, spec.draft_model_config)
             self.module = MLPSpeculator(vllm_config=draft).eval()
         loaded = self.module.load_weights(_tensors(Path(folder)))
@@ -135,13 +139,28 @@ class MLPSpeculatorProposer:
         tokens = torch.tensor([last_tokens[i] for i in rows])
         mix = m.emb_weight / m.state_weight
         for stage in range(max(rooms[i] for i in rows)):
-            state = m.proj[stage](state) + mix * m.emb[stage](tokens)
+            embedded = torch.nn.functional.embedding(tokens,
+                                                     m.emb[stage].weight)
+            state = m.proj[stage](state) + mix * embedded
             state = m.activation(m.ln[stage](state))
             tokens = (state @ m.head[stage].weight.t()).argmax(-1)
             for row, i in enumerate(rows):
                 if stage < rooms[i]:
                     out[i].append(int(tokens[row]))
         return tuple(tuple(p) for p in out)
+
+
+def _one_rank():
+    """vLLM's vocabulary-parallel layers built whole, as on one rank."""
+    from unittest import mock
+
+    from vllm.model_executor.layers import vocab_parallel_embedding as vpe
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(
+        vpe, "get_tensor_model_parallel_world_size", lambda: 1))
+    stack.enter_context(mock.patch.object(
+        vpe, "get_tensor_model_parallel_rank", lambda: 0))
+    return stack
 
 
 def _with_model(vllm_config: VllmConfig, model_config) -> VllmConfig:
@@ -164,4 +183,3 @@ def _tensors(folder: Path):
     for path in sorted(folder.glob("*.bin")):
         yield from torch.load(path, map_location="cpu",
                               weights_only=True).items()
-
