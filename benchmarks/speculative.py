@@ -128,6 +128,18 @@ class Runner:
                     compiles=compile_count() - before)
 
 
+def start_engines(model: str, engines, env: dict, children: dict,
+                  label: str = "") -> dict:
+    """A ``Runner`` child per (name, engine arguments) into ``children``
+    (started one after another); each one's start-up info."""
+    info = {}
+    for name, engine_args in engines:
+        print(f"[{label}{name}] starting ...", flush=True)
+        children[name] = Child(name, Runner, model, engine_args, env=env)
+        info[name] = children[name].result()
+    return info
+
+
 def decode_once(child: Child, prompts, new_tokens: int) -> dict:
     """Decode tokens/s of ``prompts`` (up to G tokens against 1), the ids,
     the speculation counts and the compilations of the G-token run."""
@@ -175,11 +187,7 @@ def main() -> int:
     compiles = 0
     rates: dict = {}
     try:
-        for name, engine_args in engines:
-            print(f"[{name}] starting ...", flush=True)
-            children[name] = Child(name, Runner, args.model, engine_args,
-                                   env=env)
-            result[name] = children[name].result()
+        result.update(start_engines(args.model, engines, env, children))
         for _, _, prompts in plans:  # warm: every batch size once
             for child in children.values():
                 child.call("generate", prompts, 2)

@@ -36,8 +36,8 @@ import sys
 from pathlib import Path
 
 from _peers import PEERS, SETUP, llamacpp_gguf
-from speculative import Runner, chat_prompts, decode_once
-from spyre_support.bench import (Child, add_json_option, benchmark_parser,
+from speculative import chat_prompts, decode_once, start_engines
+from spyre_support.bench import (add_json_option, benchmark_parser,
                                  compiled_in_timed_runs, cores, machine_info,
                                  table, write_json)
 from spyre_support.envs import cb_env, cb_max_model_len
@@ -109,11 +109,8 @@ def main() -> int:
     compiles = 0
     children: dict = {}
     try:
-        for name, engine_args in engines:
-            print(f"[spyre {name}] starting ...", flush=True)
-            children[name] = Child(name, Runner, args.model, engine_args,
-                                   env=cb_env(args.backend))
-            children[name].result()
+        start_engines(args.model, engines, cb_env(args.backend), children,
+                      "spyre ")
         for kind, ids, prompts in plans:
             for name, child in children.items():
                 child.call("generate", ids[:1], 2)  # warm

@@ -5,6 +5,7 @@ counted while running them; checks against transformers' greedy ids."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from spyre_support.bench import repeated_spans
 from spyre_support.engines import compile_count, spyre_llm
@@ -79,3 +80,21 @@ def assert_speculated(run: dict, k: int = 4) -> None:
     assert run["drafts"] > 0 and run["accepted"] > 0
     assert run["accepted"] <= run["proposed"] <= k * run["drafts"]
     assert run["free_blocks"] == run["total_blocks"]
+
+
+def assert_refused(model: Path, spec: dict, message: str,
+                   env: Optional[dict] = None, **engine_args) -> None:
+    """Building the engine config of ``model`` with ``spec`` (under
+    ``env``, continuous batching on ``eager`` by default) fails with
+    ``message``."""
+    import os
+    from unittest import mock
+
+    import pytest
+    from vllm import EngineArgs
+    engine_args = {"max_model_len": MAX_MODEL_LEN, **engine_args}
+    with mock.patch.dict(os.environ, cb_env("eager") if env is None
+                         else env):
+        with pytest.raises((ValueError, NotImplementedError), match=message):
+            EngineArgs(model=str(model), speculative_config=spec,
+                       **engine_args).create_engine_config()

@@ -17,7 +17,7 @@ from spyre_support.bench import repeated_spans
 from spyre_support.engines import spyre_llm
 from spyre_support.envs import cb_env
 from spyre_support.speculative import (MAX_MODEL_LEN, MAX_NUM_SEQS, PLAN,
-                                       assert_plain_greedy,
+                                       assert_plain_greedy, assert_refused,
                                        assert_speculated)
 from spyre_support.speculative import run_workload as run_spec
 
@@ -146,14 +146,7 @@ def test_guided_and_parallel_requests_beside_speculating_ones(tiny_llama,
 ])
 def test_settings_spyre_does_not_run_are_refused(tiny_llama, env, spec,
                                                  message):
-    import os
-    from unittest import mock
-
-    from vllm import EngineArgs
-    with mock.patch.dict(os.environ, env):
-        with pytest.raises((ValueError, NotImplementedError), match=message):
-            EngineArgs(model=str(tiny_llama), speculative_config=spec,
-                       max_model_len=MAX_MODEL_LEN).create_engine_config()
+    assert_refused(tiny_llama, spec, message, env)
 
 
 def test_tensor_parallel_2_equals_transformers(tiny_llama, hf_tiny):

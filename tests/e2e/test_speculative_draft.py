@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from spyre_support.envs import cb_env
 from spyre_support.reference import HFReference
-from spyre_support.speculative import (assert_plain_greedy,
+from spyre_support.speculative import (assert_plain_greedy, assert_refused,
                                        assert_speculated, run_workload)
 from spyre_support.tiny_models import build_tiny_draft
 
@@ -90,18 +89,10 @@ def test_the_default_model_with_a_tiny_draft(smollm2, tmp_path):
 ])
 def test_draft_models_spyre_cannot_run_are_refused(
         case, message, tiny_llama, tiny_llama_2k, smollm2):
-    import os
-    from unittest import mock
-
-    from vllm import EngineArgs
     target, draft, extra = {
         "vocabulary": (tiny_llama, smollm2, {}),
         "positions": (tiny_llama_2k, tiny_llama, {"max_model_len": 2048}),
         "tensor parallel": (tiny_llama, tiny_llama,
                             {"tensor_parallel_size": 2}),
     }[case]
-    args = {"max_model_len": 256, **extra}
-    with mock.patch.dict(os.environ, cb_env("eager")):
-        with pytest.raises((ValueError, NotImplementedError), match=message):
-            EngineArgs(model=str(target), speculative_config=spec(draft),
-                       **args).create_engine_config()
+    assert_refused(target, spec(draft), message, **extra)

@@ -19,7 +19,8 @@ from spyre_support.engines import spyre_llm
 from spyre_support.envs import cb_env
 from spyre_support.reference import HFReference
 from spyre_support.speculative import (MAX_MODEL_LEN, MAX_NUM_SEQS,
-                                       assert_plain_greedy, run_workload)
+                                       assert_plain_greedy, assert_refused,
+                                       run_workload)
 from spyre_support.tiny_models import build_tiny_mlp_speculator
 
 K = 4
@@ -123,17 +124,9 @@ def test_tensor_parallel_2_equals_transformers(tiny_llama, speculator,
 def test_speculators_spyre_cannot_run_are_refused(case, message, tiny_llama,
                                                   speculator, smollm2,
                                                   tmp_path):
-    import os
-    from unittest import mock
-
-    from vllm import EngineArgs
     config, extra = {
         "hidden size": (spec(build_tiny_mlp_speculator(tmp_path / "other",
                                                        smollm2)), {}),
         "stages": (spec(speculator, 8), {}),
     }[case]
-    with mock.patch.dict(os.environ, cb_env("eager")):
-        with pytest.raises((ValueError, NotImplementedError), match=message):
-            EngineArgs(model=str(tiny_llama), speculative_config=config,
-                       max_model_len=MAX_MODEL_LEN,
-                       **extra).create_engine_config()
+    assert_refused(tiny_llama, config, message, **extra)

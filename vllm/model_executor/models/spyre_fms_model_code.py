@@ -137,11 +137,7 @@ class FmsModelCode(ModelCode):
         return hidden
 
     def prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._head(hidden)[0].float()
-
-    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The logits of hidden states, as FMS's forward makes them."""
-        logits = self.fms_model.head(hidden)
+        logits = self.fms_model.head(hidden)[0].float()
         scale = getattr(self.fms_model.config, "logits_scaling", 1.0)
         return logits / scale if scale != 1.0 else logits
 
