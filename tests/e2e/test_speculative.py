@@ -149,6 +149,12 @@ def test_settings_spyre_does_not_run_are_refused(tiny_llama, env, spec,
     assert_refused(tiny_llama, spec, message, env)
 
 
+def test_a_method_spyre_does_not_run_is_refused(tiny_llama):
+    assert_refused(tiny_llama, {"method": "eagle", "model": str(tiny_llama),
+                                "num_speculative_tokens": 2},
+                   "method 'eagle' is not supported on Spyre")
+
+
 def test_tensor_parallel_2_equals_transformers(tiny_llama, hf_tiny):
     """The driver proposes and samples; both ranks run the verify step."""
     plan = [(5, 6, 3, 40), (8, 8, 0, 33), (3, 1, 0, 30)]
