@@ -8,8 +8,8 @@ verify step, refilled after a preemption) holds the same keys and values
 as the served model's.  A random draft model keeps the emitted tokens
 those of plain decoding however few proposals hold, on the tiny Llama
 with prefix caching and chunked prefill on, and on the default model.
-Draft models Spyre cannot run are refused at start-up, naming the
-value."""
+Over two ranks the driver's process holds the draft whole.  Draft models
+Spyre cannot run are refused at start-up, naming the value."""
 from __future__ import annotations
 
 import pytest
@@ -82,17 +82,30 @@ def test_the_default_model_with_a_tiny_draft(smollm2, tmp_path):
     assert_plain_greedy(run, HFReference(smollm2))
 
 
+@pytest.mark.parametrize("backend, impl", [("eager", "auto"),
+                                           ("inductor", "vllm")])
+def test_tensor_parallel_2_keeps_every_proposal(backend, impl, tiny_llama,
+                                                hf_tiny):
+    """The driver worker's process holds the draft whole (FMS's model code
+    and vLLM's, which ``--model-impl`` chooses for both models) and
+    proposes for the sequences both ranks serve: drafting for itself,
+    every proposal holds."""
+    plan = [(5, 6, 3, 40), (8, 8, 0, 33), (3, 1, 0, 30)]
+    run = run_workload(tiny_llama, backend, spec(tiny_llama), plan,
+                       tensor_parallel_size=2, model_impl=impl)
+    assert_speculated(run, K)
+    assert run["accepted"] == run["proposed"]
+    assert_plain_greedy(run, hf_tiny)
+
+
 @pytest.mark.parametrize("case, message", [
     ("vocabulary", "has a vocabulary of 49152 tokens, the served model 384"),
     ("positions", "holds 1024 positions, fewer than max_model_len=2048"),
-    ("tensor parallel", "tensor_parallel_size=2"),
 ])
 def test_draft_models_spyre_cannot_run_are_refused(
         case, message, tiny_llama, tiny_llama_2k, smollm2):
     target, draft, extra = {
         "vocabulary": (tiny_llama, smollm2, {}),
         "positions": (tiny_llama_2k, tiny_llama, {"max_model_len": 2048}),
-        "tensor parallel": (tiny_llama, tiny_llama,
-                            {"tensor_parallel_size": 2}),
     }[case]
     assert_refused(target, spec(draft), message, **extra)

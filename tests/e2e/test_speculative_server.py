@@ -4,8 +4,9 @@ server) on loopback, driven by the openai client, with each method
 speculator): greedy ids equal transformers' for prompts that repeat
 themselves, a stream's text equals the whole answer, a stop string ends
 the text where plain decoding ends it (the tokens a verify step emits
-after it are dropped), and vLLM's speculative-decoding counters on
-``/metrics`` count the drafts and the accepted tokens."""
+after it are dropped), vLLM's speculative-decoding counters on
+``/metrics`` count the drafts and the accepted tokens, and a guided
+request proposes and keeps to its grammar."""
 from __future__ import annotations
 
 import json
@@ -102,3 +103,15 @@ def test_metrics_count_drafts_and_accepted_tokens(server, prompts):
     assert drafts > 0 and accepted <= proposed <= 4 * drafts
     if server.method != "mlp":  # a random speculator may guess nothing
         assert accepted > 0
+
+
+def test_a_guided_request_speculates_within_its_grammar(server, client):
+    """A request's grammar masks every position a verify step samples:
+    the text holds its pattern while the request proposes."""
+    before = metric(server, "vllm:spec_decode_num_draft_tokens_total")
+    choice = client.completions.create(
+        model=server.model, prompt="the spyre card", max_tokens=64,
+        temperature=0, extra_body=dict(guided_regex="(ab-){12}")).choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.text == "ab-" * 12
+    assert metric(server, "vllm:spec_decode_num_draft_tokens_total") > before

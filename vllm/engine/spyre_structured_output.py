@@ -23,7 +23,9 @@ xgrammar and falls back to llguidance for what xgrammar lacks (string
 sequence of generated tokens it has been shown: a call with the tokens
 generated so far advances the matcher whose tokens are a prefix of them
 (or starts one from the compiled grammar and replays them), then masks
-the logits to the tokens the grammar allows.  So ``n > 1`` samples, which
+the logits to the tokens the grammar allows.  So a speculative verify
+step may mask each position after the proposals it kept (the sampled
+tokens), and ``n > 1`` samples, which
 share the request's processor, each follow their own tokens, and a
 sequence recomputed after preemption meets the same state again.  The
 matchers go with the request when it finishes or is aborted.
@@ -101,6 +103,11 @@ def choose_library(params: SamplingParams, engine_backend: str) -> str:
 class GrammarLogitsProcessor:
     """A request's grammar, as a V0 logits processor:
     ``(generated token ids, logits row) -> logits row``."""
+
+    #: Its state follows whatever generated tokens it is shown, any number
+    #: at a time: a speculative verify step may show it the proposals it
+    #: keeps, one position after another.
+    follows_tokens = True
 
     def __init__(self, backend, key: tuple, request: str, first=None,
                  pending=None) -> None:

@@ -301,13 +301,15 @@ def _choose_model_impl(model_config, spyre: SpyreConfig) -> str:
 
 def _store_draft_facts(vllm_config, spyre: SpyreConfig) -> None:
     """A speculative draft model's model code and sliding window, chosen
-    as the served model's are, beside them (``SpyreModelFacts.DRAFT_KEY``);
-    nothing without a draft model."""
+    as the served model's are, by the same ``--model-impl``, beside them
+    (``SpyreModelFacts.DRAFT_KEY``); nothing without a draft model."""
     spec = vllm_config.speculative_config
     if spec is None or spec.method != "draft_model":
         return
     from vllm.config.spyre_model_facts import SpyreModelFacts
     draft = spec.draft_model_config
+    # vLLM builds the draft's model config without the served model's flag.
+    draft.model_impl = vllm_config.model_config.model_impl
     impl = _choose_model_impl(draft, spyre)
     if _check_hybrid(draft.hf_config, vllm_config.cache_config):
         raise NotImplementedError(

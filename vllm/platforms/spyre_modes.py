@@ -107,8 +107,9 @@ def configure_continuous_batching(vllm_config: "VllmConfig",
 def configure_speculative(vllm_config: "VllmConfig", spyre: SpyreConfig,
                           hybrid: bool) -> None:
     """``--speculative-config``: n-gram proposals, a draft model's or an
-    MLP speculator's, verified in one pass per step, under continuous batching on the CPU
-    backends; anything else is refused here, naming what runs."""
+    MLP speculator's, verified in one pass per step, under continuous
+    batching on the CPU backends; anything else is refused here, naming
+    what runs."""
     spec = vllm_config.speculative_config
     if spec is None:
         return
@@ -201,19 +202,10 @@ def _same_vocabulary(draft, target) -> None:
             "the served model's tokenizer")
 
 
-def _no_tensor_parallel(vllm_config: "VllmConfig", what: str) -> None:
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    if tp > 1:
-        raise NotImplementedError(
-            f"{what} with tensor parallelism (tensor_parallel_size={tp}) is "
-            "not supported on Spyre yet; n-gram speculation "
-            "(\"method\": \"ngram\") is")
-
-
 def _check_draft_model(vllm_config: "VllmConfig") -> None:
     """A draft model proposes for the target's sequences over their
-    block tables, one process beside the target: same vocabulary, as
-    long a context, no tensor parallelism."""
+    block tables, whole in the driver worker's process: same vocabulary,
+    as long a context."""
     spec = vllm_config.speculative_config
     draft = spec.draft_model_config
     target = vllm_config.model_config
@@ -224,7 +216,6 @@ def _check_draft_model(vllm_config: "VllmConfig") -> None:
             f"The draft model {draft.model} holds {draft.max_model_len} "
             f"positions, fewer than max_model_len={max_model_len}: lower "
             "--max-model-len")
-    _no_tensor_parallel(vllm_config, "A draft model")
 
 
 def prefill_chunk_size(max_num_batched_tokens: int) -> int:

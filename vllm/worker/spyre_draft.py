@@ -26,12 +26,12 @@ A block another sequence shares (prefix caching) holds what the draft
 computed when it was filled, except positions the draft never caught up
 on (a finished sequence's last ones): the draft's proposals there may be
 worse, the emitted tokens never change, since the served model checks
-every one.  The draft runs in the driver worker's process, unsharded
-(tensor parallelism is refused at start-up).
+every one.  The draft runs in the driver worker's process only, unsharded
+also under tensor parallelism (``spyre_one_rank``): it proposes before the
+step is sent to the other ranks, and its prefills are its own.
 """
 from __future__ import annotations
 
-import copy
 import time
 from typing import Optional, Sequence
 
@@ -40,30 +40,16 @@ import torch
 from vllm.attention.ops.spyre_paged_inputs import PagedInputs
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.config.spyre import CB_BLOCK_SIZE, SpyreConfig
-from vllm.config.spyre_model_facts import SpyreModelFacts
 from vllm.core.spyre_cb_blocks import blocks_needed
 from vllm.logger import init_logger
 from vllm.model_executor.models.spyre_cb_causal_lm import SpyreCBCausalLM
 from vllm.platforms import current_platform
 from vllm.worker.spyre_cb_inputs import (decode_batch, prefill_chunks,
                                          verify_batch, whole_prefill_len)
+from vllm.worker.spyre_one_rank import draft_vllm_config, one_rank
 from vllm.worker.spyre_spec_cost import best_of
 
 logger = init_logger(__name__)
-
-
-def draft_vllm_config(vllm_config: VllmConfig) -> VllmConfig:
-    """The served config with the draft model in the model's place (its
-    model code and window as the platform chose them), without LoRA."""
-    spec = vllm_config.speculative_config
-    assert spec is not None and spec.draft_model_config is not None
-    draft = copy.copy(vllm_config)
-    draft.model_config = spec.draft_model_config
-    draft.lora_config = None
-    extra = dict(vllm_config.additional_config or {})
-    extra[SpyreModelFacts.KEY] = extra.get(SpyreModelFacts.DRAFT_KEY, {})
-    draft.additional_config = extra
-    return draft
 
 
 class DraftModel:
@@ -86,6 +72,7 @@ class DraftModel:
         self._pending: dict[str, tuple[int, int]] = {}
 
     # ---- start-up -------------------------------------------------------
+    @one_rank()
     def load(self) -> None:
         start = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
@@ -117,6 +104,7 @@ class DraftModel:
 
         return best_of(propose)
 
+    @one_rank()
     def warmup(self, max_num_seqs: int) -> None:
         """Its three graphs: a prefill, decode steps and catch-up passes
         at the smallest and the largest batch, on the pool's first
@@ -133,6 +121,7 @@ class DraftModel:
 
     # ---- per step -------------------------------------------------------
     @current_platform.inference_mode()
+    @one_rank()
     def prefill(self, chunks: PagedInputs) -> torch.Tensor:
         """The served model's prefill rows, on the draft's pool; the last
         position's logits."""
@@ -167,10 +156,11 @@ class DraftModel:
                 self.verified(meta.request_id, len(group.samples) - 1)
 
     @current_platform.inference_mode()
+    @one_rank()
     def _propose(self, request_ids: Sequence[str],
-                tokens: Sequence[Sequence[int]],
-                tables: Sequence[Sequence[int]],
-                rooms: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+                 tokens: Sequence[Sequence[int]],
+                 tables: Sequence[Sequence[int]],
+                 rooms: Sequence[int]) -> tuple[tuple[int, ...], ...]:
         """Up to ``rooms[i]`` proposals for each sequence (its token ids
         and block table), greedy."""
         rows = [i for i, room in enumerate(rooms) if room > 0]

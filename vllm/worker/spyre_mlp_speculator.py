@@ -15,15 +15,14 @@ The served model's model code keeps each step's hidden states
 each sequence that sampled (``keep``): a prefill's last position, a decode
 row, or a verify row's position of its last emitted token.  A sequence
 with no kept state yet proposes nothing.  The speculator runs in the
-driver worker's process, in float32, unsharded, also under tensor
+driver worker's process only, in float32, unsharded, also under tensor
 parallelism: its parallel layers are built for one rank
-(``_one_rank``) and its embeddings read directly, so that no step of it
-waits on the other ranks; the served model's last hidden states are
+(``spyre_one_rank``) and its embeddings read directly, so that no step of
+it waits on the other ranks; the served model's last hidden states are
 whole on every rank.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
+from vllm.worker.spyre_one_rank import draft_vllm_config, one_rank
 from vllm.worker.spyre_spec_cost import best_of
 
 logger = init_logger(__name__)
@@ -56,8 +56,8 @@ class MLPSpeculatorProposer:
         spec = self.vllm_config.speculative_config
         start = time.perf_counter()
         folder = spec.draft_model_config.model
-        with set_current_vllm_config(self.vllm_config), _one_rank():
-            draft = _with_model(self.vllm_config, spec.draft_model_config)
+        draft = draft_vllm_config(self.vllm_config)
+        with set_current_vllm_config(draft), one_rank():
             self.module = MLPSpeculator(vllm_config=draft).eval()
         loaded = self.module.load_weights(_tensors(Path(folder)))
         missing = sorted(set(dict(self.module.named_parameters())) - loaded)
@@ -148,26 +148,6 @@ class MLPSpeculatorProposer:
                 if stage < rooms[i]:
                     out[i].append(int(tokens[row]))
         return tuple(tuple(p) for p in out)
-
-
-def _one_rank():
-    """vLLM's vocabulary-parallel layers built whole, as on one rank."""
-    from unittest import mock
-
-    from vllm.model_executor.layers import vocab_parallel_embedding as vpe
-    stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch.object(
-        vpe, "get_tensor_model_parallel_world_size", lambda: 1))
-    stack.enter_context(mock.patch.object(
-        vpe, "get_tensor_model_parallel_rank", lambda: 0))
-    return stack
-
-
-def _with_model(vllm_config: VllmConfig, model_config) -> VllmConfig:
-    import copy
-    draft = copy.copy(vllm_config)
-    draft.model_config = model_config
-    return draft
 
 
 def _tensors(folder: Path):

@@ -26,8 +26,11 @@ generator draws once per position sampled).
 
 The keys and values of rejected positions stay in the slots after the
 sequence's end, where the next step writes over them before any position
-attends to them.  Requests with logits processors (structured output)
-propose nothing: their processors see one new token per step.
+attends to them.  A request's grammar (structured output) masks every
+position it samples, after the proposals kept before it, so a proposal
+outside the grammar is never sampled and so never kept; requests with
+other logits processors propose nothing (a processor may count on one
+new token per call).
 
 The step's groups carry one ``SequenceOutput`` per emitted token
 (``SpeculativeGroupOutput``, with the number proposed), which the engine's
@@ -115,8 +118,12 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
         #: The verify graph's logits of the step being sampled (driver).
         self._verified: Optional[torch.Tensor] = None
         #: The draft model or MLP speculator (``PROPOSERS``), else None
-        #: (n-gram lookup); set by ``load_model``.
+        #: (n-gram lookup, or a rank that does not build the steps); set
+        #: by ``load_model``.
         self.proposer: Optional[DraftModel | MLPSpeculatorProposer] = None
+        #: Whether this rank builds the steps and so proposes (the driver
+        #: worker's; set by the worker).
+        self.proposes = True
         #: The served model's hidden states of the step's prefill and
         #: decode rows, where the MLP speculator wants them (driver).
         self._hidden: list[Optional[torch.Tensor]] = [None, None]
@@ -125,7 +132,7 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
     def load_model(self) -> None:
         super().load_model()
         proposer = PROPOSERS.get(self.vllm_config.speculative_config.method)
-        if proposer is not None:
+        if proposer is not None and self.proposes:
             self.proposer = proposer(self.vllm_config, self.spyre_config,
                                      self.max_blocks, self.pad_id)
             self.proposer.load()
@@ -246,10 +253,13 @@ class SpyreSpecModelRunner(SpyreCBModelRunner):
 
     def _room(self, meta: SequenceGroupMetadata) -> int:
         """How many tokens a running sequence may propose: none while it
-        pauses, for a request with logits processors, or without room
-        (its blocks, ``max_model_len``, ``max_tokens``)."""
+        pauses, for a request with logits processors other than a
+        grammar's, or without room (its blocks, ``max_model_len``,
+        ``max_tokens``)."""
         params = meta.sampling_params
-        if params is None or params.logits_processors:
+        if params is None or not all(
+                getattr(p, "follows_tokens", False)
+                for p in params.logits_processors or ()):
             return 0
         if not self.backoff.proposes(meta.request_id):
             return 0

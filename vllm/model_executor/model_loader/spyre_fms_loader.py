@@ -32,12 +32,23 @@ from vllm.model_executor.models.spyre_dtypes import (Precision, load_dtype,
 logger = init_logger(__name__)
 
 
+class _OneProcess:
+    """A process group of this process alone, as FMS's ``get_model`` asks
+    it its size and rank."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
 def load_fms_decoder(path: str, hf_config, precision: Precision,
                      tp_size: int, backend: str) -> nn.Module:
     """The FMS model of the checkpoint in ``path``, its tensors in
     ``precision.model`` except the weights of plain linear layers, which
     may be held in ``precision.linear`` (``hold``), this rank's shard of it
-    when ``tp_size > 1``, ready for inference."""
+    when ``tp_size > 1`` (else all of it), ready for inference."""
     from fms.models import get_model
     start = time.perf_counter()
     dtype = load_dtype(precision, stored_dtypes(path))
@@ -47,6 +58,11 @@ def load_fms_decoder(path: str, hf_config, precision: Precision,
         if backend != "sendnn":
             _keep_embedding_whole()
         parallel = dict(distributed_strategy="tp", group=dist.group.WORLD)
+    else:
+        # Whole, also in a rank of a tensor-parallel engine (a speculative
+        # draft model in the driver's process): FMS shards over the world
+        # group unless it is given a group of one process.
+        parallel = dict(group=_OneProcess())
     model = get_model(**spyre_families.fms_model_args(path, hf_config),
                       data_type=dtype, device_type="cpu", **parallel)
     read = time.perf_counter() - start
