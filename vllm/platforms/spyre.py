@@ -149,6 +149,10 @@ class SpyrePlatform(Platform):
         from vllm.config.spyre import ADDITIONAL_CONFIG_KEY, SpyreConfig
         from vllm.config.spyre_model_facts import SpyreModelFacts
         from vllm.platforms import spyre_modes
+        if ADDITIONAL_CONFIG_KEY in (vllm_config.additional_config or {}):
+            # Applied already: a vision-language model's config copied
+            # for its language model (``VllmConfig.with_hf_config``).
+            return
         model_config = vllm_config.model_config
         pooling = (model_config is not None
                    and model_config.runner_type == "pooling")
@@ -230,6 +234,7 @@ class SpyrePlatform(Platform):
             else:
                 spyre_modes.configure_static_batching(vllm_config, spyre)
             spyre_modes.configure_speculative(vllm_config, spyre, hybrid)
+            spyre_modes.configure_images(vllm_config, spyre)
             _store_draft_facts(vllm_config, spyre)
             facts = SpyreModelFacts(
                 model_impl=impl,

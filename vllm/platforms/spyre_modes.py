@@ -233,6 +233,39 @@ def prefill_chunk_size(max_num_batched_tokens: int) -> int:
     return max_num_batched_tokens
 
 
+def configure_images(vllm_config: "VllmConfig", spyre: SpyreConfig) -> None:
+    """A vision-language model (images in, text out): continuous batching
+    on the CPU backends, on one rank, its vision tower run eagerly in the
+    driver worker's process (``spyre_image_inputs``); what does not run
+    yet is refused here, naming it."""
+    model_config = vllm_config.model_config
+    if not model_config.is_multimodal_model:
+        return
+    name = ", ".join(model_config.architectures)
+    if not spyre.use_cb:
+        raise NotImplementedError(
+            f"{name} (images in, text out) runs under continuous batching "
+            "on Spyre: set VLLM_SPYRE_USE_CB=1 (static batching of image "
+            "prompts is not supported yet)")
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp > 1:
+        raise NotImplementedError(
+            f"{name} with tensor parallelism (tensor_parallel_size={tp}) "
+            "is not supported on Spyre yet: its vision tower runs in one "
+            "process")
+    if vllm_config.speculative_config is not None:
+        raise NotImplementedError(
+            f"Speculative decoding of {name} is not supported on Spyre")
+    if vllm_config.lora_config is not None:
+        raise NotImplementedError(
+            f"LoRA adapters on {name} are not supported on Spyre")
+    logger.info(
+        "Spyre images: %s's vision tower and projector run on vLLM's model "
+        "code, eagerly, once per image as its prefill starts; the language "
+        "model prefills on the merged embeddings in its compiled graphs",
+        name)
+
+
 def configure_pooling(vllm_config: "VllmConfig",
                       spyre: SpyreConfig) -> None:
     """A pooling model (embeddings, cross-encoder scores): one forward pass

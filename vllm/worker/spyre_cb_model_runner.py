@@ -43,6 +43,7 @@ from vllm.sequence import SequenceGroupMetadata
 from vllm.worker import spyre_prompt_logprobs as prompt_logprobs
 from vllm.worker.spyre_cb_inputs import (decode_batch, prefill_chunks,
                                          prefill_span, whole_prefill_len)
+from vllm.worker.spyre_image_inputs import ImageEmbeds
 from vllm.worker.spyre_runner_base import (SpyreModelInputBase,
                                            SpyreRunnerBase, only_seq, sample)
 from vllm.worker.spyre_state_slots import StateSlots
@@ -106,6 +107,9 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         #: A hybrid model's Mamba-2 state slot of each running request
         #: (driver only); set by allocate_pool.
         self.state_slots: Optional[StateSlots] = None
+        #: A model that takes images: its prefills' embeddings (driver
+        #: only); set by allocate_pool.
+        self.images: Optional[ImageEmbeds] = None
 
     # ---- start-up -------------------------------------------------------
     def block_bytes(self) -> int:
@@ -124,6 +128,8 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         self.pad_block = num_blocks
         if self.model.state_layout is not None:
             self.state_slots = StateSlots(self.model.state_slot_count)
+        if self.model.code.embeds_prompts:
+            self.images = ImageEmbeds(self.model.code, self.pad_id)
 
     @current_platform.inference_mode()
     def warmup(self) -> None:
@@ -169,6 +175,8 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         metas = list(seq_group_metadata_list)
         if self.state_slots is not None:
             self.state_slots.release(finished_requests_ids or ())
+        if self.images is not None:
+            self.images.forget(finished_requests_ids or ())
         prefills = [m for m in metas if m.is_prompt]
         if len(prefills) > 1 or metas[:len(prefills)] != prefills:
             raise RuntimeError(
@@ -194,6 +202,9 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                                       cached)
             prefill = self._chunks(tokens[:end], meta.block_tables[seq_id],
                                    start, cached)
+            if self.images is not None:
+                prefill = self.images.chunks(meta, tokens, prefill, start,
+                                             end)
             if self.state_slots is not None:
                 slot = (self.state_slots.start(meta.request_id) if start == 0
                         else self.state_slots.of(meta.request_id))

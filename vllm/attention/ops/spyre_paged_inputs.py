@@ -11,6 +11,7 @@ below and hands them to the ``spyre_paged_cache`` attention ops.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -31,9 +32,13 @@ class PagedInputs:
     cache_slots: torch.Tensor  # [B, L] int64: pool slot each position writes
     block_table: torch.Tensor  # [B, max_blocks] int64
     ctx_lens: torch.Tensor  # [B, L] int64: tokens each position sees
+    #: [B, L, hidden]: a multimodal model's prefill takes the positions'
+    #: embeddings (an image's at its placeholders) in place of their ids.
+    inputs_embeds: Optional[torch.Tensor] = None
 
     def row(self, i: int) -> "PagedInputs":
         """Row ``i`` as a batch of one (one prefill pass or chunk)."""
-        return PagedInputs(*(t[i:i + 1].clone() for t in (
-            self.input_ids, self.position_ids, self.cache_slots,
-            self.block_table, self.ctx_lens)))
+        return PagedInputs(*(None if t is None else t[i:i + 1].clone()
+                             for t in (self.input_ids, self.position_ids,
+                                       self.cache_slots, self.block_table,
+                                       self.ctx_lens, self.inputs_embeds)))

@@ -21,6 +21,7 @@ the pools never change size, so nothing recompiles while serving.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -144,7 +145,12 @@ class SpyreCBCausalLM(SpyreCausalLM):
                 ) -> torch.Tensor:
         """One prefill ([1, L]) or one decode step ([B, 1]); ``states``:
         the rows' Mamba-2 state slots, for a hybrid model.  Returns the
-        logits of each row's last position: [B, vocab]."""
+        logits of each row's last position: [B, vocab].  A model that
+        takes images prefills on embeddings: the step's, or its ids'."""
+        if (self.code.embeds_prompts and step.input_ids.shape[1] > 1
+                and step.inputs_embeds is None):
+            step = dataclasses.replace(
+                step, inputs_embeds=self.code.embed(step.input_ids))
         is_decode = self._mark_dynamic(step, states)
         return self.code.paged_step(
             self.model,
@@ -200,8 +206,10 @@ class SpyreCBCausalLM(SpyreCausalLM):
         elif self.prefill_len_range is not None:
             # Prefill: one graph for every prompt length.
             low, high = self.prefill_len_range
+            embeds = () if step.inputs_embeds is None else (
+                step.inputs_embeds, )
             for t in (step.input_ids, step.position_ids, step.cache_slots,
-                      step.ctx_lens, *rows[2:]):
+                      step.ctx_lens, *embeds, *rows[2:]):
                 torch._dynamo.mark_dynamic(t, 1, min=low, max=high)
         return is_decode
 

@@ -79,6 +79,10 @@ class ModelCode(nn.Module):
         #: shaped (``[B, hidden]``, or ``[B, last_n, hidden]``), where
         #: ``keeps_hidden``.
         self.last_hidden: Optional[torch.Tensor] = None
+        #: Whether the model takes images (``spyre_image_inputs``): its
+        #: prefills then run on the positions' embeddings (``embed``,
+        #: ``prompt_embeds``), its decode steps on token ids.
+        self.embeds_prompts = False
 
     def build(self) -> nn.Module:
         raise NotImplementedError
@@ -104,6 +108,16 @@ class ModelCode(nn.Module):
     def prompt_hidden(self, ids: torch.Tensor) -> torch.Tensor:
         """The last hidden states of one whole prompt (``[1, L]``), run
         uncompiled and without a cache: ``[1, L, hidden]``."""
+        raise NotImplementedError
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings of ``[B, L]`` ids: ``[B, L, hidden]``
+        (a text prefill of a model that takes images)."""
+        raise NotImplementedError
+
+    def prompt_embeds(self, token_ids: list[int], images) -> torch.Tensor:
+        """A sequence's embeddings, ``[n, hidden]``, each image's at its
+        placeholders (``images``: the request's multimodal inputs)."""
         raise NotImplementedError
 
     def prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,8 @@ VLLM_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
+    # Images in, text out (``spyre_image_inputs``).
+    "LlavaNextForConditionalGeneration",
 )
 
 

@@ -66,11 +66,15 @@ class _LastHidden(nn.Module):
                 cache_slots: torch.Tensor,
                 block_table: Optional[torch.Tensor],
                 ctx_lens: Optional[torch.Tensor],
-                last_n: int = 1) -> torch.Tensor:
+                last_n: int = 1,
+                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         rows, length = input_ids.shape
         self.step.begin(kind, rows, length, caches, mask, cache_slots,
                         block_table, ctx_lens)
-        hidden = self.vllm_model(input_ids.flatten(), positions.flatten())
+        extra = ({} if inputs_embeds is None else
+                 {"inputs_embeds": inputs_embeds.flatten(0, 1)})
+        hidden = self.vllm_model(input_ids.flatten(), positions.flatten(),
+                                 **extra)
         self.step.end()
         if last_n == 1:
             return hidden.view(rows, length, -1)[:, -1]
@@ -126,6 +130,8 @@ class VllmModelCode(ModelCode):
                     [sched.max_model_len, sched.max_num_seqs,
                      sched.max_num_batched_tokens]),
                 self.native)
+        from vllm.model_executor.models.interfaces import supports_multimodal
+        self.embeds_prompts = supports_multimodal(self.vllm_model)
         self.attention_layers = inline_attention(self.vllm_model, self.step)
         if not self.attention_layers:
             raise ValueError(f"{type(self.vllm_model).__name__} has no "
@@ -144,11 +150,14 @@ class VllmModelCode(ModelCode):
 
     def _run(self, graphs, graph: str, input_ids: torch.Tensor,
              positions: torch.Tensor, caches: list,
-             meta: SpyreAttentionMetadata, last_n: int = 1) -> torch.Tensor:
+             meta: SpyreAttentionMetadata, last_n: int = 1,
+             inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The compiled module on the step ``meta`` describes (also vLLM's
         forward context), then vLLM's logits: ``[B, vocab]`` (``[B,
         last_n, vocab]`` for more than the last position)."""
         extra = {"last_n": last_n} if last_n > 1 else {}
+        if inputs_embeds is not None:
+            extra["inputs_embeds"] = inputs_embeds
         with set_forward_context(meta, self.vllm_config):
             hidden = graphs(graph, input_ids, positions, caches, meta.kind,
                             meta.mask, meta.cache_slots, meta.block_table,
@@ -174,7 +183,23 @@ class VllmModelCode(ModelCode):
                          caches,
                          self.metadata.build([], [], 0,
                                              step.input_ids.shape[0]),
-                         last_n)
+                         last_n, step.inputs_embeds)
+
+    # ---- images ---------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.vllm_model.get_input_embeddings(ids.flatten()).view(
+            *ids.shape, -1)
+
+    def prompt_embeds(self, token_ids: list[int], images) -> torch.Tensor:
+        """vLLM's vision tower and projector on the request's images
+        (``get_multimodal_embeddings``), merged at their placeholders
+        (``get_input_embeddings``); run eagerly, once per prefill."""
+        from vllm.multimodal import MultiModalKwargs
+        kwargs = MultiModalKwargs.as_kwargs(MultiModalKwargs.batch([images]),
+                                            device="cpu")
+        features = self.vllm_model.get_multimodal_embeddings(**kwargs)
+        return self.vllm_model.get_input_embeddings(
+            torch.tensor(token_ids, dtype=torch.long), features)
 
     # ---- prompt log-probabilities -----------------------------------------
     def prompt_hidden(self, ids: torch.Tensor) -> torch.Tensor:
