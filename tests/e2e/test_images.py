@@ -7,8 +7,8 @@ tile, and any-resolution grids of two and four tiles), text-only prompts
 and both in one batch: the prompt ids equal transformers' processor's
 (each placeholder expanded to the image's tokens) and the greedy ids
 transformers' ``generate``, on `eager` and `inductor` with nothing
-compiled after warm-up, and with chunked prefill, whose chunks split an
-image's tokens.  What does not run yet is refused at start-up, naming
+compiled after warm-up, with chunked prefill, whose chunks split an
+image's tokens, and with sequences preempted and recomputed.  What does not run yet is refused at start-up, naming
 it.
 """
 from __future__ import annotations
@@ -71,7 +71,9 @@ def run(model, backend: str, **kwargs) -> dict:
         outs = llm.generate(prompts, params, use_tqdm=False)
         return dict(prompt_ids=[o.prompt_token_ids for o in outs],
                     ids=[list(o.outputs[0].token_ids) for o in outs],
-                    compiled=compile_count() - before)
+                    compiled=compile_count() - before,
+                    preemptions=llm.llm_engine.scheduler[0]
+                    .num_cumulative_preemption)
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
@@ -86,6 +88,15 @@ def test_chunked_prefill_splits_an_images_tokens(llava, reference):
     got = run(llava, "eager", enable_chunked_prefill=True,
               max_num_batched_tokens=64)
     assert max(len(p) for p in got["prompt_ids"]) > 64
+    assert got["ids"] == [ids for _, ids in reference]
+
+
+def test_a_preempted_image_request_is_recomputed_with_its_image(
+        llava, reference):
+    """A pool of 4 blocks for requests of 2 each: sequences are preempted
+    and recomputed, their images embedded again."""
+    got = run(llava, "eager", num_gpu_blocks_override=4)
+    assert got["preemptions"] > 0
     assert got["ids"] == [ids for _, ids in reference]
 
 
