@@ -8,8 +8,8 @@ and both in one batch: the prompt ids equal transformers' processor's
 (each placeholder expanded to the image's tokens) and the greedy ids
 transformers' ``generate``, on `eager` and `inductor` with nothing
 compiled after warm-up, with chunked prefill, whose chunks split an
-image's tokens, and with sequences preempted and recomputed.  What does not run yet is refused at start-up, naming
-it.
+image's tokens, and with sequences preempted and recomputed.  What does
+not run yet is refused at start-up, naming it.
 """
 from __future__ import annotations
 
