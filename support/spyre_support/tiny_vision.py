@@ -69,3 +69,43 @@ def image(width: int, height: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     return Image.fromarray(
         rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def build_tiny_mistral3(out_dir: Path, seed: int = 0) -> Path:
+    """A 2-layer Mistral (6 heads of 16, 3 key/value heads) under a
+    2-layer Pixtral vision model of 8-pixel patches, images of up to 64
+    pixels a side at their own aspect ratio, merged 2 x 2; the
+    processor beside it (the slow image processor)."""
+    import torch
+    from transformers import (Mistral3Config,
+                              Mistral3ForConditionalGeneration,
+                              MistralConfig, PixtralImageProcessor,
+                              PixtralProcessor, PixtralVisionConfig)
+    tokenizer = build_tokenizer(
+        specials=("<pad>", "<s>", "</s>", "<unk>", "[IMG]", "[IMG_BREAK]",
+                  "[IMG_END]"))
+    text = MistralConfig(**_common(len(tokenizer), 6),
+                         num_key_value_heads=3, head_dim=16,
+                         sliding_window=None,
+                         architectures=["MistralForCausalLM"])
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=2, num_attention_heads=2,
+                                 image_size=64, patch_size=PATCH)
+    config = Mistral3Config(vision_config=vision, text_config=text,
+                            image_token_index=IMAGE_TOKEN_ID,
+                            spatial_merge_size=2,
+                            projector_hidden_act="gelu",
+                            multimodal_projector_bias=False,
+                            tie_word_embeddings=False)
+    config.architectures = ["Mistral3ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Mistral3ForConditionalGeneration(config).eval()
+    images = PixtralImageProcessor(
+        size={"longest_edge": 64},
+        patch_size={"height": PATCH, "width": PATCH},
+        image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    processor = PixtralProcessor(image_processor=images, tokenizer=tokenizer,
+                                 patch_size=PATCH, spatial_merge_size=2)
+    _save(model, tokenizer, out_dir)
+    processor.save_pretrained(out_dir)
+    return out_dir

@@ -1,9 +1,11 @@
-"""Images in, text out: a vision-language model (LLaVA-NeXT, Granite
-Vision's architecture; a tiny random one built here) on vLLM's model code
-under continuous batching, offline.
+"""Images in, text out: vision-language models (LLaVA-NeXT, Granite
+Vision's architecture, and Mistral 3 with its Pixtral vision model; tiny
+random ones built here) on vLLM's model code under continuous batching,
+offline.
 
-Prompts with an image of each of several sizes and aspect ratios (one
-tile, and any-resolution grids of two and four tiles), text-only prompts
+Prompts with an image of each of several sizes and aspect ratios (for
+LLaVA-NeXT one tile and any-resolution grids of two and four tiles; for
+Pixtral as many patches as the image's own size holds), text-only prompts
 and both in one batch: the prompt ids equal transformers' processor's
 (each placeholder expanded to the image's tokens) and the greedy ids
 transformers' ``generate``, on `eager` and `inductor` with nothing
@@ -13,35 +15,59 @@ not run yet is refused at start-up, naming it.
 """
 from __future__ import annotations
 
+from pathlib import Path
+from typing import NamedTuple
+
 import pytest
 
 from spyre_support.engines import compile_count, spyre_llm
 from spyre_support.envs import cb_env, spyre_env
-from spyre_support.tiny_vision import build_tiny_llava_next, image
+from spyre_support.tiny_vision import (build_tiny_llava_next,
+                                       build_tiny_mistral3, image)
 
-MAX_TOKENS = 12
-#: (prompt, image size or None): one tile, two tiles wide, two tall, four.
-CASES = [("<image> the spyre card", (32, 32)),
-         ("a batch of <image> one two", (64, 24)),
-         ("<image>\nthe model", (20, 70)),
-         ("the cache <image>", (60, 60)),
+MAX_TOKENS = 48
+#: Each family's builder, image placeholder, and a block pool too small
+#: for the cases' sequences (each needs 2 or 3 blocks by its end).
+FAMILIES = {"llava_next": (build_tiny_llava_next, "<image>", 4),
+            "mistral3": (build_tiny_mistral3, "[IMG]", 3)}
+#: (prompt, image size or None): for LLaVA-NeXT one tile, two tiles
+#: wide, two tall, four (after 48 tokens of text: a 64-token prefill
+#: chunk ends inside the image).
+CASES = [("{image} the spyre card", (32, 32)),
+         ("a batch of {image} one two", (64, 24)),
+         ("{image}\nthe model", (20, 70)),
+         ("one two three " * 16 + "{image}", (60, 60)),
          ("the spyre card serve request", None)]
 
 
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory):
-    return build_tiny_llava_next(tmp_path_factory.mktemp("llava"))
+class Checkpoint(NamedTuple):
+    path: Path
+    placeholder: str
+    small_pool: int
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def llava(request, tmp_path_factory):
+    """The tiny checkpoint of each family, with its placeholder."""
+    build, placeholder, small_pool = FAMILIES[request.param]
+    return Checkpoint(build(tmp_path_factory.mktemp(request.param)),
+                      placeholder, small_pool)
+
+
+def cases(model):
+    return [(prompt.format(image=model.placeholder), size)
+            for prompt, size in CASES]
 
 
 @pytest.fixture(scope="module")
 def reference(llava):
     """transformers' prompt ids and greedy ids for each case."""
     import torch
-    from transformers import AutoProcessor, LlavaNextForConditionalGeneration
-    processor = AutoProcessor.from_pretrained(llava)
-    model = LlavaNextForConditionalGeneration.from_pretrained(llava).eval()
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    processor = AutoProcessor.from_pretrained(llava.path)
+    model = AutoModelForImageTextToText.from_pretrained(llava.path).eval()
     out = []
-    for i, (prompt, size) in enumerate(CASES):
+    for i, (prompt, size) in enumerate(cases(llava)):
         images = None if size is None else image(*size, seed=i)
         inputs = processor(images=images, text=prompt, return_tensors="pt")
         inputs.pop("token_type_ids", None)
@@ -53,19 +79,19 @@ def reference(llava):
     return out
 
 
-def requests():
+def requests(model):
     from vllm import SamplingParams
     prompts = [{"prompt": prompt} if size is None else
                {"prompt": prompt,
                 "multi_modal_data": {"image": image(*size, seed=i)}}
-               for i, (prompt, size) in enumerate(CASES)]
+               for i, (prompt, size) in enumerate(cases(model))]
     return prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                    ignore_eos=True)
 
 
 def run(model, backend: str, **kwargs) -> dict:
-    prompts, params = requests()
-    with spyre_llm(model, cb_env(backend), max_num_seqs=4,
+    prompts, params = requests(model)
+    with spyre_llm(model.path, cb_env(backend), max_num_seqs=4,
                    max_model_len=256, **kwargs) as llm:
         before = compile_count()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -93,9 +119,11 @@ def test_chunked_prefill_splits_an_images_tokens(llava, reference):
 
 def test_a_preempted_image_request_is_recomputed_with_its_image(
         llava, reference):
-    """A pool of 4 blocks for requests of 2 each: sequences are preempted
-    and recomputed, their images embedded again."""
-    got = run(llava, "eager", num_gpu_blocks_override=4)
+    """A pool too small for the running sequences: they are preempted
+    and recomputed, their images embedded again, their outputs (which
+    may hold a placeholder's id: the random model generates it) as
+    text."""
+    got = run(llava, "eager", num_gpu_blocks_override=llava.small_pool)
     assert got["preemptions"] > 0
     assert got["ids"] == [ids for _, ids in reference]
 
@@ -115,7 +143,7 @@ def test_what_does_not_run_yet_is_refused(case, message, llava):
     }[case]
     with mock.patch.dict(os.environ, env):
         with pytest.raises((ValueError, NotImplementedError), match=message):
-            EngineArgs(model=str(llava), max_model_len=256,
+            EngineArgs(model=str(llava.path), max_model_len=256,
                        **extra).create_engine_config()
 
 
@@ -128,6 +156,6 @@ def test_prefix_caching_stays_off(llava):
 
     from vllm import EngineArgs
     with mock.patch.dict(os.environ, cb_env("eager")):
-        config = EngineArgs(model=str(llava), max_model_len=256,
+        config = EngineArgs(model=str(llava.path), max_model_len=256,
                             enable_prefix_caching=True).create_engine_config()
     assert not config.cache_config.enable_prefix_caching

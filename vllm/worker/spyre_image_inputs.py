@@ -11,7 +11,8 @@ positions (``chunks``): the model code's vision tower and projector run
 on the request's images once, eagerly, merged at the placeholders with the
 other tokens' embeddings (``ModelCode.prompt_embeds``), and are kept
 until the request's last prefill chunk; a left-padded slot gets the pad
-token's embedding.  A prefill without images gets its ids' embeddings in
+token's embedding, and the outputs a recomputed (preempted) sequence
+holds their ids' own.  A prefill without images gets its ids' embeddings in
 the model (``SpyreCBCausalLM.forward``), so one prefill graph serves
 both.
 """
@@ -42,7 +43,9 @@ class ImageEmbeds:
         images."""
         if not meta.multi_modal_data:
             return chunks
-        embeds = self._embeds(meta.request_id, tokens, meta.multi_modal_data)
+        (data, ) = meta.seq_data.values()
+        embeds = self._embeds(meta.request_id, tokens,
+                              data.get_prompt_len(), meta.multi_modal_data)
         rows, length = chunks.input_ids.shape
         pad = rows * length - (end - start)
         pad_embed = self.code.embed(torch.tensor([[self.pad_id]]))[0, 0]
@@ -53,11 +56,18 @@ class ImageEmbeds:
             chunks, inputs_embeds=flat.view(rows, length, -1).contiguous())
 
     @current_platform.inference_mode()
-    def _embeds(self, request_id: str, tokens: list[int],
+    def _embeds(self, request_id: str, tokens: list[int], prompt_len: int,
                 images) -> torch.Tensor:
+        """The prompt's embeddings with its images, then those of the
+        outputs a recomputed sequence holds, as text (a generated token
+        that is a placeholder's id is a token like any other)."""
         kept = self.kept.get(request_id)
         if kept is None or kept[0] != len(tokens):
-            kept = (len(tokens), self.code.prompt_embeds(tokens, images))
+            embeds = self.code.prompt_embeds(tokens[:prompt_len], images)
+            if len(tokens) > prompt_len:
+                outputs = torch.tensor([tokens[prompt_len:]])
+                embeds = torch.cat([embeds, self.code.embed(outputs)[0]])
+            kept = (len(tokens), embeds)
             self.kept[request_id] = kept
         return kept[1]
 

@@ -32,6 +32,7 @@ VLLM_ARCHITECTURES: tuple[str, ...] = (
     "Phi3ForCausalLM",
     # Images in, text out (``spyre_image_inputs``).
     "LlavaNextForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
 )
 
 
