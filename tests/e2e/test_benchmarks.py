@@ -187,6 +187,29 @@ def test_speculative_benchmark_small(tiny_llama, tmp_path):
     assert all(r["accepted"] <= r["proposed"] for r in runs)
 
 
+def test_images_benchmark_small(tmp_path):
+    """benchmarks/images.py on the tiny LLaVA-NeXT: Spyre and
+    transformers, two image sizes, two batch sizes: time to first token
+    and its split, decode rates, nothing compiled in the timed runs."""
+    from spyre_support.tiny_vision import build_tiny_llava_next
+    model = build_tiny_llava_next(tmp_path / "llava")
+    out = tmp_path / "images.json"
+    proc = preloaded.run(
+        [str(REPO / "benchmarks" / "images.py"), "--model", str(model),
+         "--backend", "eager", "--dtype", "float32", "--image-sizes",
+         "32x32,64x64", "--batch-sizes", "1,2", "--new-tokens", "8",
+         "--repetitions", "1", "--max-model-len", "256", "--json",
+         str(out)], timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    for engine in ("spyre", "transformers"):
+        for size in ("32x32", "64x64"):
+            run = results[engine][size]
+            assert run["ttft"] > run["vision tower"] > 0
+            assert all(run["decode"][b] > 0 for b in ("1", "2"))
+    assert "Spyre/transformers" in proc.stdout
+
+
 @pytest.mark.smollm2
 def test_attention_benchmark_small(smollm2, tmp_path):
     """benchmarks/attention.py: the C++ attention kernels against the torch
