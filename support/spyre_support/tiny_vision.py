@@ -14,8 +14,9 @@ IMAGE_SIDE, PATCH = 32, 8
 
 
 def build_tiny_llava_next(out_dir: Path, seed: int = 0) -> Path:
-    """A 2-layer Granite (6 heads of 16, 3 key/value heads, its
-    multipliers) under a 2-layer SigLIP of 32-pixel tiles in 8-pixel
+    """A 2-layer Granite (4 heads of 16, 2 key/value heads, its
+    multipliers) under a 2-layer SigLIP (2 heads: tensor parallelism
+    over 2 ranks splits both) of 32-pixel tiles in 8-pixel
     patches, any-resolution grids of up to 2 x 2 tiles; the processor
     beside it (the slow image processor: the fast one needs
     torchvision)."""
@@ -26,8 +27,8 @@ def build_tiny_llava_next(out_dir: Path, seed: int = 0) -> Path:
                               SiglipVisionConfig)
     tokenizer = build_tokenizer(
         specials=("<pad>", "<s>", "</s>", "<unk>", "<image>"))
-    text = GraniteConfig(**_common(len(tokenizer), 6),
-                         num_key_value_heads=3, embedding_multiplier=2.0,
+    text = GraniteConfig(**_common(len(tokenizer), 4),
+                         num_key_value_heads=2, embedding_multiplier=2.0,
                          attention_multiplier=0.2, residual_multiplier=0.5,
                          logits_scaling=1.5,
                          architectures=["GraniteForCausalLM"])
@@ -72,9 +73,9 @@ def image(width: int, height: int, seed: int = 0):
 
 
 def build_tiny_mistral3(out_dir: Path, seed: int = 0) -> Path:
-    """A 2-layer Mistral (6 heads of 16, 3 key/value heads) under a
-    2-layer Pixtral vision model of 8-pixel patches, images of up to 64
-    pixels a side at their own aspect ratio, merged 2 x 2; the
+    """A 2-layer Mistral (4 heads of 16, 2 key/value heads) under a
+    2-layer Pixtral vision model (2 heads) of 8-pixel patches, images of
+    up to 64 pixels a side at their own aspect ratio, merged 2 x 2; the
     processor beside it (the slow image processor)."""
     import torch
     from transformers import (Mistral3Config,
@@ -84,8 +85,8 @@ def build_tiny_mistral3(out_dir: Path, seed: int = 0) -> Path:
     tokenizer = build_tokenizer(
         specials=("<pad>", "<s>", "</s>", "<unk>", "[IMG]", "[IMG_BREAK]",
                   "[IMG_END]"))
-    text = MistralConfig(**_common(len(tokenizer), 6),
-                         num_key_value_heads=3, head_dim=16,
+    text = MistralConfig(**_common(len(tokenizer), 4),
+                         num_key_value_heads=2, head_dim=16,
                          sliding_window=None,
                          architectures=["MistralForCausalLM"])
     vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64,

@@ -128,9 +128,16 @@ def test_a_preempted_image_request_is_recomputed_with_its_image(
     assert got["ids"] == [ids for _, ids in reference]
 
 
+def test_tensor_parallel_2_equals_transformers(llava, reference):
+    """The vision tower's heads and the language model's split over two
+    ranks; every rank embeds the images the driver's step input holds."""
+    got = run(llava, "eager", tensor_parallel_size=2)
+    assert got["ids"] == [ids for _, ids in reference]
+
+
 @pytest.mark.parametrize("case, message", [
     ("static", "set VLLM_SPYRE_USE_CB=1"),
-    ("tensor parallel", "tensor_parallel_size=3"),
+    ("vision heads", "its attention heads \\(num_attention_heads = 2\\)"),
 ])
 def test_what_does_not_run_yet_is_refused(case, message, llava):
     import os
@@ -139,7 +146,7 @@ def test_what_does_not_run_yet_is_refused(case, message, llava):
     from vllm import EngineArgs
     env, extra = {
         "static": (spyre_env("eager", [64], [16], [1]), {}),
-        "tensor parallel": (cb_env("eager"), {"tensor_parallel_size": 3}),
+        "vision heads": (cb_env("eager"), {"tensor_parallel_size": 4}),
     }[case]
     with mock.patch.dict(os.environ, env):
         with pytest.raises((ValueError, NotImplementedError), match=message):

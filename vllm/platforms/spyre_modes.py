@@ -235,9 +235,10 @@ def prefill_chunk_size(max_num_batched_tokens: int) -> int:
 
 def configure_images(vllm_config: "VllmConfig", spyre: SpyreConfig) -> None:
     """A vision-language model (images in, text out): continuous batching
-    on the CPU backends, on one rank, its vision tower run eagerly in the
-    driver worker's process (``spyre_image_inputs``); what does not run
-    yet is refused here, naming it."""
+    on the CPU backends, its vision tower run eagerly on every rank as a
+    prefill starts (``spyre_image_inputs``), its heads split over the
+    ranks as the language model's; what does not run yet is refused here,
+    naming it."""
     model_config = vllm_config.model_config
     if not model_config.is_multimodal_model:
         return
@@ -248,11 +249,13 @@ def configure_images(vllm_config: "VllmConfig", spyre: SpyreConfig) -> None:
             "on Spyre: set VLLM_SPYRE_USE_CB=1 (static batching of image "
             "prompts is not supported yet)")
     tp = vllm_config.parallel_config.tensor_parallel_size
-    if tp > 1:
-        raise NotImplementedError(
-            f"{name} with tensor parallelism (tensor_parallel_size={tp}) "
-            "is not supported on Spyre yet: its vision tower runs in one "
-            "process")
+    vision = getattr(model_config.hf_config, "vision_config", None)
+    heads = getattr(vision, "num_attention_heads", 1)
+    if heads % tp:
+        raise ValueError(
+            f"Tensor parallel size {tp} cannot split {name}'s vision "
+            f"tower: its attention heads (num_attention_heads = {heads}) "
+            "must be a multiple of the size")
     if vllm_config.speculative_config is not None:
         raise NotImplementedError(
             f"Speculative decoding of {name} is not supported on Spyre")
@@ -261,9 +264,9 @@ def configure_images(vllm_config: "VllmConfig", spyre: SpyreConfig) -> None:
             f"LoRA adapters on {name} are not supported on Spyre")
     logger.info(
         "Spyre images: %s's vision tower and projector run on vLLM's model "
-        "code, eagerly, once per image as its prefill starts; the language "
-        "model prefills on the merged embeddings in its compiled graphs",
-        name)
+        "code, eagerly, once per image as its prefill starts (on every "
+        "rank); the language model prefills on the merged embeddings in "
+        "its compiled graphs", name)
 
 
 def configure_pooling(vllm_config: "VllmConfig",

@@ -43,7 +43,7 @@ from vllm.sequence import SequenceGroupMetadata
 from vllm.worker import spyre_prompt_logprobs as prompt_logprobs
 from vllm.worker.spyre_cb_inputs import (decode_batch, prefill_chunks,
                                          prefill_span, whole_prefill_len)
-from vllm.worker.spyre_image_inputs import ImageEmbeds
+from vllm.worker.spyre_image_inputs import ImageEmbeds, ImagePrefill
 from vllm.worker.spyre_runner_base import (SpyreModelInputBase,
                                            SpyreRunnerBase, only_seq, sample)
 from vllm.worker.spyre_state_slots import StateSlots
@@ -84,6 +84,9 @@ class SpyreCBModelInput(SpyreModelInputBase):
     lora_requests: Optional[tuple[LoRARequest, ...]] = None
     prefill_lora: int = 0
     decode_loras: Optional[tuple[int, ...]] = None
+    #: A prefill with images: what every rank needs to embed them
+    #: (``spyre_image_inputs``); else None.
+    prefill_images: Optional[ImagePrefill] = None
 
 
 class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
@@ -107,8 +110,8 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         #: A hybrid model's Mamba-2 state slot of each running request
         #: (driver only); set by allocate_pool.
         self.state_slots: Optional[StateSlots] = None
-        #: A model that takes images: its prefills' embeddings (driver
-        #: only); set by allocate_pool.
+        #: A model that takes images: its prefills' embeddings; set by
+        #: allocate_pool.
         self.images: Optional[ImageEmbeds] = None
 
     # ---- start-up -------------------------------------------------------
@@ -175,8 +178,6 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         metas = list(seq_group_metadata_list)
         if self.state_slots is not None:
             self.state_slots.release(finished_requests_ids or ())
-        if self.images is not None:
-            self.images.forget(finished_requests_ids or ())
         prefills = [m for m in metas if m.is_prompt]
         if len(prefills) > 1 or metas[:len(prefills)] != prefills:
             raise RuntimeError(
@@ -184,6 +185,7 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                 f"first; got {len(prefills)} of {len(metas)} groups")
         decodes = metas[len(prefills):]
         prefill = None
+        images: dict = {}
         prefill_states = None
         sample_prefill = True
         seq_lens, query_lens = [], []
@@ -203,8 +205,8 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
             prefill = self._chunks(tokens[:end], meta.block_tables[seq_id],
                                    start, cached)
             if self.images is not None:
-                prefill = self.images.chunks(meta, tokens, prefill, start,
-                                             end)
+                images = dict(prefill_images=self.images.prefill(
+                    meta, tokens, start, end))
             if self.state_slots is not None:
                 slot = (self.state_slots.start(meta.request_id) if start == 0
                         else self.state_slots.of(meta.request_id))
@@ -245,7 +247,8 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
                               logprob_k=logprob_k,
                               prefill_states=prefill_states,
                               **decode_fields,
-                              **loras)
+                              **loras,
+                              **images)
 
     def run_step(
         self, model_input: SpyreCBModelInput
@@ -255,7 +258,12 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         rows = []
         adapters = model_input.lora_requests or ()
         if model_input.prefill is not None:
-            logits = self._prefill(model_input.prefill,
+            prefill = model_input.prefill
+            if model_input.prefill_images is not None:
+                assert self.images is not None
+                prefill = self.images.chunks(prefill,
+                                             model_input.prefill_images)
+            logits = self._prefill(prefill,
                                    model_input.prefill_states,
                                    (adapters, (model_input.prefill_lora, )))
             if model_input.sample_prefill:
