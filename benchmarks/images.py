@@ -24,17 +24,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "support"))
-
-from spyre_support.bench import RESULTS, machine_info, write_json  # noqa
-from spyre_support.engines import compile_count, spyre_llm  # noqa
-from spyre_support.envs import cb_env  # noqa
-from spyre_support.tiny_vision import image  # noqa
+from spyre_support.bench import RESULTS, machine_info, write_json
+from spyre_support.engines import compile_count, spyre_llm
+from spyre_support.envs import cb_env
+from spyre_support.paths import REPO
+from spyre_support.tiny_vision import image
 
 QUESTION = "<image>\nDescribe the picture in one sentence."
 

@@ -10,8 +10,10 @@ and both in one batch: the prompt ids equal transformers' processor's
 (each placeholder expanded to the image's tokens) and the greedy ids
 transformers' ``generate``, on `eager` and `inductor` with nothing
 compiled after warm-up, with chunked prefill, whose chunks split an
-image's tokens, and with sequences preempted and recomputed.  What does
-not run yet is refused at start-up, naming it.
+image's tokens, with sequences preempted and recomputed, and over two
+tensor-parallel ranks.  What does not run yet is refused at start-up,
+naming it; prompt log-probabilities of a prompt with images are refused
+with the request.
 """
 from __future__ import annotations
 
@@ -133,6 +135,20 @@ def test_tensor_parallel_2_equals_transformers(llava, reference):
     ranks; every rank embeds the images the driver's step input holds."""
     got = run(llava, "eager", tensor_parallel_size=2)
     assert got["ids"] == [ids for _, ids in reference]
+
+
+def test_prompt_logprobs_of_an_image_prompt_are_refused(llava, reference):
+    """Refused by name before anything is queued; the engine serves on."""
+    from vllm import SamplingParams
+    prompts, params = requests(llava)
+    with spyre_llm(llava.path, cb_env("eager"), max_num_seqs=4,
+                   max_model_len=256) as llm:
+        with pytest.raises(ValueError, match="prompt_logprobs=1 of a "
+                           "prompt with images is not supported"):
+            llm.generate(prompts[0], SamplingParams(prompt_logprobs=1),
+                         use_tqdm=False)
+        out = llm.generate(prompts[0], params, use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == reference[0][1]
 
 
 @pytest.mark.parametrize("case, message", [

@@ -9,9 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from vllm.model_executor.models.spyre_families import FAMILIES
-from vllm.model_executor.models.spyre_model_impl import (FMS, VLLM,
-                                                         VLLM_ARCHITECTURES,
-                                                         resolve)
+from vllm.model_executor.models.spyre_model_impl import (
+    FMS, VLLM, VLLM_ARCHITECTURES, VLLM_IMAGE_ARCHITECTURES, resolve)
 
 
 def config(*archs: str, model_type: str = "x"):
@@ -29,7 +28,8 @@ def test_auto_takes_vllm_where_fms_lacks_it(arch):
     assert resolve("auto", config(arch)) == (VLLM, arch)
 
 
-@pytest.mark.parametrize("arch", VLLM_ARCHITECTURES)
+@pytest.mark.parametrize("arch", VLLM_ARCHITECTURES +
+                         VLLM_IMAGE_ARCHITECTURES)
 def test_vllm_forces_vllm_model_code(arch):
     assert resolve("vllm", config(arch)) == (VLLM, arch)
 
@@ -47,6 +47,12 @@ def test_an_architecture_neither_runs_lists_both():
     assert "GPT2LMHeadModel" in text
     assert "LlamaForCausalLM" in text and "(FMS model code)" in text
     assert "Qwen2ForCausalLM" in text and "Phi3ForCausalLM" in text
+    assert "LlavaNextForConditionalGeneration" in text
+
+
+@pytest.mark.parametrize("arch", VLLM_IMAGE_ARCHITECTURES)
+def test_auto_takes_vllm_for_images(arch):
+    assert resolve("auto", config(arch)) == (VLLM, arch)
 
 
 def test_an_fms_only_architecture_is_refused_under_vllm():

@@ -17,7 +17,8 @@ unless the platform is Spyre:
   or grammar the same way), before the fan-out copies it to every
   sample.  Before either, a request naming a LoRA adapter has it
   checked and loaded (``spyre_lora_admission``), so that a bad adapter
-  is refused here rather than failing a step.
+  is refused here rather than failing a step, and a prompt with images
+  asking for prompt log-probabilities is refused.
 * ``LLM._validate_and_add_requests`` adds a list of prompts one by one; in
   V0 an error on the k-th leaves the first k-1 queued, and the caller's next
   ``generate`` returns their outputs.  The wrapper aborts every request the
@@ -55,6 +56,8 @@ def _refuse_before_fan_out(original):
                 refuse = getattr(scheduler, "refuse_parallel_samples", None)
                 if refuse is not None:
                     refuse(prompt_len, params)
+        if isinstance(params, SamplingParams) and _spyre():
+            _refuse_image_prompt_logprobs(processed_inputs, params)
         if _spyre():
             from vllm.engine import spyre_lora_admission
             spyre_lora_admission.admit(engine, _lora_request(args, kwargs))
@@ -95,6 +98,20 @@ def _lora_request(args: tuple, kwargs: dict):
     if "lora_request" in kwargs:
         return kwargs["lora_request"]
     return args[1] if len(args) > 1 else None
+
+
+def _refuse_image_prompt_logprobs(processed_inputs, params) -> None:
+    """Prompt log-probabilities are computed on the prompt's token ids,
+    which for a prompt with images hold placeholders, not the images."""
+    if params.prompt_logprobs is None:
+        return
+    from vllm.inputs.parse import split_enc_dec_inputs
+    _, decoder_inputs = split_enc_dec_inputs(processed_inputs)
+    if decoder_inputs.get("type") == "multimodal":
+        raise ValueError(
+            f"prompt_logprobs={params.prompt_logprobs} of a prompt with "
+            "images is not supported on Spyre: they would be computed on "
+            "the images' placeholder tokens")
 
 
 def _decoder_prompt_len(processed_inputs) -> int:

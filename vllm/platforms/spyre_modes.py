@@ -256,6 +256,10 @@ def configure_images(vllm_config: "VllmConfig", spyre: SpyreConfig) -> None:
             f"Tensor parallel size {tp} cannot split {name}'s vision "
             f"tower: its attention heads (num_attention_heads = {heads}) "
             "must be a multiple of the size")
+    if model_config.quantization is not None:
+        raise NotImplementedError(
+            f"Quantized checkpoints of {name} ({model_config.quantization}) "
+            "are not supported on Spyre")
     if vllm_config.speculative_config is not None:
         raise NotImplementedError(
             f"Speculative decoding of {name} is not supported on Spyre")

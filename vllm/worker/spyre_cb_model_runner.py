@@ -60,7 +60,8 @@ class SpyreCBModelInput(SpyreModelInputBase):
     as vLLM's scheduler orders the groups."""
 
     NESTED = {"prefill": PagedInputs, "decode": PagedInputs,
-              "prefill_states": StateRows, "decode_states": StateRows}
+              "prefill_states": StateRows, "decode_states": StateRows,
+              "prefill_images": ImagePrefill, "prefill_image_tensors": dict}
     LOCAL = ("sampling_metadata", )
 
     prefill: Optional[PagedInputs]
@@ -84,9 +85,10 @@ class SpyreCBModelInput(SpyreModelInputBase):
     lora_requests: Optional[tuple[LoRARequest, ...]] = None
     prefill_lora: int = 0
     decode_loras: Optional[tuple[int, ...]] = None
-    #: A prefill with images: what every rank needs to embed them
-    #: (``spyre_image_inputs``); else None.
+    #: A prefill with images: what every rank needs to embed them, and
+    #: the images' tensors (``spyre_image_inputs``); else None.
     prefill_images: Optional[ImagePrefill] = None
+    prefill_image_tensors: Optional[dict[str, torch.Tensor]] = None
 
 
 class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
@@ -205,8 +207,7 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
             prefill = self._chunks(tokens[:end], meta.block_tables[seq_id],
                                    start, cached)
             if self.images is not None:
-                images = dict(prefill_images=self.images.prefill(
-                    meta, tokens, start, end))
+                images = self.images.prefill(meta, tokens, start, end)
             if self.state_slots is not None:
                 slot = (self.state_slots.start(meta.request_id) if start == 0
                         else self.state_slots.of(meta.request_id))
@@ -261,8 +262,9 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
             prefill = model_input.prefill
             if model_input.prefill_images is not None:
                 assert self.images is not None
-                prefill = self.images.chunks(prefill,
-                                             model_input.prefill_images)
+                prefill = self.images.chunks(
+                    prefill, model_input.prefill_images,
+                    model_input.prefill_image_tensors or {})
             logits = self._prefill(prefill,
                                    model_input.prefill_states,
                                    (adapters, (model_input.prefill_lora, )))

@@ -8,7 +8,8 @@ prefill step of the request (``SequenceGroupMetadata.multi_modal_data``).
 A model that takes images (``ModelCode.embeds_prompts``) prefills on
 embeddings.  The driver puts what a prefill step needs in the step's
 input (``prefill``: an ``ImagePrefill``, broadcast to every rank with
-the step), and every rank gives the step's prefill chunks the embeddings
+the step, ``tensors`` the images' own), and every rank gives the step's
+prefill chunks the embeddings
 of their positions (``chunks``), since under tensor parallelism the
 vision tower's layers are split over the ranks as the language model's
 are: the model code's vision tower and projector run on the request's
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -34,16 +35,15 @@ from vllm.platforms import current_platform
 
 @dataclass(frozen=True)
 class ImagePrefill:
-    """What a prefill step's images need on every rank: the sequence's
-    tokens (its outputs too, when recomputed), how many are the prompt's,
-    the positions the step computes, and the images' tensors."""
+    """What a prefill step's images need on every rank, besides the
+    images' tensors (``ImageEmbeds.tensors``): the sequence's tokens (its
+    outputs too, when recomputed), how many are the prompt's, and the
+    positions the step computes."""
 
-    request_id: str
-    tokens: tuple[int, ...]
+    tokens: torch.Tensor  # [n] int64
     prompt_len: int
     start: int
     end: int
-    images: Any  # vLLM's MultiModalKwargs
 
 
 class ImageEmbeds:
@@ -52,47 +52,66 @@ class ImageEmbeds:
     def __init__(self, code, pad_id: int) -> None:
         self.code = code
         self.pad_id = pad_id
-        #: (request, its length when embedded, ``[n, hidden]``).
-        self.kept: Optional[tuple[str, int, torch.Tensor]] = None
+        #: (the tokens and prompt length embedded, ``[n, hidden]``).
+        self.kept: Optional[tuple[ImagePrefill, torch.Tensor]] = None
 
     def prefill(self, meta, tokens: list[int], start: int,
-                end: int) -> Optional[ImagePrefill]:
-        """The step input's images of a prefill step (driver); None
-        without images."""
+                end: int) -> dict:
+        """The step input's fields of a prefill step's images (driver):
+        ``prefill_images`` and ``prefill_image_tensors``; none without
+        images."""
         if not meta.multi_modal_data:
-            return None
+            return {}
         (data, ) = meta.seq_data.values()
-        return ImagePrefill(meta.request_id, tuple(tokens),
-                            data.get_prompt_len(), start, end,
-                            meta.multi_modal_data)
+        return dict(
+            prefill_images=ImagePrefill(
+                torch.tensor(tokens, dtype=torch.long),
+                data.get_prompt_len(), start, end),
+            prefill_image_tensors=self.tensors(meta.multi_modal_data))
 
-    def chunks(self, chunks: PagedInputs,
-               prefill: ImagePrefill) -> PagedInputs:
+    @staticmethod
+    def tensors(images) -> dict[str, torch.Tensor]:
+        """vLLM's multimodal inputs of one request as the model's keyword
+        arguments, each a tensor (the step input carries tensors only)."""
+        from vllm.multimodal import MultiModalKwargs
+        kwargs = MultiModalKwargs.as_kwargs(MultiModalKwargs.batch([images]),
+                                            device="cpu")
+        odd = [k for k, v in kwargs.items() if not isinstance(v, torch.Tensor)]
+        if odd:
+            raise ValueError(f"image inputs {', '.join(odd)} are not tensors")
+        return kwargs
+
+    def chunks(self, chunks: PagedInputs, prefill: ImagePrefill,
+               tensors: dict[str, torch.Tensor]) -> PagedInputs:
         """``chunks`` (positions ``start`` to ``end - 1``, left-padded)
         with their embeddings."""
-        embeds = self._embeds(prefill)
+        embeds = self._embeds(prefill, tensors)
         rows, length = chunks.input_ids.shape
         pad = rows * length - (prefill.end - prefill.start)
         pad_embed = self.code.embed(torch.tensor([[self.pad_id]]))[0, 0]
         flat = torch.cat([pad_embed.expand(pad, -1),
                           embeds[prefill.start:prefill.end]])
-        if prefill.end == len(prefill.tokens):
+        if prefill.end == prefill.tokens.numel():
             self.kept = None
         return dataclasses.replace(
             chunks, inputs_embeds=flat.view(rows, length, -1).contiguous())
 
     @current_platform.inference_mode()
-    def _embeds(self, prefill: ImagePrefill) -> torch.Tensor:
+    def _embeds(self, prefill: ImagePrefill,
+                tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """The prompt's embeddings with its images, then those of the
         outputs a recomputed sequence holds, as text (a generated token
-        that is a placeholder's id is a token like any other)."""
+        that is a placeholder's id is a token like any other); kept for
+        the same sequence's next chunks."""
         tokens, prompt_len = prefill.tokens, prefill.prompt_len
-        key = (prefill.request_id, len(tokens))
-        if self.kept is None or self.kept[:2] != key:
-            embeds = self.code.prompt_embeds(list(tokens[:prompt_len]),
-                                             prefill.images)
-            if len(tokens) > prompt_len:
-                outputs = torch.tensor([tokens[prompt_len:]])
-                embeds = torch.cat([embeds, self.code.embed(outputs)[0]])
-            self.kept = (*key, embeds)
-        return self.kept[2]
+        if self.kept is not None:
+            seen = self.kept[0]
+            if seen.prompt_len == prompt_len and torch.equal(seen.tokens,
+                                                             tokens):
+                return self.kept[1]
+        embeds = self.code.prompt_embeds(tokens[:prompt_len], tensors)
+        if tokens.numel() > prompt_len:
+            outputs = tokens[prompt_len:].unsqueeze(0)
+            embeds = torch.cat([embeds, self.code.embed(outputs)[0]])
+        self.kept = (prefill, embeds)
+        return embeds

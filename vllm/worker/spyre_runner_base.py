@@ -42,7 +42,9 @@ class SpyreModelInputBase(ModelRunnerInputBase):
     sampling or pooling metadata, which only the driver uses) and those
     that are None (the default on the other ranks).  A field in ``NESTED``
     holds a dataclass of tensors, or with ``(cls, )`` a tuple of them:
-    each of its fields goes under ``field.name`` (``field.i.name``)."""
+    each of its fields goes under ``field.name`` (``field.i.name``), but
+    those that are None; with ``dict`` a mapping of names to tensors, each
+    under ``field.name.key``."""
 
     NESTED: ClassVar[dict[str, Any]] = {}
     LOCAL: ClassVar[tuple[str, ...]] = ()
@@ -56,6 +58,10 @@ class SpyreModelInputBase(ModelRunnerInputBase):
             kind = self.NESTED.get(field.name)
             if kind is None:
                 flat[field.name] = value
+            elif kind is dict:
+                flat[field.name] = len(value)
+                flat.update({f"{field.name}.{key}": tensor
+                             for key, tensor in value.items()})
             elif isinstance(kind, tuple):
                 flat[field.name] = len(value)
                 for i, item in enumerate(value):
@@ -73,6 +79,13 @@ class SpyreModelInputBase(ModelRunnerInputBase):
             if kind is None:
                 if field.name in tensor_dict:
                     kwargs[field.name] = tensor_dict[field.name]
+            elif kind is dict:
+                if field.name in tensor_dict:
+                    prefix = f"{field.name}."
+                    kwargs[field.name] = {
+                        key[len(prefix):]: value
+                        for key, value in tensor_dict.items()
+                        if key.startswith(prefix)}
             elif isinstance(kind, tuple):
                 if field.name in tensor_dict:
                     kwargs[field.name] = tuple(
@@ -86,7 +99,8 @@ class SpyreModelInputBase(ModelRunnerInputBase):
 
 def _flat(value, prefix: str) -> dict[str, Any]:
     return {prefix + f.name: getattr(value, f.name)
-            for f in dataclasses.fields(value)}
+            for f in dataclasses.fields(value)
+            if getattr(value, f.name) is not None}
 
 
 def _unflat(cls, tensor_dict: dict[str, Any], prefix: str):
@@ -95,7 +109,8 @@ def _unflat(cls, tensor_dict: dict[str, Any], prefix: str):
     names = [f.name for f in dataclasses.fields(cls)]
     if prefix + names[0] not in tensor_dict:
         return None
-    return cls(**{name: tensor_dict[prefix + name] for name in names})
+    return cls(**{name: tensor_dict[prefix + name] for name in names
+                  if prefix + name in tensor_dict})
 
 
 class SpyreRunnerBase(ModelRunnerBase[T]):

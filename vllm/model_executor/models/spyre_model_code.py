@@ -115,9 +115,11 @@ class ModelCode(nn.Module):
         (a text prefill of a model that takes images)."""
         raise NotImplementedError
 
-    def prompt_embeds(self, token_ids: list[int], images) -> torch.Tensor:
-        """A sequence's embeddings, ``[n, hidden]``, each image's at its
-        placeholders (``images``: the request's multimodal inputs)."""
+    def prompt_embeds(self, token_ids: torch.Tensor,
+                      images: dict) -> torch.Tensor:
+        """A prompt's embeddings, ``[n, hidden]``, each image's at its
+        placeholders (``images``: the model's keyword arguments of the
+        request's images, tensors)."""
         raise NotImplementedError
 
     def prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:

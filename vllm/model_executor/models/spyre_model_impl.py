@@ -12,7 +12,8 @@ vLLM's ``--model-impl`` keeps its meaning on Spyre:
 vLLM's model classes reach Spyre for the architectures of
 ``VLLM_ARCHITECTURES``: decoders whose attention the Spyre backend runs
 (causal self-attention, grouped or multi-query, no ALiBi, soft cap or
-attention sinks), each tested from a tiny random checkpoint.  The platform
+attention sinks), each tested from a tiny random checkpoint, and for the
+vision-language models of ``VLLM_IMAGE_ARCHITECTURES``.  The platform
 calls ``resolve`` at start-up, so any other architecture is refused before
 anything is loaded.
 """
@@ -30,7 +31,11 @@ VLLM_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
-    # Images in, text out (``spyre_image_inputs``).
+)
+#: Vision-language models (images in, text out) whose vLLM model class
+#: runs on Spyre: its language model is one of the decoders above, its
+#: vision tower runs eagerly (``spyre_image_inputs``).
+VLLM_IMAGE_ARCHITECTURES: tuple[str, ...] = (
     "LlavaNextForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
 )
@@ -64,7 +69,7 @@ def resolve(model_impl, hf_config,
             if arch in FAMILIES:
                 return FMS, arch
     for arch in archs:
-        if arch in VLLM_ARCHITECTURES:
+        if arch in VLLM_ARCHITECTURES + VLLM_IMAGE_ARCHITECTURES:
             return VLLM, arch
     named = ", ".join(archs) or f"model_type {hf_config.model_type!r}"
     if quantized:
@@ -76,9 +81,11 @@ def resolve(model_impl, hf_config,
         raise ValueError(
             f"Architecture {named} is not supported on Spyre with "
             f"--model-impl vllm. Supported architectures: "
-            f"{', '.join(VLLM_ARCHITECTURES)}.")
+            f"{', '.join(VLLM_ARCHITECTURES + VLLM_IMAGE_ARCHITECTURES)}.")
     raise ValueError(
         f"Architecture {named} is not supported on Spyre. Supported "
         f"architectures: {', '.join(FAMILIES)} (FMS model code); "
         f"{', '.join(a for a in VLLM_ARCHITECTURES if a not in FAMILIES)} "
-        "(vLLM's model code, --model-impl auto or vllm).")
+        "(vLLM's model code, --model-impl auto or vllm); "
+        f"{', '.join(VLLM_IMAGE_ARCHITECTURES)} (images, vLLM's model "
+        "code).")

@@ -190,16 +190,13 @@ class VllmModelCode(ModelCode):
         return self.vllm_model.get_input_embeddings(ids.flatten()).view(
             *ids.shape, -1)
 
-    def prompt_embeds(self, token_ids: list[int], images) -> torch.Tensor:
+    def prompt_embeds(self, token_ids: torch.Tensor,
+                      images: dict) -> torch.Tensor:
         """vLLM's vision tower and projector on the request's images
         (``get_multimodal_embeddings``), merged at their placeholders
         (``get_input_embeddings``); run eagerly, once per prefill."""
-        from vllm.multimodal import MultiModalKwargs
-        kwargs = MultiModalKwargs.as_kwargs(MultiModalKwargs.batch([images]),
-                                            device="cpu")
-        features = self.vllm_model.get_multimodal_embeddings(**kwargs)
-        return self.vllm_model.get_input_embeddings(
-            torch.tensor(token_ids, dtype=torch.long), features)
+        features = self.vllm_model.get_multimodal_embeddings(**images)
+        return self.vllm_model.get_input_embeddings(token_ids, features)
 
     # ---- prompt log-probabilities -----------------------------------------
     def prompt_hidden(self, ids: torch.Tensor) -> torch.Tensor:
