@@ -154,6 +154,7 @@ def test_prompt_logprobs_of_an_image_prompt_are_refused(llava, reference):
 @pytest.mark.parametrize("case, message", [
     ("static", "set VLLM_SPYRE_USE_CB=1"),
     ("vision heads", "its attention heads \\(num_attention_heads = 2\\)"),
+    ("two images", "image=2: Spyre takes one image per prompt"),
 ])
 def test_what_does_not_run_yet_is_refused(case, message, llava):
     import os
@@ -163,6 +164,8 @@ def test_what_does_not_run_yet_is_refused(case, message, llava):
     env, extra = {
         "static": (spyre_env("eager", [64], [16], [1]), {}),
         "vision heads": (cb_env("eager"), {"tensor_parallel_size": 4}),
+        "two images": (cb_env("eager"),
+                       {"limit_mm_per_prompt": {"image": 2}}),
     }[case]
     with mock.patch.dict(os.environ, env):
         with pytest.raises((ValueError, NotImplementedError), match=message):
