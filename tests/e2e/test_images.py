@@ -137,16 +137,23 @@ def test_tensor_parallel_2_equals_transformers(llava, reference):
     assert got["ids"] == [ids for _, ids in reference]
 
 
-def test_prompt_logprobs_of_an_image_prompt_are_refused(llava, reference):
-    """Refused by name before anything is queued; the engine serves on."""
+def test_bad_image_requests_are_refused_and_the_engine_serves_on(
+        llava, reference):
+    """Prompt log-probabilities of a prompt with images, and a prompt whose
+    text holds a second placeholder for its one image: refused by name
+    before anything is queued."""
     from vllm import SamplingParams
     prompts, params = requests(llava)
+    stray = dict(prompts[0],
+                 prompt=f"{llava.placeholder} {prompts[0]['prompt']}")
     with spyre_llm(llava.path, cb_env("eager"), max_num_seqs=4,
                    max_model_len=256) as llm:
         with pytest.raises(ValueError, match="prompt_logprobs=1 of a "
                            "prompt with images is not supported"):
             llm.generate(prompts[0], SamplingParams(prompt_logprobs=1),
                          use_tqdm=False)
+        with pytest.raises(ValueError, match="image placeholder tokens"):
+            llm.generate(stray, params, use_tqdm=False)
         out = llm.generate(prompts[0], params, use_tqdm=False)[0]
         assert list(out.outputs[0].token_ids) == reference[0][1]
 

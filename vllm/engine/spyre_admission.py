@@ -17,8 +17,9 @@ unless the platform is Spyre:
   or grammar the same way), before the fan-out copies it to every
   sample.  Before either, a request naming a LoRA adapter has it
   checked and loaded (``spyre_lora_admission``), so that a bad adapter
-  is refused here rather than failing a step, and a prompt with images
-  asking for prompt log-probabilities is refused.
+  is refused here rather than failing a step; a prompt with images
+  asking for prompt log-probabilities is refused, and one whose text
+  holds more image placeholders than its images fill.
 * ``LLM._validate_and_add_requests`` adds a list of prompts one by one; in
   V0 an error on the k-th leaves the first k-1 queued, and the caller's next
   ``generate`` returns their outputs.  The wrapper aborts every request the
@@ -58,6 +59,8 @@ def _refuse_before_fan_out(original):
                     refuse(prompt_len, params)
         if isinstance(params, SamplingParams) and _spyre():
             _refuse_image_prompt_logprobs(processed_inputs, params)
+        if _spyre():
+            _refuse_stray_image_placeholders(engine, processed_inputs)
         if _spyre():
             from vllm.engine import spyre_lora_admission
             spyre_lora_admission.admit(engine, _lora_request(args, kwargs))
@@ -112,6 +115,30 @@ def _refuse_image_prompt_logprobs(processed_inputs, params) -> None:
             f"prompt_logprobs={params.prompt_logprobs} of a prompt with "
             "images is not supported on Spyre: they would be computed on "
             "the images' placeholder tokens")
+
+
+def _refuse_stray_image_placeholders(engine, processed_inputs) -> None:
+    """A prompt with images whose text holds the image placeholder too
+    (``<image>`` typed in a chat message): vLLM expands one placeholder
+    per image, the others stay, and merging the images' features at the
+    placeholders would fail inside an engine step."""
+    from vllm.inputs.parse import split_enc_dec_inputs
+    _, decoder_inputs = split_enc_dec_inputs(processed_inputs)
+    if decoder_inputs.get("type") != "multimodal":
+        return
+    token = getattr(engine.model_config.hf_config, "image_token_index", None)
+    ranges = decoder_inputs.get("mm_placeholders", {}).get("image", ())
+    if token is None or not ranges:
+        return
+    features = sum(r.length if r.is_embed is None else int(r.is_embed.sum())
+                   for r in ranges)
+    found = list(decoder_inputs["prompt_token_ids"]).count(token)
+    if found != features:
+        raise ValueError(
+            f"The prompt holds {found} image placeholder tokens (id "
+            f"{token}) where its {len(ranges)} image(s) fill {features}: "
+            "remove the placeholder from the prompt's text (vLLM inserts "
+            "one for each image)")
 
 
 def _decoder_prompt_len(processed_inputs) -> int:

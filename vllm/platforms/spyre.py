@@ -352,7 +352,8 @@ def _sliding_window(hf_config, model_impl: str) -> Optional[int]:
                                                            window_of)
     if model_impl == FMS:
         return family_of(hf_config).sliding_window(hf_config)
-    return window_of(hf_config)
+    # A vision-language model's window is its language model's.
+    return window_of(getattr(hf_config, "text_config", None) or hf_config)
 
 
 def _log_sliding_window(window: int, max_model_len: int) -> None:

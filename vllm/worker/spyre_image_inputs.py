@@ -102,12 +102,18 @@ class ImageEmbeds:
         """The prompt's embeddings with its images, then those of the
         outputs a recomputed sequence holds, as text (a generated token
         that is a placeholder's id is a token like any other); kept for
-        the same sequence's next chunks."""
+        the same sequence's next chunk, which starts where the last
+        ended."""
         tokens, prompt_len = prefill.tokens, prefill.prompt_len
         if self.kept is not None:
+            # The same sequence's next chunk: another request (or this
+            # one recomputed) starts its prefill at 0, even with the same
+            # tokens.
             seen = self.kept[0]
-            if seen.prompt_len == prompt_len and torch.equal(seen.tokens,
-                                                             tokens):
+            if (prefill.start > 0 and seen.end == prefill.start
+                    and seen.prompt_len == prompt_len
+                    and torch.equal(seen.tokens, tokens)):
+                self.kept = (prefill, self.kept[1])
                 return self.kept[1]
         embeds = self.code.prompt_embeds(tokens[:prompt_len], tensors)
         if tokens.numel() > prompt_len:

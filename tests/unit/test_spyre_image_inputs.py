@@ -1,0 +1,65 @@
+"""ImageEmbeds (``vllm.worker.spyre_image_inputs``): a prefill chunk's
+embeddings, laid out as its positions (the pad token's in left-padded
+slots), the images embedded once per sequence and reused only by the
+same sequence's next chunk: never by another request with the same
+tokens, even after a prefill that stopped half way (an abort, a
+preemption)."""
+from __future__ import annotations
+
+import torch
+
+from vllm.attention.ops.spyre_paged_inputs import PagedInputs
+from vllm.worker.spyre_image_inputs import ImageEmbeds, ImagePrefill
+
+HIDDEN = 3
+
+
+class Code:
+    """Model code whose embedding of token t is [t, t, t] and whose
+    images add their value to every prompt position."""
+
+    def __init__(self) -> None:
+        self.embedded = 0
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids.unsqueeze(-1).float().expand(*ids.shape, HIDDEN)
+
+    def prompt_embeds(self, tokens: torch.Tensor, images: dict):
+        self.embedded += 1
+        return self.embed(tokens) + images["pixel_values"]
+
+
+def chunk(rows: int, length: int) -> PagedInputs:
+    ids = torch.zeros(rows, length, dtype=torch.long)
+    return PagedInputs(ids, ids, ids, ids[:, :1], ids)
+
+
+def step(tokens, start: int, end: int) -> ImagePrefill:
+    return ImagePrefill(torch.tensor(tokens), prompt_len=len(tokens),
+                        start=start, end=end)
+
+
+def test_a_chunk_holds_its_positions_embeddings_after_the_padding():
+    code = Code()
+    images = ImageEmbeds(code, pad_id=7)
+    tokens = list(range(10, 16))
+    out = images.chunks(chunk(1, 8), step(tokens, 0, 6),
+                        {"pixel_values": torch.tensor(100.0)})
+    got = out.inputs_embeds[0, :, 0].tolist()
+    assert got == [7, 7, *[t + 100 for t in tokens]]
+
+
+def test_only_the_same_sequences_next_chunk_reuses_the_embeddings():
+    code = Code()
+    images = ImageEmbeds(code, pad_id=0)
+    tokens = list(range(1, 9))
+    one, two = ({"pixel_values": torch.tensor(v)} for v in (1.0, 2.0))
+    images.chunks(chunk(1, 4), step(tokens, 0, 4), one)
+    images.chunks(chunk(1, 4), step(tokens, 4, 8), one)  # its next chunk
+    assert code.embedded == 1
+    # A first chunk that stopped half way, then another request of the
+    # same tokens with another image: embedded anew.
+    images.chunks(chunk(1, 4), step(tokens, 0, 4), one)
+    out = images.chunks(chunk(1, 4), step(tokens, 0, 4), two)
+    assert code.embedded == 3
+    assert out.inputs_embeds[0, :, 0].tolist() == [3.0, 4.0, 5.0, 6.0]
