@@ -109,6 +109,14 @@ class Server:
         self.stop()
 
 
+def openai_client(server: Server):
+    """The openai client of ``server``'s API as the tests use it: no
+    retries, two minutes a call."""
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused",
+                         max_retries=0, timeout=120)
+
+
 def served_ids(server: Server, prompt: list[int], max_tokens: int) -> list:
     """Greedy ids of one completion of token ids, EOS ignored, read
     exactly from its logprobs (``return_tokens_as_token_ids``)."""

@@ -13,7 +13,7 @@ import io
 import pytest
 
 from spyre_support.envs import cb_env
-from spyre_support.server import Server
+from spyre_support.server import Server, openai_client
 from spyre_support.tiny_vision import build_tiny_llava_next, image
 
 MAX_TOKENS = 10
@@ -34,9 +34,7 @@ def server(llava):
 
 @pytest.fixture(scope="module")
 def client(server):
-    import openai
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused",
-                         max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def data_url(picture) -> str:

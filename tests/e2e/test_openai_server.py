@@ -16,7 +16,8 @@ import requests
 
 from spyre_support.engines import spyre_llm
 from spyre_support.envs import spyre_env
-from spyre_support.server import check_echo_logprobs, metric, Server
+from spyre_support.server import (Server, check_echo_logprobs, metric,
+                                  openai_client)
 from spyre_support.soak import metric_in
 
 SHAPES = dict(prompt_lens=[64, 128], new_tokens=[16, 8], batch_sizes=[4, 2])
@@ -34,9 +35,7 @@ def server(tiny_llama):
 
 @pytest.fixture(scope="module")
 def client(server):
-    import openai
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused",
-                         max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def model_name(server) -> str:

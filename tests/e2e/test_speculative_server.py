@@ -15,7 +15,7 @@ import pytest
 
 from spyre_support.bench import repeated_spans
 from spyre_support.envs import cb_env
-from spyre_support.server import Server, metric, served_ids
+from spyre_support.server import Server, metric, openai_client, served_ids
 
 #: Every step with proposals verifies (not the step times measured at
 #: warm-up, which a busy machine skews).
@@ -56,9 +56,7 @@ def prompts(tiny_llama) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def client(server):
-    import openai
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused",
-                         max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def test_greedy_ids_equal_transformers(server, prompts, hf_tiny):

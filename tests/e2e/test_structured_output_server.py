@@ -12,7 +12,7 @@ import re
 import pytest
 
 from spyre_support.envs import spyre_env
-from spyre_support.server import Server
+from spyre_support.server import Server, openai_client
 from structured_cases import CHOICES, MAX_NEW, REGEX, SCHEMA, check_schema
 
 
@@ -28,9 +28,7 @@ def server(tiny_llama):
 
 @pytest.fixture(scope="module")
 def client(server):
-    import openai
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused",
-                         max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def chat(server, client, **kwargs):

@@ -9,8 +9,8 @@ A model that takes images (``ModelCode.embeds_prompts``) prefills on
 embeddings.  The driver puts what a prefill step needs in the step's
 input (``prefill``: an ``ImagePrefill``, broadcast to every rank with
 the step, ``tensors`` the images' own), and every rank gives the step's
-prefill chunks the embeddings
-of their positions (``chunks``), since under tensor parallelism the
+prefill chunks the embeddings of their positions (``chunks``), since
+under tensor parallelism the
 vision tower's layers are split over the ranks as the language model's
 are: the model code's vision tower and projector run on the request's
 images once, eagerly, merged at the placeholders with the other tokens'
