@@ -42,6 +42,7 @@ setup(
             "vllm.engine.spyre_parallel_streams:install",
             "spyre_spec_outputs = vllm.engine.spyre_spec_outputs:install",
             "spyre_spec_config = vllm.engine.spyre_spec_config:install",
+            "spyre_image_prefix = vllm.engine.spyre_image_prefix:install",
             "spyre_error_status = "
             "vllm.entrypoints.openai.spyre_error_status:install",
             "spyre_request_checks = "

@@ -32,14 +32,18 @@ MAX_TOKENS = 48
 #: for the cases' sequences (each needs 2 or 3 blocks by its end).
 FAMILIES = {"llava_next": (build_tiny_llava_next, "<image>", 4),
             "mistral3": (build_tiny_mistral3, "[IMG]", 3)}
-#: (prompt, image size or None): for LLaVA-NeXT one tile, two tiles
-#: wide, two tall, four (after 48 tokens of text: a 64-token prefill
-#: chunk ends inside the image).
+#: (prompt, image size, None or a list of sizes): for LLaVA-NeXT one
+#: tile, two tiles wide, two tall, four (after 48 tokens of text: a
+#: 64-token prefill chunk ends inside the image), no image, and two
+#: images of different sizes.
 CASES = [("{image} the spyre card", (32, 32)),
          ("a batch of {image} one two", (64, 24)),
          ("{image}\nthe model", (20, 70)),
          ("one two three " * 16 + "{image}", (60, 60)),
-         ("the spyre card serve request", None)]
+         ("the spyre card serve request", None),
+         ("{image} left and right {image}", [(32, 32), (20, 70)])]
+#: Images a prompt may hold (``--limit-mm-per-prompt``).
+LIMIT = {"image": 2}
 
 
 class Checkpoint(NamedTuple):
@@ -70,7 +74,7 @@ def reference(llava):
     model = AutoModelForImageTextToText.from_pretrained(llava.path).eval()
     out = []
     for i, (prompt, size) in enumerate(cases(llava)):
-        images = None if size is None else image(*size, seed=i)
+        images = images_of(size, i)
         inputs = processor(images=images, text=prompt, return_tensors="pt")
         inputs.pop("token_type_ids", None)
         with torch.no_grad():
@@ -81,11 +85,18 @@ def reference(llava):
     return out
 
 
+def images_of(size, seed: int):
+    """A case's image, its list of images, or None."""
+    if isinstance(size, list):
+        return [image(*one, seed=10 * seed + j) for j, one in enumerate(size)]
+    return None if size is None else image(*size, seed=seed)
+
+
 def requests(model):
     from vllm import SamplingParams
     prompts = [{"prompt": prompt} if size is None else
                {"prompt": prompt,
-                "multi_modal_data": {"image": image(*size, seed=i)}}
+                "multi_modal_data": {"image": images_of(size, i)}}
                for i, (prompt, size) in enumerate(cases(model))]
     return prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                    ignore_eos=True)
@@ -94,7 +105,8 @@ def requests(model):
 def run(model, backend: str, **kwargs) -> dict:
     prompts, params = requests(model)
     with spyre_llm(model.path, cb_env(backend), max_num_seqs=4,
-                   max_model_len=256, **kwargs) as llm:
+                   max_model_len=256, limit_mm_per_prompt=LIMIT,
+                   **kwargs) as llm:
         before = compile_count()
         outs = llm.generate(prompts, params, use_tqdm=False)
         return dict(prompt_ids=[o.prompt_token_ids for o in outs],
@@ -139,21 +151,26 @@ def test_tensor_parallel_2_equals_transformers(llava, reference):
 
 def test_bad_image_requests_are_refused_and_the_engine_serves_on(
         llava, reference):
-    """Prompt log-probabilities of a prompt with images, and a prompt whose
-    text holds a second placeholder for its one image: refused by name
-    before anything is queued."""
+    """Prompt log-probabilities of a prompt with images, a prompt whose
+    text holds a second placeholder for its one image, and more images
+    than ``--limit-mm-per-prompt``: refused by name before anything is
+    queued."""
     from vllm import SamplingParams
     prompts, params = requests(llava)
     stray = dict(prompts[0],
                  prompt=f"{llava.placeholder} {prompts[0]['prompt']}")
+    three = {"prompt": llava.placeholder * 3,
+             "multi_modal_data": {"image": [image(32, 32)] * 3}}
     with spyre_llm(llava.path, cb_env("eager"), max_num_seqs=4,
-                   max_model_len=256) as llm:
+                   max_model_len=256, limit_mm_per_prompt=LIMIT) as llm:
         with pytest.raises(ValueError, match="prompt_logprobs=1 of a "
                            "prompt with images is not supported"):
             llm.generate(prompts[0], SamplingParams(prompt_logprobs=1),
                          use_tqdm=False)
         with pytest.raises(ValueError, match="image placeholder tokens"):
             llm.generate(stray, params, use_tqdm=False)
+        with pytest.raises(ValueError, match="At most 2 image"):
+            llm.generate(three, params, use_tqdm=False)
         out = llm.generate(prompts[0], params, use_tqdm=False)[0]
         assert list(out.outputs[0].token_ids) == reference[0][1]
 
@@ -161,7 +178,7 @@ def test_bad_image_requests_are_refused_and_the_engine_serves_on(
 @pytest.mark.parametrize("case, message", [
     ("static", "set VLLM_SPYRE_USE_CB=1"),
     ("vision heads", "its attention heads \\(num_attention_heads = 2\\)"),
-    ("two images", "image=2: Spyre takes one image per prompt"),
+    ("LoRA", "LoRA adapters on LlavaNext|LoRA adapters on Mistral3"),
 ])
 def test_what_does_not_run_yet_is_refused(case, message, llava):
     import os
@@ -171,8 +188,7 @@ def test_what_does_not_run_yet_is_refused(case, message, llava):
     env, extra = {
         "static": (spyre_env("eager", [64], [16], [1]), {}),
         "vision heads": (cb_env("eager"), {"tensor_parallel_size": 4}),
-        "two images": (cb_env("eager"),
-                       {"limit_mm_per_prompt": {"image": 2}}),
+        "LoRA": (cb_env("eager"), {"enable_lora": True}),
     }[case]
     with mock.patch.dict(os.environ, env):
         with pytest.raises((ValueError, NotImplementedError), match=message):
@@ -180,15 +196,38 @@ def test_what_does_not_run_yet_is_refused(case, message, llava):
                        **extra).create_engine_config()
 
 
-def test_prefix_caching_stays_off(llava):
-    """vLLM's V0 block hashes hold token ids only (two prompts with the
-    same text and different images would share blocks): vLLM turns
-    ``--enable-prefix-caching`` off for a multimodal model."""
-    import os
-    from unittest import mock
+def test_prefix_caching_keys_blocks_by_the_images(llava):
+    """The same text with another image shares no cached block and gets
+    its own image's answer; with the same image again it reuses the
+    cached blocks, image and all."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from vllm import EngineArgs
-    with mock.patch.dict(os.environ, cb_env("eager")):
-        config = EngineArgs(model=str(llava.path), max_model_len=256,
-                            enable_prefix_caching=True).create_engine_config()
-    assert not config.cache_config.enable_prefix_caching
+    from vllm import SamplingParams
+    prompt = f"{llava.placeholder} " + "one two three " * 30
+    # The same size: the same number of placeholder tokens.
+    pictures = [image(32, 32, seed=5), image(32, 32, seed=6)]
+    processor = AutoProcessor.from_pretrained(llava.path)
+    model = AutoModelForImageTextToText.from_pretrained(llava.path).eval()
+    expected = []
+    for picture in pictures:
+        inputs = processor(images=picture, text=prompt, return_tensors="pt")
+        inputs.pop("token_type_ids", None)
+        with torch.no_grad():
+            ids = model.generate(**inputs, max_new_tokens=MAX_TOKENS,
+                                 do_sample=False)
+        expected.append(ids[0, inputs["input_ids"].shape[1]:].tolist())
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                            ignore_eos=True)
+    with spyre_llm(llava.path, cb_env("eager"), max_num_seqs=4,
+                   max_model_len=256, enable_prefix_caching=True) as llm:
+        assert llm.llm_engine.cache_config.enable_prefix_caching
+        outs = [llm.generate({"prompt": prompt,
+                              "multi_modal_data": {"image": pictures[i]}},
+                             params, use_tqdm=False)[0]
+                for i in (0, 1, 0)]
+    assert [list(o.outputs[0].token_ids) for o in outs] == [
+        expected[0], expected[1], expected[0]]
+    assert len(outs[0].prompt_token_ids) > 64
+    assert [o.num_cached_tokens for o in outs[:2]] == [0, 0]
+    assert outs[2].num_cached_tokens >= 64

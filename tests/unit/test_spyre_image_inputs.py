@@ -63,3 +63,18 @@ def test_only_the_same_sequences_next_chunk_reuses_the_embeddings():
     out = images.chunks(chunk(1, 4), step(tokens, 0, 4), two)
     assert code.embedded == 3
     assert out.inputs_embeds[0, :, 0].tolist() == [3.0, 4.0, 5.0, 6.0]
+
+
+def test_several_images_lists_are_gathered_in_order():
+    """Images of different sizes come as lists (per request, per image):
+    the step input carries each tensor under its path, and the model's
+    keyword arguments gather them again, the eleventh after the tenth."""
+    pixels = [torch.full((2, ), float(i)) for i in range(11)]
+    flat = {f"pixel_values/0/{i}": t for i, t in enumerate(pixels)}
+    flat["image_sizes"] = torch.tensor([[4, 4]])
+    shuffled = dict(reversed(list(flat.items())))
+    kwargs = ImageEmbeds.kwargs(shuffled)
+    assert list(kwargs) == ["image_sizes", "pixel_values"]
+    assert len(kwargs["pixel_values"]) == 1
+    assert [t[0].item() for t in kwargs["pixel_values"][0]] == list(range(11))
+    assert torch.equal(kwargs["image_sizes"], flat["image_sizes"])

@@ -260,11 +260,6 @@ def configure_images(vllm_config: "VllmConfig", spyre: SpyreConfig) -> None:
         raise NotImplementedError(
             f"Quantized checkpoints of {name} ({model_config.quantization}) "
             "are not supported on Spyre")
-    limits = model_config.multimodal_config.limit_per_prompt or {}
-    if limits.get("image", 1) > 1:
-        raise NotImplementedError(
-            f"--limit-mm-per-prompt image={limits['image']}: Spyre takes "
-            "one image per prompt for now (vLLM's V0 default)")
     if vllm_config.speculative_config is not None:
         raise NotImplementedError(
             f"Speculative decoding of {name} is not supported on Spyre")

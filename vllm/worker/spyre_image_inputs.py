@@ -72,13 +72,48 @@ class ImageEmbeds:
     @staticmethod
     def tensors(images) -> dict[str, torch.Tensor]:
         """vLLM's multimodal inputs of one request as the model's keyword
-        arguments, each a tensor (the step input carries tensors only)."""
+        arguments, flattened to tensors (the step input carries tensors
+        only): several images of different sizes come as lists, each
+        tensor of a list kept under its path (``pixel_values/0/1``)."""
         from vllm.multimodal import MultiModalKwargs
         kwargs = MultiModalKwargs.as_kwargs(MultiModalKwargs.batch([images]),
                                             device="cpu")
-        odd = [k for k, v in kwargs.items() if not isinstance(v, torch.Tensor)]
-        if odd:
-            raise ValueError(f"image inputs {', '.join(odd)} are not tensors")
+        flat: dict[str, torch.Tensor] = {}
+
+        def put(path: str, value) -> None:
+            if isinstance(value, torch.Tensor):
+                # Mistral 3's processor crops each image's pixels in a
+                # view: the broadcast sends a tensor's storage as laid out.
+                flat[path] = value.contiguous()
+            elif isinstance(value, (list, tuple)):
+                for i, item in enumerate(value):
+                    put(f"{path}/{i}", item)
+            else:
+                raise ValueError(f"image input {path} is a "
+                                 f"{type(value).__name__}, not a tensor")
+
+        for name, value in kwargs.items():
+            put(name, value)
+        return flat
+
+    @staticmethod
+    def kwargs(flat: dict[str, torch.Tensor]) -> dict:
+        """The model's keyword arguments of ``tensors``' flattened form:
+        each path's tensors gathered into lists again, in order."""
+        kwargs: dict = {}
+        for path in sorted(flat, key=lambda p: [
+                int(part) if part.isdigit() else part
+                for part in p.split("/")]):
+            name, *where = path.split("/")
+            if not where:
+                kwargs[name] = flat[path]
+                continue
+            holder = kwargs.setdefault(name, [])
+            for i in where[:-1]:
+                if len(holder) <= int(i):
+                    holder.append([])
+                holder = holder[int(i)]
+            holder.append(flat[path])
         return kwargs
 
     def chunks(self, chunks: PagedInputs, prefill: ImagePrefill,
@@ -115,7 +150,8 @@ class ImageEmbeds:
                     and torch.equal(seen.tokens, tokens)):
                 self.kept = (prefill, self.kept[1])
                 return self.kept[1]
-        embeds = self.code.prompt_embeds(tokens[:prompt_len], tensors)
+        embeds = self.code.prompt_embeds(tokens[:prompt_len],
+                                         self.kwargs(tensors))
         if tokens.numel() > prompt_len:
             outputs = tokens[prompt_len:].unsqueeze(0)
             embeds = torch.cat([embeds, self.code.embed(outputs)[0]])
