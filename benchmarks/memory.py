@@ -17,6 +17,13 @@ realistic-size checkpoints ``scripts/benchmark_checkpoints.py`` writes:
 
     python benchmarks/memory.py --model models/bench/granite-3.3-8b-bf16 \
         --configs bf16,bf16-cb
+
+and ``bf16-image`` for the vision-language ones
+``scripts/vision_checkpoints.py`` writes (requests of the largest image
+its processor tiles):
+
+    python benchmarks/memory.py \
+        --model models/bench/granite-vision-3.3-2b-bf16 --configs bf16-image
 """
 from __future__ import annotations
 
@@ -47,6 +54,11 @@ CONFIGS = {
     "bf16-cb": (cb_env("eager"),
                 dict(dtype="bfloat16", max_model_len=512, max_num_seqs=4),
                 (4, 200, 16)),
+    # A vision-language model (scripts/vision_checkpoints.py): requests
+    # of one image each, of the largest size its processor tiles.
+    "bf16-image": (cb_env("eager"),
+                   dict(dtype="bfloat16", max_model_len=4096,
+                        max_num_seqs=2), (2, "image", 8)),
 }
 
 
@@ -57,9 +69,12 @@ class MemoryProbe:
         from vllm import LLM, SamplingParams, TokensPrompt
         llm = LLM(model=model, **engine_args)
         requests, prompt, new = load
-        prompts = [TokensPrompt(prompt_token_ids=[(i * 7 + j) % 1000 + 10
-                                                  for j in range(prompt)])
-                   for i in range(requests)]
+        if prompt == "image":
+            prompts = largest_images(llm, requests)
+        else:
+            prompts = [TokensPrompt(prompt_token_ids=[
+                (i * 7 + j) % 1000 + 10 for j in range(prompt)])
+                for i in range(requests)]
         llm.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True,
                                              temperature=0.0),
                      use_tqdm=False)
@@ -80,6 +95,19 @@ class MemoryProbe:
 
     def info(self) -> dict:
         return self.result
+
+
+def largest_images(llm, requests: int) -> list[dict]:
+    """Prompts of one image each, of the largest grid the model's
+    processor tiles (LLaVA-NeXT's ``image_grid_pinpoints``)."""
+    from spyre_support.tiny_vision import image
+    config = llm.llm_engine.model_config.hf_config
+    side = config.vision_config.image_size
+    height, width = max(getattr(config, "image_grid_pinpoints", None)
+                        or [[side, side]], key=lambda g: g[0] * g[1])
+    return [{"prompt": "<image>\nWhat is in this picture?",
+             "multi_modal_data": {"image": image(width, height, seed=i)}}
+            for i in range(requests)]
 
 
 def main() -> None:

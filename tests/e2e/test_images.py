@@ -17,6 +17,7 @@ with the request.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -175,8 +176,53 @@ def test_bad_image_requests_are_refused_and_the_engine_serves_on(
         assert list(out.outputs[0].token_ids) == reference[0][1]
 
 
+#: Static batching's warm-up shapes: the cases' prompts, their images'
+#: tokens counted, fit the larger.
+STATIC_SHAPES = ([64, 192], [MAX_TOKENS] * 2, [4, 4])
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_static_batching_equals_transformers(backend, llava, reference):
+    """Static batches of image and text-only prompts, padded to shapes
+    that hold the images' tokens; a prompt whose image makes it longer
+    than every shape is refused naming its length, and the engine
+    serves on."""
+    prompts, params = requests(llava)
+    long = {"prompt": "one two three " * 60 + llava.placeholder,
+            "multi_modal_data": {"image": image(60, 60)}}
+    with spyre_llm(llava.path, spyre_env(backend, *STATIC_SHAPES),
+                   limit_mm_per_prompt=LIMIT) as llm:
+        before = compile_count()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        compiled = compile_count() - before
+        # Spyre's scheduler ("fits none of the compiled Spyre warm-up
+        # shapes") or, past the largest shape's length, vLLM's own check.
+        with pytest.raises(ValueError, match=r"fits none of the compiled "
+                           r"|is longer than the maximum model length") \
+                as refused:
+            llm.generate(long, params, use_tqdm=False)
+        again = llm.generate(prompts[0], params, use_tqdm=False)[0]
+    # The length counts the image's tokens: the text alone fits.
+    assert int(re.search(r"length (\d+)", str(refused.value))[1]) > 192
+    assert max(len(o.prompt_token_ids) for o in outs) > 64
+    assert [list(o.outputs[0].token_ids) for o in outs] == [
+        ids for _, ids in reference]
+    assert list(again.outputs[0].token_ids) == reference[0][1]
+    assert compiled == 0
+
+
+def test_static_batching_over_two_ranks(llava, reference):
+    """The driver's step input carries each image row's tensors; every
+    rank embeds them."""
+    prompts, params = requests(llava)
+    with spyre_llm(llava.path, spyre_env("eager", *STATIC_SHAPES),
+                   limit_mm_per_prompt=LIMIT, tensor_parallel_size=2) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [
+        ids for _, ids in reference]
+
+
 @pytest.mark.parametrize("case, message", [
-    ("static", "set VLLM_SPYRE_USE_CB=1"),
     ("vision heads", "its attention heads \\(num_attention_heads = 2\\)"),
     ("LoRA", "LoRA adapters on LlavaNext|LoRA adapters on Mistral3"),
 ])
@@ -186,7 +232,6 @@ def test_what_does_not_run_yet_is_refused(case, message, llava):
 
     from vllm import EngineArgs
     env, extra = {
-        "static": (spyre_env("eager", [64], [16], [1]), {}),
         "vision heads": (cb_env("eager"), {"tensor_parallel_size": 4}),
         "LoRA": (cb_env("eager"), {"enable_lora": True}),
     }[case]

@@ -12,7 +12,7 @@ import io
 
 import pytest
 
-from spyre_support.envs import cb_env
+from spyre_support.envs import cb_env, spyre_env
 from spyre_support.server import Server, openai_client
 from spyre_support.tiny_vision import build_tiny_llava_next, image
 
@@ -147,3 +147,37 @@ def test_bad_images_are_400_and_the_server_serves_on(case, names, server,
         chat(client, server, [{"role": "user", "content": content}])
     assert names in str(error.value)
     assert chat(client, server, [image_message(image(32, 32))]).choices
+
+
+@pytest.fixture(scope="module")
+def static_server(llava):
+    """Static batching, its prompt shapes sized for one image's tokens."""
+    env = spyre_env("eager", [64, 128], [MAX_TOKENS] * 2, [2, 2])
+    with Server(llava, env) as srv:
+        yield srv
+
+
+def test_static_batching_answers_as_transformers_and_refuses_by_length(
+        static_server, llava):
+    """Under static batching an image chat is answered as transformers
+    answers it; a chat whose image's tokens make it longer than every
+    warm-up shape gets a 400 naming its length, and the server serves
+    on."""
+    import openai
+    client = openai_client(static_server)
+    picture = image(48, 40, seed=1)
+    reply = chat(client, static_server, [image_message(picture)],
+                 logprobs=True, extra_body=dict(
+                     ignore_eos=True, return_tokens_as_token_ids=True))
+    ids = [int(t.token.removeprefix("token_id:"))
+           for t in reply.choices[0].logprobs.content]
+    assert ids == transformers_answer(llava, picture, QUESTION)
+    with pytest.raises(openai.BadRequestError) as error:
+        chat(client, static_server,
+             [image_message(image(64, 64), "one two " * 14)])
+    assert "fits none of the compiled Spyre warm-up shapes" in str(
+        error.value)
+    length = int(str(error.value).split("prompt length ")[1].split(",")[0])
+    assert length > 128
+    assert chat(client, static_server,
+                [image_message(picture)]).choices[0].message.content

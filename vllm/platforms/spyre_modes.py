@@ -234,20 +234,16 @@ def prefill_chunk_size(max_num_batched_tokens: int) -> int:
 
 
 def configure_images(vllm_config: "VllmConfig", spyre: SpyreConfig) -> None:
-    """A vision-language model (images in, text out): continuous batching
-    on the CPU backends, its vision tower run eagerly on every rank as a
-    prefill starts (``spyre_image_inputs``), its heads split over the
+    """A vision-language model (images in, text out): static or
+    continuous batching on the CPU backends, its vision tower run eagerly
+    on every rank as a prefill starts (``spyre_image_inputs``; a static
+    batch's prompt shapes hold the images' tokens), its heads split over the
     ranks as the language model's; what does not run yet is refused here,
     naming it."""
     model_config = vllm_config.model_config
     if not model_config.is_multimodal_model:
         return
     name = ", ".join(model_config.architectures)
-    if not spyre.use_cb:
-        raise NotImplementedError(
-            f"{name} (images in, text out) runs under continuous batching "
-            "on Spyre: set VLLM_SPYRE_USE_CB=1 (static batching of image "
-            "prompts is not supported yet)")
     tp = vllm_config.parallel_config.tensor_parallel_size
     vision = getattr(model_config.hf_config, "vision_config", None)
     heads = getattr(vision, "num_attention_heads", 1)

@@ -1,5 +1,6 @@
-"""ImageEmbeds: the images of a continuous-batching prefill, as the
-embeddings of its positions.
+"""The images of a prefill, as the embeddings of its positions:
+``ImageEmbeds`` under continuous batching, ``static_prefill`` and
+``static_embeds`` under static batching.
 
 vLLM's multimodal processor (run by the engine as it adds a request)
 expands each image's placeholder in the prompt to the image's number of
@@ -20,6 +21,13 @@ token's embedding, and the outputs a recomputed (preempted) sequence
 holds their ids' own.  A prefill without images gets its ids' embeddings
 in the model (``SpyreCBCausalLM.forward``), so one prefill graph serves
 both.
+
+A static batch's prefill holds every request of the batch, each row
+left-padded to the warm-up shape's prompt length: the driver puts each
+image request's row, prompt length and tensors in the step input
+(``static_prefill``), and every rank embeds the rows, the image rows with
+their images (``static_embeds``).  A model that takes images prefills its
+static shapes on embeddings too (``SpyreStaticCausalLM.forward``).
 """
 from __future__ import annotations
 
@@ -157,3 +165,40 @@ class ImageEmbeds:
             embeds = torch.cat([embeds, self.code.embed(outputs)[0]])
         self.kept = (prefill, embeds)
         return embeds
+
+
+def static_prefill(metas) -> dict:
+    """The step input's fields of a static batch's prefill (driver):
+    ``prefill_image_rows``, ``[K, 2]`` (the row and prompt length of each
+    request with images), and ``prefill_image_tensors``, their tensors
+    under ``"{row}:{path}"``; none when no request has images."""
+    rows, flat = [], {}
+    for row, meta in enumerate(metas):
+        if not meta.multi_modal_data:
+            continue
+        (data, ) = meta.seq_data.values()
+        rows.append((row, data.get_prompt_len()))
+        for path, tensor in ImageEmbeds.tensors(
+                meta.multi_modal_data).items():
+            flat[f"{row}:{path}"] = tensor
+    if not rows:
+        return {}
+    return dict(prefill_image_rows=torch.tensor(rows, dtype=torch.long),
+                prefill_image_tensors=flat)
+
+
+@current_platform.inference_mode()
+def static_embeds(code, input_ids: torch.Tensor, rows: torch.Tensor,
+                  flat: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A static prefill's embeddings, ``[B, L, hidden]`` (every rank):
+    each row's ids', and in a row with images (its prompt the last
+    ``n`` positions, left-padded) its prompt's with the images merged."""
+    embeds = code.embed(input_ids)
+    length = input_ids.shape[1]
+    for row, n in rows.tolist():
+        prefix = f"{row}:"
+        mine = {path[len(prefix):]: tensor
+                for path, tensor in flat.items() if path.startswith(prefix)}
+        embeds[row, length - n:] = code.prompt_embeds(
+            input_ids[row, length - n:], ImageEmbeds.kwargs(mine))
+    return embeds

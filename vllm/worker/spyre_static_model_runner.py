@@ -28,6 +28,7 @@ from vllm.model_executor.models.spyre_static_causal_lm import (
 from vllm.model_executor.sampling_metadata import SamplingMetadata
 from vllm.platforms import current_platform
 from vllm.sequence import SequenceGroupMetadata
+from vllm.worker import spyre_image_inputs as image_inputs
 from vllm.worker import spyre_prompt_logprobs as prompt_logprobs
 from vllm.worker.spyre_runner_base import (SpyreModelInputBase,
                                            SpyreRunnerBase, only_seq, sample)
@@ -41,7 +42,7 @@ logger = init_logger(__name__)
 class SpyreStaticModelInput(SpyreModelInputBase):
     """Everything one step needs, built on the driver worker."""
 
-    NESTED = {"inputs": StepInputs}
+    NESTED = {"inputs": StepInputs, "prefill_image_tensors": dict}
     LOCAL = ("sampling_metadata", )
 
     is_prompt: bool
@@ -56,6 +57,10 @@ class SpyreStaticModelInput(SpyreModelInputBase):
     #: lora id of every row (0: none, and for rows not in the step).
     lora_requests: Optional[tuple[LoRARequest, ...]] = None
     lora_ids: Optional[tuple[int, ...]] = None
+    #: A prefill's requests with images: each one's row and prompt
+    #: length, ``[K, 2]``, and their tensors (``spyre_image_inputs``).
+    prefill_image_rows: Optional[torch.Tensor] = None
+    prefill_image_tensors: Optional[dict[str, torch.Tensor]] = None
 
 
 @dataclass
@@ -113,8 +118,10 @@ class SpyreStaticModelRunner(SpyreRunnerBase[SpyreStaticModelInput]):
             raise RuntimeError("a Spyre step is all prefill or all decode")
         metas = seq_group_metadata_list
         logprob_rows = None
+        images = {}
         if is_prompt:
             inputs, rows, seq_lens = self._start_batch(metas)
+            images = image_inputs.static_prefill(metas)
             asking = prompt_logprobs.wanted(metas)
             if asking:
                 logprob_rows = torch.tensor(
@@ -140,7 +147,7 @@ class SpyreStaticModelRunner(SpyreRunnerBase[SpyreStaticModelInput]):
                                                      seq_lens,
                                                      finished_requests_ids),
             logprob_rows=logprob_rows,
-            **loras)
+            **loras, **images)
 
     def _start_batch(self, metas: list[SequenceGroupMetadata]):
         prompts = [only_seq(m).prompt_token_ids for m in metas]
@@ -183,8 +190,14 @@ class SpyreStaticModelRunner(SpyreRunnerBase[SpyreStaticModelInput]):
     def run_step(
         self, model_input: SpyreStaticModelInput
     ) -> Optional[list[SamplerOutput]]:
+        embeds = None
+        if model_input.prefill_image_rows is not None:
+            embeds = image_inputs.static_embeds(
+                self.get_model().code, model_input.inputs.input_ids,
+                model_input.prefill_image_rows,
+                model_input.prefill_image_tensors or {})
         logits = self._forward(model_input.is_prompt, model_input.inputs,
-                               _adapters(model_input))
+                               _adapters(model_input), embeds)
         computed = self._prompt_logprobs(model_input)
         if model_input.sampling_metadata is None:
             return []  # a non-driver rank: the driver samples
@@ -212,14 +225,17 @@ class SpyreStaticModelRunner(SpyreRunnerBase[SpyreStaticModelInput]):
         return computed
 
     def _forward(self, is_prompt: bool, step: StepInputs,
-                 loras: Optional[StepAdapters] = None) -> torch.Tensor:
+                 loras: Optional[StepAdapters] = None,
+                 embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One forward of ``step``; ``loras``: the step's adapters and
-        every row's lora id (``spyre_lora``)."""
+        every row's lora id (``spyre_lora``); ``embeds``: a prefill's
+        embeddings with its images."""
         assert self.model is not None
         if self.model.lora is not None:
             self.model.lora.set_step(loras, *step.input_ids.shape)
         return self.model(step.input_ids, step.position_ids, step.mask,
-                          step.cache_slots, step.cache_len, is_prompt)
+                          step.cache_slots, step.cache_len, is_prompt,
+                          embeds)
 
 
 def _adapters(model_input: SpyreStaticModelInput) -> StepAdapters:

@@ -29,7 +29,8 @@ from vllm.model_executor.models.spyre_dtypes import (load_dtype,
                                                      stored_dtypes)
 from vllm.platforms import current_platform
 from vllm.sequence import ExecuteModelRequest
-from vllm.worker import spyre_heap, spyre_lora_memory, spyre_memory
+from vllm.worker import (spyre_heap, spyre_image_memory, spyre_lora_memory,
+                         spyre_memory)
 from vllm.worker.spyre_runner_base import SpyreRunnerBase
 from vllm.worker.worker_base import (LocalOrDistributedWorkerBase, WorkerBase,
                                      WorkerInput)
@@ -115,7 +116,9 @@ class SpyreWorkerBase(LocalOrDistributedWorkerBase):
     def check_memory(self) -> None:
         """``ValueError`` before anything is loaded when this rank's
         estimated memory does not fit its share (``spyre_memory``)."""
-        estimate = self.memory_estimate()
+        estimate = spyre_image_memory.with_images(
+            self.memory_estimate(), self.vllm_config,
+            torch.empty((), dtype=self.held_dtype()).element_size())
         #: Kept for ``benchmarks/memory.py`` (``collective_rpc``).
         self.startup_memory_estimate = estimate
         limit = spyre_memory.memory_limit()

@@ -90,9 +90,13 @@ class ModelCode(nn.Module):
     def static_step(self, graphs, graph: str, input_ids: torch.Tensor,
                     positions: torch.Tensor, caches: list,
                     mask: torch.Tensor, cache_slots: torch.Tensor,
-                    is_prompt: bool) -> torch.Tensor:
+                    is_prompt: bool,
+                    inputs_embeds: Optional[torch.Tensor] = None
+                    ) -> torch.Tensor:
         """One step of a padded static batch on ``graphs`` (the compiled
-        module): ``[B, vocab]`` logits of each row's last position."""
+        module): ``[B, vocab]`` logits of each row's last position;
+        ``inputs_embeds`` (a prefill's, ``[B, L, hidden]``) only where
+        ``embeds_prompts``."""
         raise NotImplementedError
 
     def paged_step(self, graphs, graph: str, step: PagedInputs,

@@ -104,20 +104,30 @@ class SpyreStaticCausalLM(SpyreCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor, cache_slots: torch.Tensor,
-                cache_len: int, is_prompt: bool) -> torch.Tensor:
+                cache_len: int, is_prompt: bool,
+                inputs_embeds: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
         """Runs one step of the whole padded batch.
 
         input_ids, positions: [B, L]; mask: [B, L, kv_len] (True = attend);
-        cache_slots: [L], the cache slots this step writes.
-        Returns the next-token logits of every row: [B, vocab].
+        cache_slots: [L], the cache slots this step writes; inputs_embeds:
+        [B, L, hidden], a prefill's embeddings with its images.
+        Returns the next-token logits of every row: [B, vocab].  A model
+        that takes images prefills on embeddings: the step's, or its
+        ids'.
         """
         if is_prompt:
             self.kv_cache = self._cache_for(input_ids.shape[0], cache_len)
         elif self.kv_cache is None:
             raise RuntimeError("decode step without a prefill")
+        extra = {}
+        if self.code.embeds_prompts and is_prompt:
+            extra["inputs_embeds"] = (self.code.embed(input_ids)
+                                      if inputs_embeds is None else
+                                      inputs_embeds)
         return self.code.static_step(
             self.model,
             self.graph_name(is_prompt, input_ids.shape[0],
                             input_ids.shape[1], cache_len), input_ids,
             positions, self._layer_caches(is_prompt, positions), mask,
-            cache_slots, is_prompt)
+            cache_slots, is_prompt, **extra)

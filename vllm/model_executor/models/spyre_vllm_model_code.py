@@ -171,10 +171,11 @@ class VllmModelCode(ModelCode):
         return logits.view(input_ids.shape[0], last_n, -1)
 
     def static_step(self, graphs, graph, input_ids, positions, caches, mask,
-                    cache_slots, is_prompt):
+                    cache_slots, is_prompt, inputs_embeds=None):
         self.metadata.static(input_ids, mask, cache_slots, is_prompt)
         return self._run(graphs, graph, input_ids, positions, caches,
-                         self.metadata.build([], [], 0, input_ids.shape[0]))
+                         self.metadata.build([], [], 0, input_ids.shape[0]),
+                         inputs_embeds=inputs_embeds)
 
     def paged_step(self, graphs, graph, step: PagedInputs, caches, window,
                    last_n: int = 1):
