@@ -5,9 +5,12 @@ Each configuration starts ``vllm.LLM`` in a fresh process, serves one
 batch that fills its largest shape (static batching) or ``--max-num-seqs``
 long requests (continuous batching), then reports the estimate the worker
 made before loading anything (``spyre_memory``) and the process's peak
-resident set (``ru_maxrss``).  Under continuous batching the check sizes
-the smallest useful pool; the pool then takes the memory it may, so the
-estimate compared here adds the blocks the worker actually allocated.
+resident set (``VmHWM``), and beside the estimate's activations how
+much the resident set grew while serving (the peak reset once the engine
+has started, Linux's ``clear_refs``).  Under continuous batching the
+check sizes the smallest useful pool; the pool then takes the memory it
+may, so the estimate compared here adds the blocks the worker actually
+allocated.
 
     python benchmarks/memory.py [--model DIR] [--configs small,large,cb]
         [--json PATH]
@@ -28,7 +31,6 @@ its processor tiles):
 from __future__ import annotations
 
 import argparse
-import resource
 import sys
 from pathlib import Path
 
@@ -75,9 +77,13 @@ class MemoryProbe:
             prompts = [TokensPrompt(prompt_token_ids=[
                 (i * 7 + j) % 1000 + 10 for j in range(prompt)])
                 for i in range(requests)]
+        load_peak = _status_kib("VmHWM") * 1024
+        serving_start = _reset_peak()
         llm.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True,
                                              temperature=0.0),
                      use_tqdm=False)
+        serving_peak = _status_kib("VmHWM") * 1024
+        serving_growth = serving_peak - serving_start
         estimate = llm.collective_rpc("get_memory_estimate")[0]
         cache = llm.llm_engine.cache_config
         extra = 0
@@ -91,10 +97,27 @@ class MemoryProbe:
         self.result = dict(
             estimate=estimate.total + extra, parts=estimate.describe(),
             pool_blocks=cache.num_gpu_blocks if extra else None,
-            peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+            activations=estimate.activations, serving_growth=serving_growth,
+            peak=max(load_peak, serving_peak))
 
     def info(self) -> dict:
         return self.result
+
+
+def _status_kib(field: str) -> int:
+    """A ``/proc/self/status`` figure (``VmRSS``, ``VmHWM``), in KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _reset_peak() -> int:
+    """Resets the process's peak resident set to its current one (Linux:
+    ``clear_refs`` 5) and returns it, in bytes: the serving that follows
+    then has a peak of its own."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kib("VmRSS") * 1024
 
 
 def largest_images(llm, requests: int) -> list[dict]:
@@ -132,9 +155,11 @@ def main() -> None:
                              ratio=ratio)
         rows.append([name, f"{got['estimate'] / GiB:.2f}",
                      f"{got['peak'] / GiB:.2f}", f"{ratio:.2f}",
-                     got["parts"]])
+                     f"{got['activations'] / GiB:.2f}",
+                     f"{got['serving_growth'] / GiB:.2f}", got["parts"]])
     print()
     print(table(["config", "estimate GiB", "peak RSS GiB", "est/peak",
+                 "activations GiB", "serving growth GiB",
                  "estimate at start-up, by part"], rows))
     write_json(args.json, dict(machine=machine_info(), results=results))
 

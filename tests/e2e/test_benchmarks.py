@@ -210,6 +210,24 @@ def test_images_benchmark_small(tmp_path):
     assert "Spyre/transformers" in proc.stdout
 
 
+def test_vision_tower_benchmark_small(tmp_path):
+    """benchmarks/vision_tower.py on the tiny LLaVA-NeXT: the tower eager
+    and compiled, for two tile counts."""
+    from spyre_support.tiny_vision import build_tiny_llava_next
+    model = build_tiny_llava_next(tmp_path / "llava")
+    out = tmp_path / "vision_tower.json"
+    proc = preloaded.run(
+        [str(REPO / "benchmarks" / "vision_tower.py"), "--model", str(model),
+         "--dtype", "float32", "--tiles", "1,3", "--repetitions", "1",
+         "--json", str(out)], timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"1", "3"}
+    assert all(r["eager"] > 0 and r["compiled"] > 0 and r["compile"] > 0
+               for r in results.values())
+    assert "speed-up" in proc.stdout
+
+
 @pytest.mark.smollm2
 def test_attention_benchmark_small(smollm2, tmp_path):
     """benchmarks/attention.py: the C++ attention kernels against the torch

@@ -78,3 +78,22 @@ def test_several_images_lists_are_gathered_in_order():
     assert len(kwargs["pixel_values"]) == 1
     assert [t[0].item() for t in kwargs["pixel_values"][0]] == list(range(11))
     assert torch.equal(kwargs["image_sizes"], flat["image_sizes"])
+
+
+def test_a_prefill_past_its_images_runs_no_vision_tower():
+    """After cached blocks (prefix caching) or earlier chunks, positions
+    left with no image placeholder make a text prefill: no image fields
+    in the step input, so no rank runs the tower; positions left that
+    hold one, or a prefill from the start, carry the images."""
+    from types import SimpleNamespace
+    images = ImageEmbeds(Code(), pad_id=0, image_token=4)
+    tokens = [1, 4, 4, 4, 5, 6, 7, 8]
+    meta = SimpleNamespace(
+        multi_modal_data={"pixel_values": torch.zeros(1)},
+        seq_data={0: SimpleNamespace(get_prompt_len=lambda: len(tokens))})
+    images.tensors = lambda data: {"pixel_values": data["pixel_values"]}
+    assert images.prefill(meta, tokens, 4, 8) == {}
+    assert images.prefill(meta, tokens + [4], 8, 9) == {}  # an output
+    for start in (0, 3):
+        fields = images.prefill(meta, tokens, start, 8)
+        assert fields["prefill_images"].start == start

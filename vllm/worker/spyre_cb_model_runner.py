@@ -134,7 +134,10 @@ class SpyreCBModelRunner(SpyreRunnerBase[SpyreCBModelInput]):
         if self.model.state_layout is not None:
             self.state_slots = StateSlots(self.model.state_slot_count)
         if self.model.code.embeds_prompts:
-            self.images = ImageEmbeds(self.model.code, self.pad_id)
+            self.images = ImageEmbeds(
+                self.model.code, self.pad_id,
+                getattr(self.model_config.hf_config, "image_token_index",
+                        None))
 
     @current_platform.inference_mode()
     def warmup(self) -> None:

@@ -57,9 +57,13 @@ class ImagePrefill:
 class ImageEmbeds:
     """The prefilling request's embeddings, while its prefill lasts."""
 
-    def __init__(self, code, pad_id: int) -> None:
+    def __init__(self, code, pad_id: int,
+                 image_token: Optional[int] = None) -> None:
         self.code = code
         self.pad_id = pad_id
+        #: The placeholder id of an image's features (the config's
+        #: ``image_token_index``).
+        self.image_token = image_token
         #: (the tokens and prompt length embedded, ``[n, hidden]``).
         self.kept: Optional[tuple[ImagePrefill, torch.Tensor]] = None
 
@@ -67,10 +71,16 @@ class ImageEmbeds:
                 end: int) -> dict:
         """The step input's fields of a prefill step's images (driver):
         ``prefill_images`` and ``prefill_image_tensors``; none without
-        images."""
+        images, nor when the positions left to compute (after blocks
+        prefix caching found, or chunks already run) hold no image
+        feature: the step is then a text prefill, and the vision tower
+        does not run."""
         if not meta.multi_modal_data:
             return {}
         (data, ) = meta.seq_data.values()
+        if (start > 0 and self.image_token is not None and self.image_token
+                not in tokens[start:data.get_prompt_len()]):
+            return {}
         return dict(
             prefill_images=ImagePrefill(
                 torch.tensor(tokens, dtype=torch.long),

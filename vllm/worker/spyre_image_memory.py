@@ -20,8 +20,10 @@ the vision tower at once (``spyre_image_inputs``):
 * the prompt's embeddings, with the images merged, held while it
   prefills (two copies: the merge and the prefill's input).
 
-The check takes the larger of this and the language model's own largest
-step, since the tower runs before the prefill that uses its output.
+The check adds this to the language model's own largest step: the tower
+runs before the prefill that uses its output, but its freed buffers stay
+in the heap for the passes to come (``spyre_heap.keep_large_buffers``),
+where the prefill's tensors of other sizes do not all fit.
 """
 from __future__ import annotations
 
@@ -94,6 +96,6 @@ def with_images(estimate: spyre_memory.Estimate, vllm_config,
         model_config.hf_text_config.hidden_size,
         vllm_config.scheduler_config.max_model_len, item)
     return dataclasses.replace(
-        estimate, activations=max(estimate.activations, step),
+        estimate, activations=estimate.activations + step,
         sized_for=f"{estimate.sized_for}, and a prompt's images ("
         f"{described}) through the vision tower")
