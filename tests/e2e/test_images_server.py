@@ -1,8 +1,9 @@
 """Images through ``vllm serve`` (the MQLLMEngine OpenAI server) on
 loopback: the tiny LLaVA-NeXT answers a chat message holding a base64
 image as transformers answers the same prompt and image, through the
-openai client and LangChain's image message form; a text-only chat is
-answered; an image that does not decode, too many images, a local file
+openai client and LangChain's image message form, and two images in one
+message likewise; a text-only chat is answered; an image that does not
+decode, too many images, a local file
 not allowed and a prompt longer than the model's length with its image's
 tokens get a 400 naming the problem, and the server serves on."""
 from __future__ import annotations
@@ -27,7 +28,8 @@ def llava(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(llava):
-    args = ("--max-num-seqs", "4", "--max-model-len", "256")
+    args = ("--max-num-seqs", "4", "--max-model-len", "256",
+            "--limit-mm-per-prompt", '{"image": 2}')
     with Server(llava, cb_env("eager"), args=args) as srv:
         yield srv
 
@@ -46,17 +48,19 @@ def data_url(picture) -> str:
 
 def transformers_answer(model, picture, question: str) -> list[int]:
     """transformers' greedy ids answering the chat prompt vLLM renders
-    for a message of an image and ``question`` (the placeholder on a line
-    of its own before the text, in the tiny tokenizer's chat
-    template)."""
+    for a message of an image (or a list of images) and ``question``
+    (each placeholder on a line of its own before the text, in the tiny
+    tokenizer's chat template)."""
     import torch
     from transformers import AutoProcessor, LlavaNextForConditionalGeneration
     processor = AutoProcessor.from_pretrained(model)
     hf = LlavaNextForConditionalGeneration.from_pretrained(model).eval()
+    pictures = picture if isinstance(picture, list) else [picture]
     prompt = processor.tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"<image>\n{question}"}],
+        [{"role": "user",
+          "content": "<image>\n" * len(pictures) + question}],
         tokenize=False, add_generation_prompt=True)
-    inputs = processor(images=picture, text=prompt, return_tensors="pt")
+    inputs = processor(images=pictures, text=prompt, return_tensors="pt")
     inputs.pop("token_type_ids", None)
     with torch.no_grad():
         ids = hf.generate(**inputs, max_new_tokens=MAX_TOKENS,
@@ -96,6 +100,21 @@ def test_a_base64_image_is_answered_as_transformers_answers(
     assert reply.usage.prompt_tokens > 40  # the image's tokens
 
 
+def test_two_images_in_one_message_are_answered_as_transformers_answers(
+        server, client, llava):
+    """Two ``image_url`` parts of different sizes
+    (``--limit-mm-per-prompt '{"image": 2}'``)."""
+    pictures = [image(48, 40, seed=5), image(24, 64, seed=6)]
+    content = [{"type": "image_url", "image_url": {"url": data_url(p)}}
+               for p in pictures] + [{"type": "text", "text": QUESTION}]
+    reply = chat(client, server, [{"role": "user", "content": content}],
+                 logprobs=True, extra_body=dict(
+                     ignore_eos=True, return_tokens_as_token_ids=True))
+    ids = [int(t.token.removeprefix("token_id:"))
+           for t in reply.choices[0].logprobs.content]
+    assert ids == transformers_answer(llava, pictures, QUESTION)
+
+
 def test_two_images_answer_differently(server, client):
     first = chat(client, server, [image_message(image(32, 32, seed=2))])
     second = chat(client, server, [image_message(image(32, 32, seed=3))])
@@ -125,7 +144,7 @@ def test_a_text_only_chat_is_answered(server, client):
 
 @pytest.mark.parametrize("case, names", [
     ("undecodable", "cannot identify image file"),
-    ("two images", "At most 1 image(s) may be provided in one prompt"),
+    ("three images", "At most 2 image(s) may be provided in one prompt"),
     ("local file", "without `--allowed-local-media-path`"),
     ("too long", "maximum context length is 256 tokens"),
 ])
@@ -136,7 +155,7 @@ def test_bad_images_are_400_and_the_server_serves_on(case, names, server,
         "undecodable": [{"type": "image_url", "image_url": {
             "url": "data:image/png;base64,bm90IGFuIGltYWdl"}},
             {"type": "text", "text": QUESTION}],
-        "two images": image_message(image(32, 32))["content"] * 2,
+        "three images": image_message(image(32, 32))["content"] * 3,
         "local file": [{"type": "image_url", "image_url": {
             "url": "file:///etc/hostname"}},
             {"type": "text", "text": QUESTION}],

@@ -18,7 +18,8 @@ images hold the same ids, their images' placeholders.  ``install`` (a
 
 The runner needs nothing more: a prefill that starts after cached blocks
 embeds the whole prompt with its images and takes the positions it
-computes (``spyre_image_inputs``).
+computes, or, when no image placeholder is left among them, runs as a
+text prefill without the vision tower (``spyre_image_inputs``).
 """
 from __future__ import annotations
 
