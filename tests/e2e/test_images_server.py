@@ -2,10 +2,12 @@
 loopback: the tiny LLaVA-NeXT answers a chat message holding a base64
 image as transformers answers the same prompt and image, through the
 openai client and LangChain's image message form, and two images in one
-message likewise; a text-only chat is answered; an image that does not
-decode, too many images, a local file
-not allowed and a prompt longer than the model's length with its image's
-tokens get a 400 naming the problem, and the server serves on."""
+message likewise, and a local file under ``--allowed-local-media-path``;
+a text-only chat is answered; an image that does not decode, too many
+images, a local file outside the allowed folder and a prompt longer than
+the model's length with its image's tokens get a 400 naming the problem,
+and the server serves on; under static batching, an image chat is
+answered and one longer than every warm-up shape gets a 400."""
 from __future__ import annotations
 
 import base64
@@ -27,9 +29,18 @@ def llava(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(llava):
+def media(tmp_path_factory):
+    """The folder ``--allowed-local-media-path`` names, with a PNG."""
+    folder = tmp_path_factory.mktemp("media")
+    image(40, 48, seed=7).save(folder / "card.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(llava, media):
     args = ("--max-num-seqs", "4", "--max-model-len", "256",
-            "--limit-mm-per-prompt", '{"image": 2}')
+            "--limit-mm-per-prompt", '{"image": 2}',
+            "--allowed-local-media-path", str(media))
     with Server(llava, cb_env("eager"), args=args) as srv:
         yield srv
 
@@ -115,6 +126,21 @@ def test_two_images_in_one_message_are_answered_as_transformers_answers(
     assert ids == transformers_answer(llava, pictures, QUESTION)
 
 
+def test_a_local_file_under_the_allowed_path_is_answered(server, client,
+                                                         llava, media):
+    from PIL import Image
+    content = [{"type": "image_url",
+                "image_url": {"url": (media / "card.png").as_uri()}},
+               {"type": "text", "text": QUESTION}]
+    reply = chat(client, server, [{"role": "user", "content": content}],
+                 logprobs=True, extra_body=dict(
+                     ignore_eos=True, return_tokens_as_token_ids=True))
+    ids = [int(t.token.removeprefix("token_id:"))
+           for t in reply.choices[0].logprobs.content]
+    picture = Image.open(media / "card.png").convert("RGB")
+    assert ids == transformers_answer(llava, picture, QUESTION)
+
+
 def test_two_images_answer_differently(server, client):
     first = chat(client, server, [image_message(image(32, 32, seed=2))])
     second = chat(client, server, [image_message(image(32, 32, seed=3))])
@@ -145,7 +171,7 @@ def test_a_text_only_chat_is_answered(server, client):
 @pytest.mark.parametrize("case, names", [
     ("undecodable", "cannot identify image file"),
     ("three images", "At most 2 image(s) may be provided in one prompt"),
-    ("local file", "without `--allowed-local-media-path`"),
+    ("local file", "must be a subpath of `--allowed-local-media-path`"),
     ("too long", "maximum context length is 256 tokens"),
 ])
 def test_bad_images_are_400_and_the_server_serves_on(case, names, server,

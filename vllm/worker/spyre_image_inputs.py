@@ -41,6 +41,14 @@ from vllm.attention.ops.spyre_paged_inputs import PagedInputs
 from vllm.platforms import current_platform
 
 
+def has_images(meta) -> bool:
+    """Whether a step's request holds images: vLLM hands a text-only
+    request of a multimodal model an empty ``MultiModalKwargs``, which is
+    true as a value."""
+    data = meta.multi_modal_data
+    return data is not None and any(True for _ in data.keys())
+
+
 @dataclass(frozen=True)
 class ImagePrefill:
     """What a prefill step's images need on every rank, besides the
@@ -75,7 +83,7 @@ class ImageEmbeds:
         prefix caching found, or chunks already run) hold no image
         feature: the step is then a text prefill, and the vision tower
         does not run."""
-        if not meta.multi_modal_data:
+        if not has_images(meta):
             return {}
         (data, ) = meta.seq_data.values()
         if (start > 0 and self.image_token is not None and self.image_token
@@ -184,7 +192,7 @@ def static_prefill(metas) -> dict:
     under ``"{row}:{path}"``; none when no request has images."""
     rows, flat = [], {}
     for row, meta in enumerate(metas):
-        if not meta.multi_modal_data:
+        if not has_images(meta):
             continue
         (data, ) = meta.seq_data.values()
         rows.append((row, data.get_prompt_len()))

@@ -121,7 +121,8 @@ class SpyreStaticModelRunner(SpyreRunnerBase[SpyreStaticModelInput]):
         images = {}
         if is_prompt:
             inputs, rows, seq_lens = self._start_batch(metas)
-            images = image_inputs.static_prefill(metas)
+            if self.get_model().code.embeds_prompts:
+                images = image_inputs.static_prefill(metas)
             asking = prompt_logprobs.wanted(metas)
             if asking:
                 logprob_rows = torch.tensor(
