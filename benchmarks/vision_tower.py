@@ -10,6 +10,7 @@ compile's seconds, and the speed-up.
 
     python benchmarks/vision_tower.py [--model models/bench/smol-vision-bf16]
         [--tiles 1,3,5] [--dtype bfloat16] [--repetitions 3]
+        [--max-model-len 4096]
 """
 from __future__ import annotations
 
@@ -39,11 +40,13 @@ def main() -> None:
     ap.add_argument("--tiles", default="1,3,5")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repetitions", type=int, default=3)
+    ap.add_argument("--max-model-len", type=int, default=4096,
+                    help="the engine's: at most the model's own")
     ap.add_argument("--json", default=str(RESULTS / "vision_tower.json"))
     args = ap.parse_args()
     import torch
     with spyre_llm(Path(args.model), cb_env("eager"), max_num_seqs=1,
-                   max_model_len=4096, dtype=args.dtype) as llm:
+                   max_model_len=args.max_model_len, dtype=args.dtype) as llm:
         runner = llm.llm_engine.model_executor.driver_worker.worker \
             .model_runner
         model = runner.model.code.vllm_model

@@ -219,7 +219,8 @@ def test_vision_tower_benchmark_small(tmp_path):
     proc = preloaded.run(
         [str(REPO / "benchmarks" / "vision_tower.py"), "--model", str(model),
          "--dtype", "float32", "--tiles", "1,3", "--repetitions", "1",
-         "--json", str(out)], timeout=600, cwd=REPO)
+         "--max-model-len", "256", "--json", str(out)], timeout=600,
+        cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"1", "3"}
