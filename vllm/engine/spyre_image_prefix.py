@@ -70,7 +70,8 @@ def _with_images(original):
 
     def extra_hash(seq):
         extra = original(seq)
-        if not _spyre() or seq.inputs.get("type") != "multimodal":
+        # Called for every sequence at every step: the cheap test first.
+        if seq.inputs.get("type") != "multimodal" or not _spyre():
             return extra
         digest = seq.__dict__.get(_DIGEST)
         if digest is None:
@@ -82,23 +83,15 @@ def _with_images(original):
 
 
 def image_digest(mm_kwargs) -> bytes:
-    """A digest of a request's multimodal inputs: every tensor's name,
+    """A digest of a request's multimodal inputs: every tensor's path,
     dtype, shape and bytes, in a fixed order."""
     import torch
+
+    from vllm.worker.spyre_image_inputs import flat_tensors
     digest = hashlib.blake2b(digest_size=16)
-
-    def put(path: str, value) -> None:
-        if isinstance(value, torch.Tensor):
-            flat = value.detach().cpu().contiguous().view(-1)
-            digest.update(f"{path}:{flat.dtype}:{tuple(value.shape)}"
-                          .encode())
-            digest.update(flat.view(torch.uint8).numpy().tobytes())
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                put(f"{path}/{i}", item)
-        else:
-            digest.update(f"{path}={value!r}".encode())
-
-    for name in sorted(mm_kwargs):
-        put(name, mm_kwargs[name])
+    for path, tensor in sorted(flat_tensors(mm_kwargs).items()):
+        digest.update(f"{path}:{tensor.dtype}:{tuple(tensor.shape)}"
+                      .encode())
+        digest.update(tensor.cpu().view(-1).view(torch.uint8).numpy()
+                      .tobytes())
     return digest.digest()

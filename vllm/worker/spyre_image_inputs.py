@@ -41,6 +41,28 @@ from vllm.attention.ops.spyre_paged_inputs import PagedInputs
 from vllm.platforms import current_platform
 
 
+def flat_tensors(kwargs) -> dict[str, torch.Tensor]:
+    """A mapping of names to tensors or (nested) lists of them, each tensor
+    under its path (``pixel_values/0/1``), contiguous: Mistral 3's
+    processor crops each image's pixels in a view, and the broadcast sends
+    a tensor's storage as laid out."""
+    flat: dict[str, torch.Tensor] = {}
+
+    def put(path: str, value) -> None:
+        if isinstance(value, torch.Tensor):
+            flat[path] = value.contiguous()
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                put(f"{path}/{i}", item)
+        else:
+            raise ValueError(f"image input {path} is a "
+                             f"{type(value).__name__}, not a tensor")
+
+    for name in kwargs:
+        put(name, kwargs[name])
+    return flat
+
+
 def has_images(meta) -> bool:
     """Whether a step's request holds images: vLLM hands a text-only
     request of a multimodal model an empty ``MultiModalKwargs``, which is
@@ -102,25 +124,8 @@ class ImageEmbeds:
         only): several images of different sizes come as lists, each
         tensor of a list kept under its path (``pixel_values/0/1``)."""
         from vllm.multimodal import MultiModalKwargs
-        kwargs = MultiModalKwargs.as_kwargs(MultiModalKwargs.batch([images]),
-                                            device="cpu")
-        flat: dict[str, torch.Tensor] = {}
-
-        def put(path: str, value) -> None:
-            if isinstance(value, torch.Tensor):
-                # Mistral 3's processor crops each image's pixels in a
-                # view: the broadcast sends a tensor's storage as laid out.
-                flat[path] = value.contiguous()
-            elif isinstance(value, (list, tuple)):
-                for i, item in enumerate(value):
-                    put(f"{path}/{i}", item)
-            else:
-                raise ValueError(f"image input {path} is a "
-                                 f"{type(value).__name__}, not a tensor")
-
-        for name, value in kwargs.items():
-            put(name, value)
-        return flat
+        return flat_tensors(MultiModalKwargs.as_kwargs(
+            MultiModalKwargs.batch([images]), device="cpu"))
 
     @staticmethod
     def kwargs(flat: dict[str, torch.Tensor]) -> dict:
