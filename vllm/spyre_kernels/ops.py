@@ -18,7 +18,9 @@ other external kernel:
 * ``spyre_kernels::rms_norm`` and ``spyre_kernels::rotary_qk``
   (``elementwise.cpp``): a decoder's norms and rotary embedding in one
   pass each, for ``eager``, which has no compiler to fuse them
-  (``vllm.model_executor.layers.spyre_fused_ops``);
+  (``vllm.model_executor.layers.spyre_fused_ops``), and
+  ``spyre_kernels::add_rms_norm``, vLLM's RMS norm with its residual add
+  (``vllm.model_executor.layers.spyre_vllm_fused_ops``);
 * ``spyre_kernels::lora_add_`` (``lora.cpp``): the LoRA adapters'
   products of a step's rows added to a layer's output, each row on its own
   adapter
@@ -140,6 +142,8 @@ def _load() -> bool:
         _fake_encoder_attention)
     torch.library.register_fake(f"{LIBRARY}::quant_linear")(_fake_quant)
     torch.library.register_fake(f"{LIBRARY}::rms_norm")(_fake_rms_norm)
+    torch.library.register_fake(f"{LIBRARY}::add_rms_norm")(
+        _fake_add_rms_norm)
     torch.library.register_fake(f"{LIBRARY}::rotary_qk")(_fake_rotary_qk)
     torch.library.register_fake(f"{LIBRARY}::lora_add_")(_fake_lora_add)
     logger.info("Loaded the native CPU kernels in %.1f s",
@@ -157,7 +161,7 @@ def _fake_quant(input: torch.Tensor, packed: torch.Tensor,
                 kind: int, group_size: int, out_features: int,
                 zero_point: float, bias: Optional[torch.Tensor] = None,
                 round_inputs: bool = False, dense_rows: int = 0,
-                dot_rows: int = 0) -> torch.Tensor:
+                dot_rows: int = 0, int_rows: int = 0) -> torch.Tensor:
     return input.new_empty((*input.shape[:-1], out_features))
 
 
@@ -187,6 +191,15 @@ def _fake_encoder_attention(query: torch.Tensor, keys: torch.Tensor,
 def _fake_rms_norm(input: torch.Tensor, weight: torch.Tensor,
                    eps: float) -> torch.Tensor:
     return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+def _fake_add_rms_norm(input: torch.Tensor,
+                       residual: Optional[torch.Tensor],
+                       weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty_like(input, memory_format=torch.contiguous_format)
+    return out, (torch.empty_like(out) if residual is not None else
+                 input.new_empty((0, )))
 
 
 def _fake_rotary_qk(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor,

@@ -45,8 +45,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -296,6 +298,10 @@ void tile(const float* x, int64_t ldx, const float* xsums, int64_t groups,
   store_rows<R>(acc, out, cols, bias);
 }
 
+#if defined(__AVX512BW__)
+#include "quant_int16.h"
+#endif
+
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t,
                         const uint8_t*, int64_t, int64_t, const float*,
                         const float*, float, Out, int64_t, const float*);
@@ -468,7 +474,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
                         double zero_point,
                         const std::optional<at::Tensor>& bias,
                         bool round_inputs, int64_t dense_rows,
-                        int64_t dot_rows) {
+                        int64_t dot_rows, int64_t int_rows) {
   TORCH_CHECK(kind == kInt8 || kind == kFp8 || kind == kInt4,
               "quant_linear: unknown weight kind ", kind,
               " (0 int8, 1 fp8, 2 int4)");
@@ -558,9 +564,19 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
       M ? (M + (M + kMaxRows - 1) / kMaxRows - 1) /
               ((M + kMaxRows - 1) / kMaxRows)
         : 0;
+  // int8 codes on 16-bit integer inputs (quant_int16.h): bfloat16 inputs,
+  // up to int_rows rows.
+  int64_t span = 0;
+#if defined(__AVX512BW__)
+  if (kind == kInt8 && (round_inputs || bf16_in) && K % 2 == 0 &&
+      height > 0 && height <= std::min(int_rows, kIntRows))
+    span = int_span(group);
+#else
+  (void)int_rows;
+#endif
   const DotFnOrNull* dots = nullptr;
 #if defined(__AVX512BF16__)
-  if (round_inputs && dot_rows > 0 && K % 2 == 0 && group % 2 == 0 &&
+  if (!span && round_inputs && dot_rows > 0 && K % 2 == 0 && group % 2 == 0 &&
       height >= dot_rows)
     dots = kind == kInt8 ? kDots<kInt8> : kind == kFp8 ? kDots<kFp8>
                                                          : kDots<kInt4>;
@@ -603,6 +619,16 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
     group_sums(xf, M, K, group, groups, xsums.data());
   }
   const float* xsp = xsums.empty() ? nullptr : xsums.data();
+  std::vector<int16_t> xq;
+  std::vector<float> powers;
+  const int64_t spans = span ? (K + span - 1) / span : 0;
+#if defined(__AVX512BW__)
+  if (span) {
+    xq.resize(M * K);
+    powers.resize(M * spans);
+    inputs_as_int16(xf, M, K, span, xq.data(), powers.data());
+  }
+#endif
   const TileFn* tiles = kind == kInt8  ? kTiles<kInt8>
                         : kind == kFp8 ? kTiles<kFp8>
                                        : kTiles<kInt4>;
@@ -623,6 +649,14 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
         const uint8_t* w = wp + blk * K * bytes;
         const float* o = op ? op + at : nullptr;
         const float* bc = bp ? bp + c0 : nullptr;
+#if defined(__AVX512BW__)
+        if (span) {
+          kInts[rows](xq.data() + m0 * K, K, powers.data() + m0 * spans,
+                      spans, span, xs, groups, w, K, group, sp + at, o, zf,
+                      out, cols, bc);
+          continue;
+        }
+#endif
 #if defined(__AVX512BF16__)
         if (dots) {
           dots[rows](reinterpret_cast<const uint32_t*>(xb + m0 * K), K / 2,
@@ -646,7 +680,7 @@ TORCH_LIBRARY_FRAGMENT(spyre_kernels, m) {
       "Tensor? offsets, int kind, int group_size, int out_features, "
       "float zero_point, "
       "Tensor? bias=None, bool round_inputs=False, int dense_rows=0, "
-      "int dot_rows=0) "
+      "int dot_rows=0, int int_rows=0) "
       "-> Tensor");
 }
 

@@ -21,7 +21,7 @@ from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.layers.quantization.spyre_quant_schemes import (
     Scheme)
 from vllm.model_executor.layers.quantization.spyre_quant_linear import (
-    QuantWeight, fake_quantize_fp8, kernel_rows, pack)
+    QuantWeight, fake_quantize_fp8, integer_rows, kernel_rows, pack)
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead)
 from vllm.model_executor.parameter import (BasevLLMParameter,
@@ -317,6 +317,7 @@ class SpyreQuantLinearMethod(LinearMethodBase):
             # bfloat16 pairs, as this CPU multiplies them faster.
             layer.spyre_qdense, layer.spyre_qdot = kernel_rows(weight.kind,
                                                                round_inputs)
+            layer.spyre_qint = integer_rows(weight.kind, round_inputs)
             layer.spyre_out_features = packed.out_features
         else:
             layer.register_buffer("spyre_dequantized", weight.dequantize(),
@@ -350,7 +351,7 @@ class SpyreQuantLinearMethod(LinearMethodBase):
                 layer.spyre_qoffsets, layer.spyre_qkind,
                 layer.spyre_qgroup, layer.spyre_out_features,
                 layer.spyre_qzero, bias, layer.spyre_qround,
-                layer.spyre_qdense, layer.spyre_qdot)
+                layer.spyre_qdense, layer.spyre_qdot, layer.spyre_qint)
         return F.linear(x, layer.spyre_dequantized.to(x.dtype), bias)
 
     # A quantized output head is applied like a linear layer; its tokens

@@ -1,0 +1,105 @@
+"""vLLM's RMS norm on ``spyre_kernels::add_rms_norm``
+(vllm/spyre_kernels/elementwise.cpp) against vLLM's own native forward,
+and ``spyre_vllm_fused_ops.use_kernel_norms`` on vLLM's layers.
+
+The kernel takes the native forward's steps in its order and dtypes; only
+the order of the squares' sum differs, so float32 outputs are held to a
+float32 rounding and bfloat16 ones to one bfloat16 rounding (and most are
+equal); the new residual, a plain sum, is equal bit for bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from vllm.spyre_kernels import ops as native
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.spyre_vllm_fused_ops import use_kernel_norms
+
+pytestmark = pytest.mark.skipif(not native.available(),
+                                reason="no C++ compiler for the kernels")
+
+
+def _norm(hidden: int, dtype: torch.dtype, seed: int = 0) -> RMSNorm:
+    norm = RMSNorm(hidden, eps=1e-5, dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(hidden, generator=g) + 0.5)
+    return norm
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if want.dtype == torch.float32:
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+        return
+    assert torch.allclose(got.float(), want.float(), rtol=2**-7, atol=0)
+    assert (got == want).float().mean() > 0.98
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 5, 576), (7, 100)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_kernel_equals_the_native_forward(dtype, shape, with_residual):
+    norm = _norm(shape[-1], dtype)
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    residual = (torch.randn(*shape, generator=g).to(dtype)
+                if with_residual else None)
+    want = norm.forward_native(x, residual)
+    got, total = torch.ops.spyre_kernels.add_rms_norm(
+        x, residual, norm.weight, norm.variance_epsilon)
+    if with_residual:
+        _close(got, want[0])
+        assert torch.equal(total, want[1])
+    else:
+        _close(got, want)
+        assert total.numel() == 0
+
+
+class _Layer(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = _norm(64, dtype, seed=2)
+        self.post_attention_layernorm = _norm(64, dtype, seed=3)
+        self.gemma_like = RMSNorm(64, eps=1e-6, has_weight=False,
+                                  dtype=dtype)
+
+    def forward(self, x, residual):
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(h * 2, residual)
+        return self.gemma_like(h), residual
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_use_kernel_norms_moves_the_plain_norms(monkeypatch, dtype):
+    """The two norms with a weight move to the kernel (a norm without one
+    keeps its native forward); the layer's outputs equal the native
+    forward's, and each moved norm calls the kernel once per call."""
+    layer = _Layer(dtype)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 64, generator=g).to(dtype)
+    residual = torch.randn(2, 64, generator=g).to(dtype)
+    want = layer(x, residual)
+    assert use_kernel_norms(layer) == 2
+    calls = []
+    kernel = torch.ops.spyre_kernels.add_rms_norm
+
+    class Counting:
+        add_rms_norm = staticmethod(
+            lambda *a: calls.append(1) or kernel(*a))
+
+    monkeypatch.setattr(torch.ops, "spyre_kernels", Counting)
+    got = layer(x, residual)
+    assert len(calls) == 2
+    _close(got[0], want[0])
+    _close(got[1], want[1])
+
+
+def test_other_dtypes_keep_the_native_forward():
+    """An input of another dtype than the weight's runs vLLM's own
+    forward (the kernel takes one dtype)."""
+    norm = _norm(32, torch.float32)
+    use_kernel_norms(norm)
+    x = torch.randn(2, 32).bfloat16()
+    assert torch.equal(norm(x), norm.forward_native(x))

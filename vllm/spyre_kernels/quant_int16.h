@@ -1,0 +1,185 @@
+// int8 codes times inputs held as 16-bit integers: quant.cpp's tiles for
+// a few rows of inputs at the bfloat16 precision, where the float32 tiles
+// spend more instructions widening each code (a widening load and a
+// conversion per 16 codes, then a multiply-add) than the memory needs to
+// deliver it.  Here a pair of input features multiplies a pair of codes
+// in one `vpdpwssd` (AVX512_VNNI; `vpmaddwd` and an add without it): two
+// codes per lane, sign-extended to 16 bits, against two inputs, summed
+// exactly in 32-bit integers.
+//
+// The inputs.  A bfloat16 value is an 8-bit integer times a power of two.
+// The features are taken in spans of at most kSpan (within one group of
+// the weight's scales); each span's inputs are held as 16-bit integers
+// against one power of two, 2^(E - 14), E the exponent of the span's
+// largest magnitude: every input within a factor 2^7 of that largest is
+// held exactly, and a smaller one is rounded to the nearest multiple of
+// 2^(E - 14), an error below 2^-15 of the largest.  (bfloat16 itself
+// keeps 8 significant bits: the inputs' own rounding is 2^7 times
+// coarser.)  Sums stay exact in 32-bit integers over a span: 2 x 128 x
+// 32767 per instruction, at most 128 instructions.  Each span's sum is
+// then converted to float32 and multiplied by its power of two.
+//
+// The codes.  The packed layout stays quant.cpp's, [K][kBlock] bytes per
+// block: rows k and k + 1 are sign-extended to 16 bits and interleaved
+// (`vpunpcklwd` / `vpunpckhwd`, which work within 128-bit lanes), so a
+// lane holds one column's codes of both rows, columns in the order
+// `kIntColumns` gives; the group's float32 sums are put back in column
+// order once per group.
+//
+// Included by quant.cpp, inside its anonymous namespace, where the build
+// has AVX512BW.
+
+constexpr int64_t kIntRows = 4;  // heights the integer tiles take
+constexpr int64_t kSpan = 256;   // features per span at most
+
+// The span length for groups of `group` features (0: the integer tiles do
+// not take them): the whole group, or its largest even part of 256, 128,
+// 64 features that divides it.
+inline int64_t int_span(int64_t group) {
+  if (group % 2) return 0;
+  if (group <= kSpan) return group;
+  for (int64_t span = kSpan; span >= 64; span /= 2)
+    if (group % span == 0) return span;
+  return 0;
+}
+
+// Row r's inputs as 16-bit integers (pairs of features per 32-bit word)
+// and each span's power of two: `q` [M][K], `powers` [M][ceil(K / span)].
+// The inputs are bfloat16 values (rounded, or bfloat16 inputs widened).
+inline void inputs_as_int16(const float* x, int64_t M, int64_t K,
+                            int64_t span, int16_t* q, float* powers) {
+  const int64_t spans = (K + span - 1) / span;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t s = 0; s < spans; ++s) {
+      const float* xs = x + m * K + s * span;
+      int16_t* qs = q + m * K + s * span;
+      const int64_t n = std::min(span, K - s * span);
+      float largest = 0.0f;
+      for (int64_t k = 0; k < n; ++k)
+        largest = std::max(largest, std::fabs(xs[k]));
+      if (!(largest > 0.0f && std::isfinite(largest))) {
+        // A span of zeros sums to zero; one with an infinity or a NaN
+        // gives NaN sums (a float32 product would give an infinity or a
+        // NaN).
+        std::fill(qs, qs + n, int16_t{0});
+        powers[m * spans + s] = largest == 0.0f
+                                    ? 0.0f
+                                    : std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      int e;
+      std::frexp(largest, &e);  // largest in [2^(e - 1), 2^e)
+      const float up = std::ldexp(1.0f, 15 - e);  // 2^(14 - E), E = e - 1
+      for (int64_t k = 0; k < n; ++k)
+        qs[k] = static_cast<int16_t>(std::nearbyint(xs[k] * up));
+      powers[m * spans + s] = std::ldexp(1.0f, e - 15);
+    }
+}
+
+// Where the interleaved lanes put the block's columns: lanes of the low
+// unpack, then of the high one, give columns back through this index
+// (`vpermt2ps` over the two).  Within each 128-bit lane i, the low unpack
+// holds columns 8i..8i+3 and the high one 8i+4..8i+7.
+inline __m512i int_columns(int half) {
+  alignas(64) int32_t idx[16];
+  for (int j = 0; j < 16; ++j) {
+    const int c = 16 * half + j;  // the column wanted in lane j
+    const int lane = c / 8, within = c % 8;
+    idx[j] = within < 4 ? 4 * lane + within : 16 + 4 * lane + within - 4;
+  }
+  return _mm512_load_si512(idx);
+}
+
+inline __m512i dot_int16(__m512i acc, __m512i codes, __m512i inputs) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, codes, inputs);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(codes, inputs));
+#endif
+}
+
+// tile() for int8 codes on the integer inputs: q [R][ldq] int16 (pairs
+// read as 32-bit words), powers [R][spans]; `in` and `span` even.
+template <int R>
+void tile_int16(const int16_t* q, int64_t ldq, const float* powers,
+                int64_t spans, int64_t span, const float* xsums,
+                int64_t groups, const uint8_t* block, int64_t in,
+                int64_t group, const float* scales, const float* offsets,
+                float zero, Out out, int64_t cols, const float* bias) {
+  constexpr int64_t bytes = kBlock;
+  // Independent sums: a vpdpwssd waits on its own latency, as tile()'s
+  // multiply-adds do.
+  constexpr int U = R <= 2 ? 4 : R == 3 ? 2 : 1;
+  const __m512i to_cols0 = int_columns(0), to_cols1 = int_columns(1);
+  vfloat acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vfloat{};
+  for (int64_t k0 = 0, g = 0; k0 < in; k0 += group, ++g) {
+    const int64_t end = std::min(k0 + group, in);
+    __m512 part[R][2];  // the group's sums, in interleaved lanes
+    for (int r = 0; r < R; ++r)
+      part[r][0] = part[r][1] = _mm512_setzero_ps();
+    for (int64_t s0 = k0; s0 < end; s0 += span) {
+      const int64_t s_end = std::min(s0 + span, end);
+      __m512i isum[U][R][2];
+      for (int u = 0; u < U; ++u)
+        for (int r = 0; r < R; ++r)
+          isum[u][r][0] = isum[u][r][1] = _mm512_setzero_si512();
+      auto step = [&](int u, int64_t k) {
+        const uint8_t* row = block + k * bytes;
+        const __m512i a = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+        const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(row + bytes)));
+        const __m512i lo = _mm512_unpacklo_epi16(a, b);
+        const __m512i hi = _mm512_unpackhi_epi16(a, b);
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, q + r * ldq + k, sizeof pair);
+          const __m512i xs = _mm512_set1_epi32(pair);
+          isum[u][r][0] = dot_int16(isum[u][r][0], lo, xs);
+          isum[u][r][1] = dot_int16(isum[u][r][1], hi, xs);
+        }
+      };
+      int64_t k = s0;
+      for (; k + 2 * U <= s_end; k += 2 * U) {
+        prefetch_rows(block + k * bytes, k * bytes, 2 * U * bytes);
+        for (int u = 0; u < U; ++u) step(u, k + 2 * u);
+      }
+      for (; k < s_end; k += 2) {
+        prefetch_rows(block + k * bytes, k * bytes, 2 * bytes);
+        step(0, k);
+      }
+      for (int u = 1; u < U; ++u)
+        for (int r = 0; r < R; ++r) {
+          isum[0][r][0] = _mm512_add_epi32(isum[0][r][0], isum[u][r][0]);
+          isum[0][r][1] = _mm512_add_epi32(isum[0][r][1], isum[u][r][1]);
+        }
+      const int64_t s = s0 / span;
+      for (int r = 0; r < R; ++r) {
+        const __m512 p = _mm512_set1_ps(powers[r * spans + s]);
+        part[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[0][r][0]), p,
+                                     part[r][0]);
+        part[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[0][r][1]), p,
+                                     part[r][1]);
+      }
+    }
+    vfloat sums[R][2];
+    for (int r = 0; r < R; ++r) {
+      sums[r][0] = reinterpret_cast<vfloat>(
+          _mm512_permutex2var_ps(part[r][0], to_cols0, part[r][1]));
+      sums[r][1] = reinterpret_cast<vfloat>(
+          _mm512_permutex2var_ps(part[r][0], to_cols1, part[r][1]));
+    }
+    add_group<R>(acc, sums, scales, offsets, zero, xsums, groups, g);
+  }
+  store_rows<R>(acc, out, cols, bias);
+}
+
+using IntFn = void (*)(const int16_t*, int64_t, const float*, int64_t,
+                       int64_t, const float*, int64_t, const uint8_t*,
+                       int64_t, int64_t, const float*, const float*, float,
+                       Out, int64_t, const float*);
+
+constexpr IntFn kInts[kIntRows + 1] = {nullptr, tile_int16<1>,
+                                       tile_int16<2>, tile_int16<3>,
+                                       tile_int16<4>};
