@@ -18,7 +18,10 @@ three kernels:
   divides SmolLM2's features), symmetric; ``spyre-<kind>-bf16in``: the
   same under ``--dtype bfloat16`` (inputs rounded to bfloat16; tiles of
   ``DOT_ROWS`` rows or more on ``vdpbf16ps`` where the CPU has AVX512_BF16
-  and no AMX, as the engine runs them); ``spyre-<kind>-dot``: the same
+  and no AMX; an int8 layer's rows stay on the float32 tiles there);
+  ``spyre-int8-int16``: int8 rows up to ``INT_ROWS`` on 16-bit integer
+  inputs where the CPU has AVX512BW (quant_int16.h), as the engine runs
+  decode steps; ``spyre-<kind>-dot``: the same
   inputs, every row count on ``vdpbf16ps`` tiles, and
   ``spyre-<kind>-dense``: on oneDNN over the weight dequantized to
   bfloat16 per call (AMX where the CPU has it; what a prompt of
@@ -159,6 +162,17 @@ def kernels(rows: int):
                 lambda w, prepare=prepare: (*prepare(w), True),
                 lambda x, p, dot=dot: spyre_quant_linear.quant_linear(
                     x, p, None, round_inputs=True, dot=dot))
+            # int8 decode rows on 16-bit integer inputs, where the engine
+            # takes them (spyre_quant_linear.integer_rows; quant_int16.h).
+            # Checked to the loose tolerance (its inputs are held to 2^-15
+            # of each span's largest; tests/unit/test_spyre_quant_int16.py
+            # holds it to that).
+            ints = spyre_quant_linear.integer_rows(kind, True)
+            if ints:
+                ops[f"spyre-{kind}-int16"] = (
+                    lambda w, prepare=prepare: (*prepare(w), True, True),
+                    lambda x, p, ints=ints: spyre_quant_linear.quant_linear(
+                        x, p, None, round_inputs=True, ints=ints))
             # The same, every row count on oneDNN over the weight
             # dequantized to bfloat16 per call (what DENSE_ROWS rows or
             # more run where the CPU has AMX); the kernel has that path
