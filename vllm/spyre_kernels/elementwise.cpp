@@ -15,12 +15,6 @@
 //   squares summed in kLanes partial sums (as PyTorch's vectorized mean
 //   does, though not in its exact order: results may differ in the last
 //   bit);
-// * add_rms_norm: vLLM's RMS norm (its native forward, which its model
-//   code runs on the CPU), residual add included, in one pass for float32
-//   and bfloat16: s = x (+ residual) in float32, the new residual s in the
-//   input's dtype, y = round(round(s * rsqrt(mean(s^2) + eps)) * weight),
-//   each round to the input's dtype, as vLLM and transformers multiply the
-//   weight after rounding (squares summed as rms_norm's are);
 // * rotary_qk: for each pair (x0, x1) of a head at position p, with FMS's
 //   table T[p, i] = [[cos, -sin], [sin, cos]]:
 //   y0 = T00 * x0 + T01 * x1, y1 = T10 * x0 + T11 * x1, the products and
@@ -34,7 +28,6 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
-#include <vector>
 
 #include "simd.h"
 
@@ -78,80 +71,6 @@ at::Tensor rms_norm(
     }
   });
   return y;
-}
-
-template <typename T>
-void add_rms_norm_rows(const T* xp, const T* rp, const T* wp, T* yp, T* sp,
-                       int64_t rows, int64_t H, float eps) {
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(H);
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = xp + r * H;
-      for (int64_t i = 0; i < H; ++i)
-        s[i] = rp ? static_cast<float>(xr[i]) +
-                        static_cast<float>(rp[r * H + i])
-                  : static_cast<float>(xr[i]);
-      if (sp)
-        for (int64_t i = 0; i < H; ++i) sp[r * H + i] = static_cast<T>(s[i]);
-      vfloat acc{};
-      int64_t i = 0;
-      for (; i + kLanes <= H; i += kLanes) {
-        const vfloat v = *reinterpret_cast<const vfloat_u*>(s.data() + i);
-        acc += v * v;
-      }
-      float sum = 0.f;
-      for (int64_t j = 0; j < kLanes; ++j) sum += acc[j];
-      for (; i < H; ++i) sum += s[i] * s[i];
-      const float scale = 1.f / std::sqrt(sum / H + eps);
-      T* yr = yp + r * H;
-      for (int64_t i = 0; i < H; ++i)
-        yr[i] = static_cast<T>(
-            static_cast<float>(static_cast<T>(s[i] * scale)) *
-            static_cast<float>(wp[i]));
-    }
-  });
-}
-
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(
-    const at::Tensor& input, const std::optional<at::Tensor>& residual,
-    const at::Tensor& weight, double eps) {
-  const auto dtype = input.scalar_type();
-  TORCH_CHECK(float_or_bf16(dtype) && weight.scalar_type() == dtype,
-              "add_rms_norm: float32 or bfloat16 inputs and a weight of "
-              "their dtype, got ", dtype, " and ", weight.scalar_type());
-  const int64_t H = input.size(-1);
-  TORCH_CHECK(weight.numel() == H, "add_rms_norm: a weight of ",
-              weight.numel(), " for rows of ", H);
-  const bool has_residual = residual.has_value() && residual->defined();
-  at::Tensor r;
-  if (has_residual) {
-    TORCH_CHECK(residual->sizes() == input.sizes() &&
-                    residual->scalar_type() == dtype,
-                "add_rms_norm: the residual must have the input's shape and "
-                "dtype");
-    r = residual->contiguous();
-  }
-  const at::Tensor x = input.contiguous();
-  const at::Tensor w = weight.contiguous();
-  at::Tensor y = at::empty_like(x);
-  at::Tensor sum = has_residual ? at::empty_like(x) : at::empty({0}, x.options());
-  const int64_t rows = H ? x.numel() / H : 0;
-  const float epsf = static_cast<float>(eps);
-  if (dtype == at::kFloat) {
-    add_rms_norm_rows<float>(x.data_ptr<float>(),
-                             has_residual ? r.data_ptr<float>() : nullptr,
-                             w.data_ptr<float>(), y.data_ptr<float>(),
-                             has_residual ? sum.data_ptr<float>() : nullptr,
-                             rows, H, epsf);
-  } else {
-    using B = c10::BFloat16;
-    add_rms_norm_rows<B>(x.data_ptr<B>(),
-                         has_residual ? r.data_ptr<B>() : nullptr,
-                         w.data_ptr<B>(), y.data_ptr<B>(),
-                         has_residual ? sum.data_ptr<B>() : nullptr, rows,
-                         H, epsf);
-  }
-  return {y, sum};
 }
 
 // One tensor of heads [B, L, H, D] (any strides but a unit last one)
@@ -227,15 +146,11 @@ std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& q,
 TORCH_LIBRARY_FRAGMENT(spyre_kernels, m) {
   m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
   m.def(
-      "add_rms_norm(Tensor input, Tensor? residual, Tensor weight, "
-      "float eps) -> (Tensor, Tensor)");
-  m.def(
       "rotary_qk(Tensor q, Tensor k, Tensor table, Tensor position_ids) "
       "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(spyre_kernels, CPU, m) {
   m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary_qk", &rotary_qk);
 }

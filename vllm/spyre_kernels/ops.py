@@ -18,15 +18,18 @@ other external kernel:
 * ``spyre_kernels::rms_norm`` and ``spyre_kernels::rotary_qk``
   (``elementwise.cpp``): a decoder's norms and rotary embedding in one
   pass each, for ``eager``, which has no compiler to fuse them
-  (``vllm.model_executor.layers.spyre_fused_ops``), and
-  ``spyre_kernels::add_rms_norm``, vLLM's RMS norm with its residual add
+  (``vllm.model_executor.layers.spyre_fused_ops``);
+* ``spyre_kernels::add_rms_norm``, ``spyre_kernels::rotary_cos_sin`` and
+  ``spyre_kernels::silu_and_mul`` (``vllm_elementwise.cpp``): vLLM's RMS
+  norm (residual add included), rotary embedding and gated activation in
+  their native forms, one pass each, for ``eager`` in vLLM's model code
   (``vllm.model_executor.layers.spyre_vllm_fused_ops``);
 * ``spyre_kernels::lora_add_`` (``lora.cpp``): the LoRA adapters'
   products of a step's rows added to a layer's output, each row on its own
   adapter
   (``vllm.lora.punica_wrapper.spyre_punica``).
 
-The five files share ``simd.h``: the vector width and types, and the
+The six files share ``simd.h``: the vector width and types, and the
 argument checks of more than one op.
 
 ``available`` builds the sources into one extension with PyTorch's C++
@@ -61,7 +64,7 @@ logger = init_logger(__name__)
 LIBRARY = "spyre_kernels"
 _SOURCES = [Path(__file__).with_name(name) for name in
             ("linear.cpp", "attention.cpp", "elementwise.cpp", "quant.cpp",
-             "lora.cpp")]
+             "lora.cpp", "vllm_elementwise.cpp")]
 _NATIVE_FLAG = {"x86_64": "-march=native", "s390x": "-march=native",
                 "ppc64le": "-mcpu=native", "aarch64": "-mcpu=native"}
 _loaded: Optional[bool] = None
@@ -144,6 +147,10 @@ def _load() -> bool:
     torch.library.register_fake(f"{LIBRARY}::rms_norm")(_fake_rms_norm)
     torch.library.register_fake(f"{LIBRARY}::add_rms_norm")(
         _fake_add_rms_norm)
+    torch.library.register_fake(f"{LIBRARY}::rotary_cos_sin")(
+        _fake_rotary_cos_sin)
+    torch.library.register_fake(f"{LIBRARY}::silu_and_mul")(
+        _fake_silu_and_mul)
     torch.library.register_fake(f"{LIBRARY}::rotary_qk")(_fake_rotary_qk)
     torch.library.register_fake(f"{LIBRARY}::lora_add_")(_fake_lora_add)
     logger.info("Loaded the native CPU kernels in %.1f s",
@@ -200,6 +207,19 @@ def _fake_add_rms_norm(input: torch.Tensor,
     out = torch.empty_like(input, memory_format=torch.contiguous_format)
     return out, (torch.empty_like(out) if residual is not None else
                  input.new_empty((0, )))
+
+
+def _fake_rotary_cos_sin(positions: torch.Tensor, query: torch.Tensor,
+                         key: Optional[torch.Tensor], cache: torch.Tensor,
+                         head_size: int, rotary_dim: int,
+                         neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return (query.new_empty(query.shape),
+            key.new_empty(key.shape) if key is not None else
+            query.new_empty((0, )))
+
+
+def _fake_silu_and_mul(input: torch.Tensor) -> torch.Tensor:
+    return input.new_empty((*input.shape[:-1], input.shape[-1] // 2))
 
 
 def _fake_rotary_qk(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor,

@@ -9,9 +9,10 @@
 // which the compiler maps onto the machine's registers.  The `_u` types
 // are the same vectors, loadable from any address of their element type.
 //
-// ops.py builds linear.cpp, quant.cpp, attention.cpp, elementwise.cpp and
-// lora.cpp into one extension; each includes this header and keeps the
-// rest of its code in an anonymous namespace of its own.
+// ops.py builds linear.cpp, quant.cpp, attention.cpp, elementwise.cpp,
+// lora.cpp and vllm_elementwise.cpp into one extension; each includes this
+// header and keeps the rest of its code in an anonymous namespace of its
+// own.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -42,7 +42,7 @@ from vllm.lora.spyre_lora import SpyreLoRA
 from vllm.model_executor.layers.quantization.spyre_quant import (
     SpyreQuantConfig, finish_quantized_layers)
 from vllm.model_executor.layers.spyre_linear_method import use_spyre_linears
-from vllm.model_executor.layers.spyre_vllm_fused_ops import use_kernel_norms
+from vllm.model_executor.layers.spyre_vllm_fused_ops import use_kernel_ops
 from vllm.model_executor.model_loader.spyre_vllm_loader import (
     load_vllm_decoder)
 from vllm.model_executor.models.spyre_model_code import ModelCode
@@ -121,9 +121,10 @@ class VllmModelCode(ModelCode):
                         "packed CPU kernel" if self.native else
                         "bfloat16 products", time.perf_counter() - start)
         if self.native and self.spyre_config.dynamo_backend == "eager":
-            # inductor fuses the norms' ops itself.
-            logger.info("RMS norms (%d) on the CPU kernel",
-                        use_kernel_norms(self.vllm_model))
+            # inductor fuses these ops itself.
+            logger.info("RMS norms (%d), rotary embeddings (%d) and gated "
+                        "activations (%d) on the CPU kernels",
+                        *use_kernel_ops(self.vllm_model))
         if vllm_config.lora_config is not None:
             # After the linear layers moved: each LoRA layer calls its base
             # layer's (packed) method.
