@@ -1,6 +1,7 @@
-"""int8 codes on inputs held as 16-bit integers (``quant_int16.h``): the
-decode path of int8 layers at the bfloat16 precision, for up to
-``INT_ROWS`` rows, where the CPU has AVX512BW.
+"""int8 and int4 codes on inputs held as 16-bit integers
+(``quant_int16.h``): the decode path of int8 and int4 layers at the
+bfloat16 precision, for up to ``INT_ROWS`` rows, where the CPU has
+AVX512BW.
 
 Each span of features (the weight's group, or a part of 256, 128 or 64
 features of a longer one) holds its bfloat16 inputs as 16-bit integers
@@ -30,10 +31,12 @@ integer_path = pytest.mark.skipif(
     reason="the integer tiles are built with AVX512BW")
 
 
-def _int8_weight(n: int, k: int, group: int, zeros, seed: int = 0):
+def _int8_weight(n: int, k: int, group: int, zeros, seed: int = 0,
+                 kind: str = "int8"):
     g = torch.Generator().manual_seed(seed)
     groups = -(-k // group)
-    codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    low, high = (-128, 128) if kind == "int8" else (0, 16)
+    codes = torch.randint(low, high, (n, k), generator=g, dtype=torch.int8)
     scales = torch.rand(n, groups, generator=g) * 0.01 + 0.001
     if zeros == "offsets":
         z = torch.randint(-4, 5, (n, groups), generator=g).float()
@@ -41,7 +44,7 @@ def _int8_weight(n: int, k: int, group: int, zeros, seed: int = 0):
         z = torch.full((n, groups), 3.0)
     else:
         z = None
-    return QuantWeight("int8", codes, scales, z, group)
+    return QuantWeight(kind, codes, scales, z, group)
 
 
 def _span(group: int) -> int:
@@ -65,17 +68,18 @@ def held_as_int16(x: torch.Tensor, span: int) -> torch.Tensor:
 
 
 @integer_path
+@pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 2, 3])
 @pytest.mark.parametrize("n,k,group", [(70, 576, 128), (64, 2048, 2048),
                                        (40, 8192, 8192), (33, 512, 64)])
 @pytest.mark.parametrize("zeros", [None, "offsets", "uniform"])
-def test_product_of_the_integer_inputs(rows, n, k, group, zeros):
+def test_product_of_the_integer_inputs(kind, rows, n, k, group, zeros):
     """The kernel's product equals, to float32 rounding, the product of
     the inputs as held (rebuilt here) by the codes times their scales, plus
     the bfloat16 inputs by the zero points' part; and it is
     this path that ran: the float32 tiles' product of the bfloat16 inputs
     differs."""
-    w = _int8_weight(n, k, group, zeros)
+    w = _int8_weight(n, k, group, zeros, kind=kind)
     # Inputs over four orders of magnitude, so that some are rounded.
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=g) * torch.pow(
@@ -83,7 +87,7 @@ def test_product_of_the_integer_inputs(rows, n, k, group, zeros):
     # The codes multiply the inputs as held; a zero point's or offset's
     # part multiplies the group's sum of the bfloat16 inputs, as on the
     # float32 tiles.
-    codes = QuantWeight("int8", w.codes, w.scales, None,
+    codes = QuantWeight(kind, w.codes, w.scales, None,
                         group).dequantize().double()
     shift = w.dequantize().double() - codes
     want = (held_as_int16(x, _span(group)) @ codes.T +
@@ -102,11 +106,12 @@ def test_product_of_the_integer_inputs(rows, n, k, group, zeros):
 
 
 @integer_path
-def test_inputs_within_two_to_the_seven_of_the_largest_are_exact():
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_inputs_within_two_to_the_seven_of_the_largest_are_exact(kind):
     """Inputs whose magnitudes lie within a factor 2^7 of their span's
     largest are held exactly: the product equals the exact product of the
     bfloat16 inputs to float32 rounding."""
-    w = _int8_weight(64, 1024, 128, None)
+    w = _int8_weight(64, 1024, 128, "uniform", kind=kind)
     g = torch.Generator().manual_seed(3)
     sign = torch.randint(0, 2, (2, 1024), generator=g) * 2 - 1
     x = sign * torch.pow(2.0, 6.9 * torch.rand(2, 1024, generator=g))
@@ -119,8 +124,9 @@ def test_inputs_within_two_to_the_seven_of_the_largest_are_exact():
 
 
 @integer_path
-def test_heights_above_ints_stay_on_the_float_tiles():
-    w = _int8_weight(70, 576, 128, "offsets")
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_heights_above_ints_stay_on_the_float_tiles(kind):
+    w = _int8_weight(70, 576, 128, "offsets", kind=kind)
     x = torch.randn(4, 576) * 1e-3
     assert torch.equal(
         quant_linear(x, pack(w), None, round_inputs=True, ints=3),
@@ -149,7 +155,8 @@ def test_zero_and_non_finite_spans():
 def test_integer_rows_follow_the_kind_and_the_cpu(monkeypatch, has_bw):
     monkeypatch.setattr(native, "cpu_has",
                         lambda flag: has_bw and flag == "avx512bw")
-    assert sql.integer_rows("int8", True) == (sql.INT_ROWS if has_bw else 0)
-    assert sql.integer_rows("int8", False) == 0
-    for kind in ("fp8", "int4"):
-        assert sql.integer_rows(kind, True) == 0
+    for kind in ("int8", "int4"):
+        assert sql.integer_rows(kind, True) == (
+            sql.INT_ROWS if has_bw else 0)
+        assert sql.integer_rows(kind, False) == 0
+    assert sql.integer_rows("fp8", True) == 0

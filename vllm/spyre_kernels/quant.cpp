@@ -564,11 +564,12 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
       M ? (M + (M + kMaxRows - 1) / kMaxRows - 1) /
               ((M + kMaxRows - 1) / kMaxRows)
         : 0;
-  // int8 codes on 16-bit integer inputs (quant_int16.h): bfloat16 inputs,
-  // up to int_rows rows.
+  // int8 and int4 codes on 16-bit integer inputs (quant_int16.h):
+  // bfloat16 inputs, up to int_rows rows.
   int64_t span = 0;
 #if defined(__AVX512BW__)
-  if (kind == kInt8 && (round_inputs || bf16_in) && K % 2 == 0 &&
+  if ((kind == kInt8 || kind == kInt4) && (round_inputs || bf16_in) &&
+      K % 2 == 0 &&
       height > 0 && height <= std::min(int_rows, kIntRows))
     span = int_span(group);
 #else
@@ -651,9 +652,9 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
         const float* bc = bp ? bp + c0 : nullptr;
 #if defined(__AVX512BW__)
         if (span) {
-          kInts[rows](xq.data() + m0 * K, K, powers.data() + m0 * spans,
-                      spans, span, xs, groups, w, K, group, sp + at, o, zf,
-                      out, cols, bc);
+          (kind == kInt8 ? kInts<kInt8> : kInts<kInt4>)[rows](
+              xq.data() + m0 * K, K, powers.data() + m0 * spans, spans, span,
+              xs, groups, w, K, group, sp + at, o, zf, out, cols, bc);
           continue;
         }
 #endif

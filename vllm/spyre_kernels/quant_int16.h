@@ -1,11 +1,11 @@
-// int8 codes times inputs held as 16-bit integers: quant.cpp's tiles for
-// a few rows of inputs at the bfloat16 precision, where the float32 tiles
-// spend more instructions widening each code (a widening load and a
-// conversion per 16 codes, then a multiply-add) than the memory needs to
-// deliver it.  Here a pair of input features multiplies a pair of codes
-// in one `vpdpwssd` (AVX512_VNNI; `vpmaddwd` and an add without it): two
-// codes per lane, sign-extended to 16 bits, against two inputs, summed
-// exactly in 32-bit integers.
+// int8 and int4 codes times inputs held as 16-bit integers: quant.cpp's
+// tiles for a few rows of inputs at the bfloat16 precision, where the
+// float32 tiles spend more instructions widening each code (a widening
+// load, masks for int4, a conversion per 16 codes, then a multiply-add)
+// than the memory needs to deliver it.  Here a pair of input features
+// multiplies a pair of codes in one `vpdpwssd` (AVX512_VNNI; `vpmaddwd`
+// and an add without it): two codes per lane, widened to 16 bits, against
+// two inputs, summed exactly in 32-bit integers.
 //
 // The inputs.  A bfloat16 value is an 8-bit integer times a power of two.
 // The features are taken in spans of at most kSpan (within one group of
@@ -19,12 +19,13 @@
 // 32767 per instruction, at most 128 instructions.  Each span's sum is
 // then converted to float32 and multiplied by its power of two.
 //
-// The codes.  The packed layout stays quant.cpp's, [K][kBlock] bytes per
-// block: rows k and k + 1 are sign-extended to 16 bits and interleaved
-// (`vpunpcklwd` / `vpunpckhwd`, which work within 128-bit lanes), so a
-// lane holds one column's codes of both rows, columns in the order
-// `kIntColumns` gives; the group's float32 sums are put back in column
-// order once per group.
+// The codes.  The packed layout stays quant.cpp's: rows k and k + 1 are
+// widened to 16 bits and paired (`code_words`), so a lane holds one
+// column's codes of both rows; int8's lanes come in the order
+// `int_columns` gives, and the group's float32 sums are put back in
+// column order once per group.  int4's codes (0..15, a zero point taken
+// off per group as on the float32 tiles) stay below 2^4, int8's below
+// 2^7 in magnitude: the spans' integer sums cannot overflow.
 //
 // Included by quant.cpp, inside its anonymous namespace, where the build
 // has AVX512BW.
@@ -98,15 +99,43 @@ inline __m512i dot_int16(__m512i acc, __m512i codes, __m512i inputs) {
 #endif
 }
 
-// tile() for int8 codes on the integer inputs: q [R][ldq] int16 (pairs
-// read as 32-bit words), powers [R][spans]; `in` and `span` even.
-template <int R>
+// The codes of block rows k and k + 1 as 16-bit pairs, one 32-bit lane
+// per column: columns 0-15 in lo, 16-31 in hi, for int8 in the lanes'
+// order `int_columns` undoes (in-lane unpacks, one instruction each), for
+// int4 in column order (the two rows' 32 bytes widened to words, each
+// nibble masked or shifted out, and one `vpermw` per 16 columns pairs the
+// rows: a row of int4 codes is 16 bytes, byte c holding column c in its
+// low nibble and column c + 16 in its high one).
+template <int K>
+inline void code_words(const uint8_t* row, __m512i& lo, __m512i& hi) {
+  if constexpr (K == kInt8) {
+    const __m512i a = _mm512_cvtepi8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+    const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(row + kBlock)));
+    lo = _mm512_unpacklo_epi16(a, b);
+    hi = _mm512_unpackhi_epi16(a, b);
+  } else {
+    const __m512i pair = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i words = _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+    lo = _mm512_permutexvar_epi16(
+        pair, _mm512_and_si512(words, _mm512_set1_epi16(15)));
+    hi = _mm512_permutexvar_epi16(pair, _mm512_srli_epi16(words, 4));
+  }
+}
+
+// tile() for int8 or int4 codes on the integer inputs: q [R][ldq] int16
+// (pairs read as 32-bit words), powers [R][spans]; `in` and `span` even.
+template <int K, int R>
 void tile_int16(const int16_t* q, int64_t ldq, const float* powers,
                 int64_t spans, int64_t span, const float* xsums,
                 int64_t groups, const uint8_t* block, int64_t in,
                 int64_t group, const float* scales, const float* offsets,
                 float zero, Out out, int64_t cols, const float* bias) {
-  constexpr int64_t bytes = kBlock;
+  constexpr int64_t bytes = row_bytes<K>();
   // Independent sums: a vpdpwssd waits on its own latency, as tile()'s
   // multiply-adds do.
   constexpr int U = R <= 2 ? 4 : R == 3 ? 2 : 1;
@@ -125,13 +154,8 @@ void tile_int16(const int16_t* q, int64_t ldq, const float* powers,
         for (int r = 0; r < R; ++r)
           isum[u][r][0] = isum[u][r][1] = _mm512_setzero_si512();
       auto step = [&](int u, int64_t k) {
-        const uint8_t* row = block + k * bytes;
-        const __m512i a = _mm512_cvtepi8_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
-        const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(row + bytes)));
-        const __m512i lo = _mm512_unpacklo_epi16(a, b);
-        const __m512i hi = _mm512_unpackhi_epi16(a, b);
+        __m512i lo, hi;
+        code_words<K>(block + k * bytes, lo, hi);
         for (int r = 0; r < R; ++r) {
           int32_t pair;
           std::memcpy(&pair, q + r * ldq + k, sizeof pair);
@@ -165,10 +189,15 @@ void tile_int16(const int16_t* q, int64_t ldq, const float* powers,
     }
     vfloat sums[R][2];
     for (int r = 0; r < R; ++r) {
-      sums[r][0] = reinterpret_cast<vfloat>(
-          _mm512_permutex2var_ps(part[r][0], to_cols0, part[r][1]));
-      sums[r][1] = reinterpret_cast<vfloat>(
-          _mm512_permutex2var_ps(part[r][0], to_cols1, part[r][1]));
+      if constexpr (K == kInt8) {
+        sums[r][0] = reinterpret_cast<vfloat>(
+            _mm512_permutex2var_ps(part[r][0], to_cols0, part[r][1]));
+        sums[r][1] = reinterpret_cast<vfloat>(
+            _mm512_permutex2var_ps(part[r][0], to_cols1, part[r][1]));
+      } else {
+        sums[r][0] = reinterpret_cast<vfloat>(part[r][0]);
+        sums[r][1] = reinterpret_cast<vfloat>(part[r][1]);
+      }
     }
     add_group<R>(acc, sums, scales, offsets, zero, xsums, groups, g);
   }
@@ -180,6 +209,7 @@ using IntFn = void (*)(const int16_t*, int64_t, const float*, int64_t,
                        int64_t, int64_t, const float*, const float*, float,
                        Out, int64_t, const float*);
 
-constexpr IntFn kInts[kIntRows + 1] = {nullptr, tile_int16<1>,
-                                       tile_int16<2>, tile_int16<3>,
-                                       tile_int16<4>};
+template <int K>
+constexpr IntFn kInts[kIntRows + 1] = {nullptr, tile_int16<K, 1>,
+                                       tile_int16<K, 2>, tile_int16<K, 3>,
+                                       tile_int16<K, 4>};

@@ -178,18 +178,20 @@ def kernel_rows(kind: str, round_inputs: bool) -> tuple[int, int]:
     return 0, DOT_ROWS
 
 
-#: Rows up to which int8 codes multiply the inputs held as 16-bit integers
-#: (``vpdpwssd``; quant_int16.h) where the CPU has AVX512BW: a decode
-#: step's few rows, where the float32 tiles are bound by widening codes.
+#: Rows up to which int8 and int4 codes multiply the inputs held as 16-bit
+#: integers (``vpdpwssd``; quant_int16.h) where the CPU has AVX512BW: a
+#: decode step's few rows, where the float32 tiles are bound by widening
+#: codes.
 INT_ROWS = 3
 
 
 def integer_rows(kind: str, round_inputs: bool) -> int:
-    """``quant_linear``'s ``ints`` for a layer of ``kind`` codes: int8
-    codes with rounded inputs (the bfloat16 precision), where the CPU has
-    AVX512BW; else 0."""
+    """``quant_linear``'s ``ints`` for a layer of ``kind`` codes: int8 and
+    int4 codes with rounded inputs (the bfloat16 precision), where the CPU
+    has AVX512BW; else 0."""
     from vllm.spyre_kernels.ops import cpu_has
-    if kind != "int8" or not round_inputs or not cpu_has("avx512bw"):
+    if kind not in ("int8", "int4") or not round_inputs or \
+            not cpu_has("avx512bw"):
         return 0
     return INT_ROWS
 
@@ -205,8 +207,8 @@ def quant_linear(x: torch.Tensor, weight: PackedQuant,
     this many rows on, the tiles multiply bfloat16 pairs (``vdpbf16ps``)
     where the kernel is built with AVX512_BF16 (0: never; both with
     rounded inputs only; ``kernel_rows`` chooses them for this CPU);
-    ``ints``: up to this many rows, int8 codes multiply bfloat16 inputs
-    held as 16-bit integers (``integer_rows``)."""
+    ``ints``: up to this many rows, int8 and int4 codes multiply bfloat16
+    inputs held as 16-bit integers (``integer_rows``)."""
     return torch.ops.spyre_kernels.quant_linear(
         x, weight.packed, weight.scales, weight.offsets, weight.kind,
         weight.group_size, weight.out_features, weight.zero_point, bias,
