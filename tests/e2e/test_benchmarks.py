@@ -96,8 +96,8 @@ def checkpoint_bytes(model) -> int:
 def test_linear_benchmark_small(smollm2, tmp_path):
     """benchmarks/linear.py: every kernel over every linear layer of the
     model (float32, bfloat16 and the quantized kernel's int8, FP8 and
-    int4), outputs compared with the weights each holds, no compilation,
-    JSON and table."""
+    int4, and its integer decode rows), outputs compared with the weights
+    each holds, no compilation, JSON and table."""
     out = tmp_path / "linear.json"
     proc = preloaded.run(
         [str(REPO / "benchmarks" / "linear.py"),
@@ -115,6 +115,8 @@ def test_linear_benchmark_small(smollm2, tmp_path):
     if cpu_has("avx512_bf16"):  # the kernel's dot and dense paths
         names += [f"spyre-{kind}-{path}" for path in ("dot", "dense")
                   for kind in ("int8", "fp8", "int4")]
+    if cpu_has("avx512bw"):  # decode rows on 16-bit integer inputs
+        names += ["spyre-int8-int16", "spyre-int4-int16"]
     assert kernels == {(k, n) for k in names for n in (1, 4)}
     assert all(r["same"] and r["bytes_per_s"] > 0
                for r in result["results"])

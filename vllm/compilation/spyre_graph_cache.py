@@ -70,8 +70,10 @@ GRAPH_CODE = (
     "spyre_kernels/simd.h",
     "spyre_kernels/linear.cpp",
     "spyre_kernels/quant.cpp",
+    "spyre_kernels/quant_int16.h",
     "spyre_kernels/attention.cpp",
     "spyre_kernels/elementwise.cpp",
+    "spyre_kernels/vllm_elementwise.cpp",
     "spyre_kernels/lora.cpp",
     # LoRA layers' products in the graphs, and the adapter slots.
     "lora/punica_wrapper/spyre_punica.py",
@@ -91,6 +93,7 @@ GRAPH_CODE = (
     "model_executor/layers/quantization/spyre_quant_method.py",
     "model_executor/layers/quantization/spyre_quant_schemes.py",
     "model_executor/layers/spyre_fused_ops.py",
+    "model_executor/layers/spyre_vllm_fused_ops.py",
     "model_executor/layers/spyre_linear.py",
     "model_executor/layers/spyre_linear_method.py",
     "model_executor/layers/spyre_mamba.py",
