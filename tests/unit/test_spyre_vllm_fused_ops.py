@@ -145,3 +145,17 @@ def test_rotary_equals_the_native_forward_bit_for_bit(dtype, neox,
     # No key (cross-layer key/value sharing): the query alone.
     only_q, none = rope(positions, q, None)
     assert torch.equal(only_q, want_q) and none is None
+
+
+def test_rotary_calls_the_kernel_does_not_take_keep_the_native_forward():
+    """int32 positions, offsets, and heads not in rows of tokens run
+    vLLM's own forward."""
+    rope = get_rope(64, 64, 4096, 10000.0, True, None, torch.float32)
+    use_kernel_ops(rope)
+    q, k = torch.randn(3, 128), torch.randn(3, 64)
+    positions = torch.tensor([5, 9, 2])
+    for args in [(positions.int(), q, k), (positions, q, k, positions),
+                 (positions, q.view(3, 2, 64), k.view(3, 1, 64))]:
+        got = rope(*args)
+        want = rope.forward_native(*args)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

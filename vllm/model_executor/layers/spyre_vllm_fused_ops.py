@@ -47,7 +47,8 @@ def _rotary(rope: RotaryEmbedding, positions: torch.Tensor,
             offsets: Optional[torch.Tensor] = None):
     cache = rope.cos_sin_cache
     tokens = positions.numel()
-    if (offsets is not None or query.dtype not in _FLOATS
+    if (offsets is not None or positions.dtype != torch.long
+            or query.dtype not in _FLOATS
             or cache.dtype not in _FLOATS or cache.device != query.device
             or query.dim() != 2 or query.size(0) != tokens
             or (key is not None and (key.dim() != 2
