@@ -136,23 +136,8 @@ def _load() -> bool:
             "The native CPU kernels could not be built (%s); linear layers "
             "stay on MKL and attention on torch ops", e)
         return False
-    torch.library.register_fake(f"{LIBRARY}::packed_linear")(_fake)
-    torch.library.register_fake(f"{LIBRARY}::decode_attention")(
-        _fake_attention)
-    torch.library.register_fake(f"{LIBRARY}::paged_attention")(
-        _fake_paged_attention)
-    torch.library.register_fake(f"{LIBRARY}::encoder_attention")(
-        _fake_encoder_attention)
-    torch.library.register_fake(f"{LIBRARY}::quant_linear")(_fake_quant)
-    torch.library.register_fake(f"{LIBRARY}::rms_norm")(_fake_rms_norm)
-    torch.library.register_fake(f"{LIBRARY}::add_rms_norm")(
-        _fake_add_rms_norm)
-    torch.library.register_fake(f"{LIBRARY}::rotary_cos_sin")(
-        _fake_rotary_cos_sin)
-    torch.library.register_fake(f"{LIBRARY}::silu_and_mul")(
-        _fake_silu_and_mul)
-    torch.library.register_fake(f"{LIBRARY}::rotary_qk")(_fake_rotary_qk)
-    torch.library.register_fake(f"{LIBRARY}::lora_add_")(_fake_lora_add)
+    for op, fake in _FAKES.items():
+        torch.library.register_fake(f"{LIBRARY}::{op}")(fake)
     logger.info("Loaded the native CPU kernels in %.1f s",
                 time.perf_counter() - start)
     return True
@@ -235,3 +220,19 @@ def _fake_lora_add(out: torch.Tensor, input: torch.Tensor, a0: torch.Tensor,
                    scale: float, width0: int, width1: int,
                    width2: int) -> None:
     return None
+
+
+#: Each op's fake (shape-only) implementation, registered for tracing.
+_FAKES = {
+    "packed_linear": _fake,
+    "decode_attention": _fake_attention,
+    "paged_attention": _fake_paged_attention,
+    "encoder_attention": _fake_encoder_attention,
+    "quant_linear": _fake_quant,
+    "rms_norm": _fake_rms_norm,
+    "add_rms_norm": _fake_add_rms_norm,
+    "rotary_cos_sin": _fake_rotary_cos_sin,
+    "silu_and_mul": _fake_silu_and_mul,
+    "rotary_qk": _fake_rotary_qk,
+    "lora_add_": _fake_lora_add,
+}

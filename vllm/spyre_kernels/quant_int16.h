@@ -22,7 +22,7 @@
 // The codes.  The packed layout stays quant.cpp's: rows k and k + 1 are
 // widened to 16 bits and paired (`code_words`), so a lane holds one
 // column's codes of both rows; int8's lanes come in the order
-// `int_columns` gives, and the group's float32 sums are put back in
+// `kIntColumns` gives, and the group's float32 sums are put back in
 // column order once per group.  int4's codes (0..15, a zero point taken
 // off per group as on the float32 tiles) stay below 2^4, int8's below
 // 2^7 in magnitude: the spans' integer sums cannot overflow.
@@ -78,18 +78,27 @@ inline void inputs_as_int16(const float* x, int64_t M, int64_t K,
 }
 
 // Where the interleaved lanes put the block's columns: lanes of the low
-// unpack, then of the high one, give columns back through this index
-// (`vpermt2ps` over the two).  Within each 128-bit lane i, the low unpack
-// holds columns 8i..8i+3 and the high one 8i+4..8i+7.
-inline __m512i int_columns(int half) {
-  alignas(64) int32_t idx[16];
-  for (int j = 0; j < 16; ++j) {
-    const int c = 16 * half + j;  // the column wanted in lane j
-    const int lane = c / 8, within = c % 8;
-    idx[j] = within < 4 ? 4 * lane + within : 16 + 4 * lane + within - 4;
-  }
-  return _mm512_load_si512(idx);
+// unpack, then of the high one, give columns back through these indices
+// (`vpermt2ps` over the two; half 0: columns 0-15, half 1: 16-31).
+// Within each 128-bit lane i, the low unpack holds columns 8i..8i+3 and
+// the high one 8i+4..8i+7.  A constant table, built at compile time.
+struct IntColumns {
+  alignas(64) int32_t idx[2][16];
+};
+
+constexpr IntColumns make_int_columns() {
+  IntColumns t{};
+  for (int half = 0; half < 2; ++half)
+    for (int j = 0; j < 16; ++j) {
+      const int c = 16 * half + j;  // the column wanted in lane j
+      const int lane = c / 8, within = c % 8;
+      t.idx[half][j] =
+          within < 4 ? 4 * lane + within : 16 + 4 * lane + within - 4;
+    }
+  return t;
 }
+
+inline constexpr IntColumns kIntColumns = make_int_columns();
 
 inline __m512i dot_int16(__m512i acc, __m512i codes, __m512i inputs) {
 #if defined(__AVX512VNNI__)
@@ -139,7 +148,6 @@ void tile_int16(const int16_t* q, int64_t ldq, const float* powers,
   // Independent sums: a vpdpwssd waits on its own latency, as tile()'s
   // multiply-adds do.
   constexpr int U = R <= 2 ? 4 : R == 3 ? 2 : 1;
-  const __m512i to_cols0 = int_columns(0), to_cols1 = int_columns(1);
   vfloat acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vfloat{};
   for (int64_t k0 = 0, g = 0; k0 < in; k0 += group, ++g) {
@@ -190,6 +198,8 @@ void tile_int16(const int16_t* q, int64_t ldq, const float* powers,
     vfloat sums[R][2];
     for (int r = 0; r < R; ++r) {
       if constexpr (K == kInt8) {
+        const __m512i to_cols0 = _mm512_load_si512(kIntColumns.idx[0]);
+        const __m512i to_cols1 = _mm512_load_si512(kIntColumns.idx[1]);
         sums[r][0] = reinterpret_cast<vfloat>(
             _mm512_permutex2var_ps(part[r][0], to_cols0, part[r][1]));
         sums[r][1] = reinterpret_cast<vfloat>(
