@@ -13,9 +13,12 @@ against the trainer: each token must be the trainer's own greedy choice.
     torchrun --nproc-per-node 3 examples/trainer_loop.py --model DIR
 
 Under torchrun the ranks form the engine's tensor-parallel group (each
-engine keeps its shard of the pushed weights) and every rank trains the
-same replica (a real job would wrap the trainer in DDP or FSDP and push
-the gathered weights).  Rank 0 prints.  The Spyre settings come from the
+engine keeps its shard of the pushed weights).  Every rank trains a
+replica, then takes rank 0's weights before the push, as a data-parallel
+job's replicas agree after their all-reduce: two ranks' own steps may
+differ in the last bits, and Adam's first steps turn such a difference
+into a whole step's size.  (A real job would wrap the trainer in DDP or
+FSDP and push the gathered weights.)  Rank 0 prints.  The Spyre settings come from the
 environment; the defaults below keep the run short on a 2-core CPU.
 """
 import argparse
@@ -75,18 +78,32 @@ def main() -> None:
                            use_tqdm=False)
         return list(out[0].outputs[0].token_ids)
 
-    def trainer_agrees(ids: list[int]) -> bool:
-        """The engine's ids are the trainer's greedy choice at every
-        position, up to rounding: with the engine's ids fed in, each one's
-        logit is within ``TIE`` of the trainer's best.  (A tensor-parallel
-        engine sums its shards in another order than the trainer's matmul,
-        so an exact tie between two tokens may go either way.)"""
+    def take_rank0_weights() -> None:
+        if world > 1:
+            with torch.no_grad():
+                for tensor in trainer.state_dict().values():
+                    torch.distributed.broadcast(tensor, src=0)
+
+    def trainer_agrees(ids: list[int]) -> str:
+        """'True' if the engine's ids are the trainer's greedy choice at
+        every position, up to rounding: with the engine's ids fed in, each
+        one's logit is within ``TIE`` of the trainer's best.  (A
+        tensor-parallel engine sums its shards in another order than the
+        trainer's matmul, so an exact tie between two tokens may go either
+        way.)  Otherwise 'False' and the first position that is not."""
         trainer.eval()
         with torch.no_grad():
             logits = trainer(torch.tensor([prompt + ids])).logits[0]
         logits = logits[len(prompt) - 1:-1]
         chosen = logits.gather(-1, torch.tensor(ids)[:, None])[:, 0]
-        return bool((logits.max(-1).values - chosen <= TIE).all())
+        best, best_ids = logits.max(-1)
+        behind = (best - chosen > TIE).nonzero()
+        if not len(behind):
+            return "True"
+        i = int(behind[0, 0])
+        return (f"False (token {i}: the engine's {ids[i]} is "
+                f"{float(best[i] - chosen[i]):.4f} below the trainer's "
+                f"{int(best_ids[i])})")
 
     ids = engine_ids()
     say(f"before training: {tokenizer.decode(ids)!r}")
@@ -96,6 +113,7 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        take_rank0_weights()
 
         start = time.perf_counter()
         llm.collective_rpc("update_weights_in_place",

@@ -70,7 +70,8 @@ def check_trainer_loop(lines: list[str]) -> None:
     training moved the model (lower loss, another completion)."""
     before, steps = lines[0], lines[1:]
     assert len(steps) == 3
-    assert all(line.endswith("trainer agrees: True") for line in steps)
+    disagree = [s for s in steps if not s.endswith("trainer agrees: True")]
+    assert not disagree, disagree
     losses = [float(re.search(r"loss ([\d.]+)", s).group(1)) for s in steps]
     assert losses == sorted(losses, reverse=True)
     completion = before.split(": ", 1)[1]
