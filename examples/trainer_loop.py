@@ -18,8 +18,9 @@ replica, then takes rank 0's weights before the push, as a data-parallel
 job's replicas agree after their all-reduce: two ranks' own steps may
 differ in the last bits, and Adam's first steps turn such a difference
 into a whole step's size.  (A real job would wrap the trainer in DDP or
-FSDP and push the gathered weights.)  Rank 0 prints.  The Spyre settings come from the
-environment; the defaults below keep the run short on a 2-core CPU.
+FSDP and push the gathered weights.)  Rank 0 prints.  The Spyre
+settings come from the environment; the defaults below keep the run
+short on a 2-core CPU.
 """
 import argparse
 import os
