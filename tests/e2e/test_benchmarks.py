@@ -375,3 +375,25 @@ def test_prefill_benchmark_small(tmp_path):
     assert ours["flop_per_s"] == pytest.approx(
         result["prompt_flops"] / ours["median"]["ttft_s"])
     assert "of bf16 peak" in proc.stdout.strip().splitlines()[-3]
+
+
+def test_load_time_benchmark_small(tiny_llama, tmp_path):
+    """benchmarks/load_time.py: the checkpoint read cold (dropped from the
+    page cache) and warm, an engine started after each, the worker's load
+    and warm-up times beside the read, JSON and table."""
+    out = tmp_path / "load_time.json"
+    proc = preloaded.run(
+        [str(REPO / "benchmarks" / "load_time.py"),
+         "--models", str(tiny_llama), "--dtype", "float32",
+         "--json", str(out)],
+        timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (result, ) = json.loads(out.read_text())["results"]
+    size = sum(f.stat().st_size for f in tiny_llama.glob("*.safetensors"))
+    assert result["bytes"] == size
+    for state in ("cold", "warm"):
+        timings = result[state]
+        assert 0 < timings["read_s"] and 0 < timings["load_s"]
+        assert 0 < timings["warmup_s"] < timings["engine_s"]
+    assert f"{tiny_llama.name} (cold)" in proc.stdout
+    assert "load/read" in proc.stdout

@@ -58,8 +58,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     else:  # no padding: the layout's one copy is the permutation's
         padded = weight.contiguous()
     if weight.dtype == torch.bfloat16:
-        packed = padded.view(blocks, BLOCK, k // 2, 2).permute(
-            0, 2, 1, 3).reshape(blocks, k // 2, 2 * BLOCK)
+        # Each pair moves as one 32-bit word: a transpose of words copies
+        # faster than a permutation of 16-bit values.
+        packed = padded.view(torch.int32).view(blocks, BLOCK, k // 2) \
+            .transpose(1, 2).contiguous().view(torch.bfloat16)
     else:
         packed = padded.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
     # Never a view of the weight (which a tied embedding may share).
