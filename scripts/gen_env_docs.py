@@ -191,9 +191,10 @@ costs a fault, and the packing's strided reads miss the TLB. When the
 variable is unset, the platform sets `THP_MEM_ALLOC_ENABLE=1` during the
 configuration and logs it, so the processes started after it take it:
 the engine process that `vllm serve` spawns, and the tensor-parallel
-ranks. The process that is already running does not. An offline
-`LLM(...)` in a Python process of your own gets it only if you export the
-variable before starting Python. The container image sets it.
+ranks the executor starts (rank 0 runs in the engine's own process). The
+process that is already running does not: an offline `LLM(...)` in a
+Python process of your own gets it only if you export the variable before
+starting Python. The container image sets it.
 `THP_MEM_ALLOC_ENABLE=0` keeps 4 KiB pages.
 
 At 2B in bfloat16 (warm page cache, `benchmarks/load_time.py`), the load
