@@ -255,6 +255,23 @@ def test_unpack_int32_orders():
                        codes8.to(torch.uint8))
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_unpack_int32_reads_every_word_like_shifts(bits, dim):
+    """Random words, every bit pattern's sign included: the codes read
+    from the words' bytes (8 and 4 bits) or by shifts (2) are each word's
+    fields, lowest first, along ``dim``."""
+    torch.manual_seed(bits)
+    packed = torch.randint(-2**31, 2**31 - 1, (6, 10), dtype=torch.int32)
+    per, mask = 32 // bits, (1 << bits) - 1
+    wide = packed.to(torch.int64) & 0xFFFFFFFF
+    fields = torch.stack([(wide >> (bits * i)) & mask for i in range(per)],
+                         dim=dim + 1)
+    expected = fields.flatten(dim, dim + 1).to(torch.uint8)
+    assert torch.equal(spyre_quant_method._unpack_int32(packed, bits, dim),
+                       expected)
+
+
 GPTQ = dict(quant_method="gptq", bits=4, group_size=128, desc_act=False,
             sym=True, checkpoint_format="gptq")
 

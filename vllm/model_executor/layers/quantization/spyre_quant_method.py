@@ -10,6 +10,7 @@ kernel (``spyre_quant_linear``) or dequantizes it once.
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -38,16 +39,27 @@ logger = init_logger(__name__)
 
 def _unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Codes packed ``32 / bits`` to an int32 along ``dim``, the first in
-    the lowest bits, as unsigned 8-bit integers (uint8).  One shift at a
-    time, so that the unpacking holds the codes' bytes and one int32 slice
-    of them at most, never every code widened to 32 bits (an output
-    head's are a gigabyte)."""
+    the lowest bits, as unsigned 8-bit integers (uint8).  8- and 4-bit
+    codes are read from the words' bytes (a byte per code, or its two
+    halves), one pass over them; other widths one shift at a time.  Never
+    every code widened to 32 bits (an output head's are a gigabyte)."""
     per = 32 // bits
     sizes = list(packed.shape)
     sizes.insert(dim + 1, per)
-    out = torch.empty(sizes, dtype=torch.uint8)
-    for i in range(per):
-        out.select(dim + 1, i).copy_((packed >> (bits * i)) & ((1 << bits) - 1))
+    if bits in (8, 4):
+        # [..., 4]: each word's bytes, its lowest first.
+        words = packed.contiguous().view(torch.uint8).view(
+            *packed.shape, 4)
+        if sys.byteorder == "big":
+            words = words.flip(-1)
+        codes = words if bits == 8 else torch.stack(
+            (words & 15, words >> 4), dim=-1).view(*packed.shape, 8)
+        out = codes.movedim(-1, dim + 1).contiguous()
+    else:
+        out = torch.empty(sizes, dtype=torch.uint8)
+        for i in range(per):
+            out.select(dim + 1, i).copy_(
+                (packed >> (bits * i)) & ((1 << bits) - 1))
     sizes.pop(dim + 1)
     sizes[dim] *= per
     return out.view(sizes)
