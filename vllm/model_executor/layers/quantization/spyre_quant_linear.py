@@ -134,9 +134,15 @@ def pack(weight: QuantWeight) -> PackedQuant:
         codes = weight.codes.view(torch.uint8) if weight.kind == "int8" \
             else weight.codes.to(torch.uint8)
         scales = weight.scales
-    padded = codes.new_zeros(blocks * BLOCK, k)
-    padded[:n] = codes
-    packed = padded.view(blocks, BLOCK, k).transpose(1, 2)
+    # By input feature, [K, N]: a view where the codes are held so (GPTQ
+    # packs them along K), whose blocks of 32 columns are 32-byte runs:
+    # the layout is one copy of runs, not a transpose of single bytes.
+    by_input = codes.t()
+    if n % BLOCK:
+        wide = by_input.new_zeros(k, blocks * BLOCK)
+        wide[:, :n] = by_input
+        by_input = wide
+    packed = by_input.reshape(k, blocks, BLOCK).permute(1, 0, 2)
     if weight.kind == "int4":
         packed = packed[..., :BLOCK // 2] | (packed[..., BLOCK // 2:] << 4)
     offsets, zero = None, 0.0

@@ -266,7 +266,7 @@ class SpyreQuantLinearMethod(LinearMethodBase):
             return QuantWeight(
                 "int8", (codes ^ 128).view(torch.int8), scales.contiguous(),
                 zeros.float().contiguous() if zeros.any() else None, group)
-        return QuantWeight("int4", codes.view(torch.int8).contiguous(),
+        return QuantWeight("int4", codes.view(torch.int8),
                            scales.contiguous(), zeros.float().contiguous(),
                            group)
 
