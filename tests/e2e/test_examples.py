@@ -53,23 +53,6 @@ def test_langchain_example(server):
     assert streamed and len(streamed[0]) > len("streamed: ")
 
 
-def test_engine_holds_its_large_tensors_in_huge_pages(server):
-    """The engine process that vllm serve spawns starts with PyTorch's
-    THP_MEM_ALLOC_ENABLE=1 (the platform sets it unless the user has):
-    its weights, SmolLM2's 113 MB embedding among them, are in
-    transparent huge pages where the system allows them."""
-    import psutil
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not thp.exists() or "[never]" in thp.read_text():
-        pytest.skip("transparent huge pages are off on this system")
-    children = psutil.Process(server.proc.pid).children(recursive=True)
-    engine = max(children, key=lambda p: p.memory_info().rss)
-    assert engine.environ().get("THP_MEM_ALLOC_ENABLE") == "1"
-    rollup = Path(f"/proc/{engine.pid}/smaps_rollup").read_text()
-    huge_kib = int(re.search(r"AnonHugePages:\s+(\d+) kB", rollup).group(1))
-    assert huge_kib >= 100 * 1024, rollup
-
-
 def run_trainer_loop(launcher: list[str], model) -> list[str]:
     proc = subprocess.run(
         [*launcher, str(REPO / "examples" / "trainer_loop.py"), "--model",

@@ -208,25 +208,6 @@ def test_usage_statistics_off_unless_the_user_chose(tiny_llama, chosen):
             assert usage_lib.is_usage_stats_enabled() is (chosen == "0")
 
 
-@pytest.mark.parametrize("chosen", [None, "0", "1"])
-def test_huge_pages_for_the_engine_unless_the_user_chose(tiny_llama, chosen):
-    """The platform sets PyTorch's THP_MEM_ALLOC_ENABLE=1 for the
-    processes started after the configuration (vllm serve's engine, the
-    ranks) when it is unset, and keeps the user's choice when set."""
-    import os
-    from unittest import mock
-
-    from vllm import EngineArgs
-    env = dict(CB_ENV)
-    if chosen is not None:
-        env["THP_MEM_ALLOC_ENABLE"] = chosen
-    with mock.patch.dict(os.environ, env):
-        if chosen is None:
-            os.environ.pop("THP_MEM_ALLOC_ENABLE", None)
-        EngineArgs(model=str(tiny_llama)).create_engine_config()
-        assert os.environ["THP_MEM_ALLOC_ENABLE"] == (chosen or "1")
-
-
 @pytest.mark.parametrize("env", [STATIC_ENV, CB_ENV])
 def test_configuration_too_large_is_refused_before_loading(tiny_llama, env):
     """--gpu-memory-utilization 0.01 leaves less than the process itself

@@ -38,9 +38,6 @@ logger = init_logger(__name__)
 #: user's choice, which the platform keeps.
 USAGE_STATS_ENV_VARS = ("VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK",
                         "DO_NOT_TRACK")
-#: PyTorch's switch for large CPU tensors in transparent huge pages
-#: (docs/performance.md: a load's copies fault 512 times less often).
-HUGE_PAGES_ENV_VAR = "THP_MEM_ALLOC_ENABLE"
 SPYRE_ATTN_BACKEND_CLS = \
     "vllm.attention.backends.spyre_attn.SpyreAttentionBackend"
 SPYRE_PUNICA_WRAPPER_CLS = \
@@ -169,13 +166,6 @@ class SpyrePlatform(Platform):
                 "vLLM usage statistics are off on Spyre: collecting them "
                 "takes a core while the first batch runs, and the server "
                 "makes no network calls (VLLM_NO_USAGE_STATS=0 keeps them).")
-        if HUGE_PAGES_ENV_VAR not in os.environ:
-            # PyTorch reads it when a process starts: the engine's process
-            # (vllm serve spawns it) and the ranks', not this one.
-            os.environ[HUGE_PAGES_ENV_VAR] = "1"
-            logger.info("Spyre: tensors of 2 MiB and more in transparent "
-                        "huge pages in the engine's processes (%s=0 keeps "
-                        "4 KiB pages)", HUGE_PAGES_ENV_VAR)
 
         parallel_config = vllm_config.parallel_config
 
