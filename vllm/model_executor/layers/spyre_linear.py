@@ -57,13 +57,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
         padded[:n] = weight
     else:  # no padding: the layout's one copy is the permutation's
         padded = weight.contiguous()
-    if weight.dtype == torch.bfloat16:
-        # Each pair moves as one 32-bit word: a transpose of words copies
-        # faster than a permutation of 16-bit values.
-        packed = padded.view(torch.int32).view(blocks, BLOCK, k // 2) \
-            .transpose(1, 2).contiguous().view(torch.bfloat16)
-    else:
-        packed = padded.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
+    # bfloat16: each pair moves as one 32-bit word (a transpose of words
+    # copies faster than a permutation of 16-bit values).
+    words = padded.view(torch.int32) if weight.dtype == torch.bfloat16 \
+        else padded
+    packed = words.view(blocks, BLOCK, -1).transpose(1, 2).contiguous() \
+        .view(weight.dtype)
     # Never a view of the weight (which a tied embedding may share).
     return packed.clone() if packed.data_ptr() == weight.data_ptr() \
         else packed
