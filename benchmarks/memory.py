@@ -21,7 +21,10 @@ realistic-size checkpoints ``scripts/benchmark_checkpoints.py`` writes:
     python benchmarks/memory.py --model models/bench/granite-3.3-8b-bf16 \
         --configs bf16,bf16-cb
 
-and ``bf16-image`` for the vision-language ones
+``fp32`` serves a float32 one (``--formats fp32``) in float32.
+``bf16-tp2`` serves them over two tensor-parallel ranks and adds a row
+per rank: its estimate against its own process's peak (rank 0 shares its
+process with the engine).  ``bf16-image`` is for the vision-language ones
 ``scripts/vision_checkpoints.py`` writes (requests of the largest image
 its processor tiles):
 
@@ -53,9 +56,22 @@ CONFIGS = {
     # scripts/benchmark_checkpoints.py's), whose steps are slow on a CPU.
     "bf16": (warmup_env("eager", [(64, 24, 4)]), dict(dtype="bfloat16"),
              (4, 60, 24)),
+    # A float32 checkpoint (benchmark_checkpoints.py --formats fp32),
+    # served in float32 as its dtype "auto" is on a CPU.
+    "fp32": (warmup_env("eager", [(64, 24, 4)]), dict(dtype="float32"),
+             (4, 60, 24)),
     "bf16-cb": (cb_env("eager"),
                 dict(dtype="bfloat16", max_model_len=512, max_num_seqs=4),
                 (4, 200, 16)),
+    # The same on ``inductor``, whose graphs and compile-time peak the
+    # estimate's runtime part counts.
+    "bf16-inductor": (warmup_env("inductor", [(64, 24, 4)]),
+                      dict(dtype="bfloat16"), (4, 60, 24)),
+    # Two tensor-parallel ranks, each reading and holding its shard: each
+    # rank's estimate against its own process's peak.
+    "bf16-tp2": (warmup_env("eager", [(64, 24, 4)]),
+                 dict(dtype="bfloat16", tensor_parallel_size=2),
+                 (4, 60, 24)),
     # A vision-language model (scripts/vision_checkpoints.py): requests
     # of one image each, of the largest size its processor tiles.
     "bf16-image": (cb_env("eager"),
@@ -77,14 +93,23 @@ class MemoryProbe:
             prompts = [TokensPrompt(prompt_token_ids=[
                 (i * 7 + j) % 1000 + 10 for j in range(prompt)])
                 for i in range(requests)]
-        load_peak = _status_kib("VmHWM") * 1024
-        serving_start = _reset_peak()
+        # Per rank (one, unless tensor parallel): each in its own process.
+        load_peaks = llm.collective_rpc(_rank_peak)
+        serving_starts = llm.collective_rpc(_reset_peak)
         llm.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True,
                                              temperature=0.0),
                      use_tqdm=False)
-        serving_peak = _status_kib("VmHWM") * 1024
-        serving_growth = serving_peak - serving_start
-        estimate = llm.collective_rpc("get_memory_estimate")[0]
+        serving_peaks = llm.collective_rpc(_rank_peak)
+        estimates = llm.collective_rpc("get_memory_estimate")
+        self.ranks = [
+            dict(estimate=e.total, parts=e.describe(),
+                 peak=max(load, serving), serving_growth=serving - start)
+            for e, load, start, serving in zip(estimates, load_peaks,
+                                               serving_starts, serving_peaks)
+        ]
+        estimate = estimates[0]
+        load_peak, serving_peak = load_peaks[0], serving_peaks[0]
+        serving_growth = serving_peak - serving_starts[0]
         cache = llm.llm_engine.cache_config
         extra = 0
         if engine_args.get("max_num_seqs"):  # continuous batching
@@ -98,7 +123,8 @@ class MemoryProbe:
             estimate=estimate.total + extra, parts=estimate.describe(),
             pool_blocks=cache.num_gpu_blocks if extra else None,
             activations=estimate.activations, serving_growth=serving_growth,
-            peak=max(load_peak, serving_peak))
+            peak=max(load_peak, serving_peak),
+            ranks=self.ranks if len(self.ranks) > 1 else None)
 
     def info(self) -> dict:
         return self.result
@@ -112,10 +138,17 @@ def _status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def _reset_peak() -> int:
-    """Resets the process's peak resident set to its current one (Linux:
-    ``clear_refs`` 5) and returns it, in bytes: the serving that follows
-    then has a peak of its own."""
+def _rank_peak(worker=None) -> int:
+    """The calling process's peak resident set, in bytes (run in each rank
+    by ``collective_rpc``, which passes the worker)."""
+    return _status_kib("VmHWM") * 1024
+
+
+def _reset_peak(worker=None) -> int:
+    """Resets the calling process's peak resident set to its current one
+    (Linux: ``clear_refs`` 5) and returns it, in bytes: the serving that
+    follows then has a peak of its own (run in each rank by
+    ``collective_rpc``)."""
     Path("/proc/self/clear_refs").write_text("5")
     return _status_kib("VmRSS") * 1024
 
@@ -157,6 +190,12 @@ def main() -> None:
                      f"{got['peak'] / GiB:.2f}", f"{ratio:.2f}",
                      f"{got['activations'] / GiB:.2f}",
                      f"{got['serving_growth'] / GiB:.2f}", got["parts"]])
+        for rank, part in enumerate(got.get("ranks") or []):
+            rows.append([f"  rank {rank}", f"{part['estimate'] / GiB:.2f}",
+                         f"{part['peak'] / GiB:.2f}",
+                         f"{part['estimate'] / part['peak']:.2f}", "",
+                         f"{part['serving_growth'] / GiB:.2f}",
+                         part["parts"]])
     print()
     print(table(["config", "estimate GiB", "peak RSS GiB", "est/peak",
                  "activations GiB", "serving growth GiB",

@@ -12,19 +12,24 @@ one shard in memory, not the model.
 
     python scripts/benchmark_checkpoints.py [--out models/bench]
         [--shapes granite-3.3-2b,granite-3.3-8b,granite-4.0-h-micro]
-        [--formats bf16,gptq-int8,gptq-int4,fp8]
+        [--formats bf16,fp32,gptq-int8,gptq-int4,fp8]
 
 Shapes (``SHAPES``): ``granite-3.3-2b`` and ``granite-3.3-8b``
 (``GraniteForCausalLM`` with its four multipliers, tied embeddings) and
 ``granite-4.0-h-micro`` (``GraniteMoeHybridForCausalLM``: Mamba-2 layers
 with attention every tenth layer, no experts).  The vocabulary is the
-default model's 49152 tokens.  Formats other than ``bf16`` go through the
-quantization writer (``scripts/quantize.py``) from the bf16 folder, the
+default model's 49152 tokens.  ``fp32`` is the bf16 folder's tensors
+widened to float32 (exactly), shard by shard, into ``<shape>-fp32``: what
+a float32 checkpoint costs to load and hold.  The other formats go through
+the quantization writer (``scripts/quantize.py``) from the bf16 folder, the
 output head quantized too (as llama.cpp's GGUF files quantize theirs), into
 ``<shape>-<format>`` beside it, where ``benchmarks/offline.py``'s quantized
-engines find them (``_engines.quantized_model``); the writer holds the
-whole model in memory.  A folder already written (its ``config.json``
-present) is kept.
+engines find them (``_engines.quantized_model``).  The GPTQ formats and
+the compressed-tensors ones without calibrated inputs (``fp8-dynamic``,
+``w8a16``, ``w4a16``) are written a tensor at a time; ``fp8`` calibrates
+its static input scales on the whole float model, which an 8B model does
+not leave room for on a 24 GiB machine.  A folder already written (its
+``config.json`` present) is kept.
 """
 from __future__ import annotations
 
@@ -104,7 +109,8 @@ SHAPES = {
         logits_scaling=8.0),
 }
 
-QUANT_FORMATS = ("gptq-int8", "gptq-int4", "fp8", "w8a16", "w4a16")
+QUANT_FORMATS = ("gptq-int8", "gptq-int4", "fp8", "fp8-dynamic", "w8a16",
+                 "w4a16")
 
 
 def config_of(shape: str) -> dict:
@@ -192,6 +198,38 @@ def write_bf16(shape: str, out: Path, seed: int = 0) -> Path:
     return folder
 
 
+def write_fp32(source: Path) -> Path:
+    """The bf16 folder ``source`` with every tensor widened to float32, a
+    shard at a time, into ``<shape>-fp32`` beside it; returns it."""
+    from safetensors.torch import load_file, save_file
+    folder = source.with_name(source.name.removesuffix("-bf16") + "-fp32")
+    if (folder / "config.json").exists():
+        print(f"{folder}: already written")
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    start = time.perf_counter()
+    for file in sorted(set(index["weight_map"].values())):
+        tensors = {name: t.float() for name, t in
+                   load_file(str(source / file)).items()}
+        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+        del tensors
+        print(f"{folder.name}: {file}", flush=True)
+    index["metadata"]["total_size"] *= 2
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps(index, indent=2))
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copy(source / name, folder / name)
+    config = json.loads((source / "config.json").read_text())
+    config["torch_dtype"] = "float32"
+    # Last: a folder with its config is a finished one.
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    print(f"{folder}: {index['metadata']['total_size'] / 2**30:.2f} GiB, "
+          f"written in {time.perf_counter() - start:.0f} s")
+    return folder
+
+
 def write_quantized(source: Path, fmt: str) -> Path:
     """``scripts/quantize.py``'s ``fmt`` of the bf16 folder ``source``."""
     folder = source.with_name(source.name.removesuffix("-bf16") + f"-{fmt}")
@@ -210,13 +248,13 @@ def main() -> None:
     ap.add_argument("--shapes", default="granite-3.3-2b",
                     help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--formats", default="bf16",
-                    help="comma-separated: bf16 and any of "
+                    help="comma-separated: bf16, fp32 and any of "
                     f"{', '.join(QUANT_FORMATS)}")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     formats = args.formats.split(",")
     for fmt in formats:
-        if fmt != "bf16" and fmt not in QUANT_FORMATS:
+        if fmt not in ("bf16", "fp32") and fmt not in QUANT_FORMATS:
             ap.error(f"--formats: unknown format {fmt!r}")
     for shape in args.shapes.split(","):
         if shape not in SHAPES:
@@ -224,7 +262,9 @@ def main() -> None:
                      f"{', '.join(SHAPES)}")
         folder = write_bf16(shape, args.out, args.seed)
         for fmt in formats:
-            if fmt != "bf16":
+            if fmt == "fp32":
+                write_fp32(folder)
+            elif fmt != "bf16":
                 write_quantized(folder, fmt)
 
 

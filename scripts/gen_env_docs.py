@@ -185,19 +185,17 @@ the engine starts, and logs it. Any switch set by the user is kept:
 
 PyTorch puts each CPU tensor of 2 MiB or more in transparent huge pages
 when `THP_MEM_ALLOC_ENABLE=1` is set as a process starts (it reads the
-variable once). A model's load copies its weights from the checkpoint
-and then into the kernels' packed layout. In 4 KiB pages every page
-costs a fault, and the packing's strided reads miss the TLB. Export the
-variable before starting `vllm serve` or Python to load faster. It is not
-set by default, because a long-running server's memory then grows in
-2 MiB steps.
+variable once). It is not set by default, because a long-running server's
+memory then grows in 2 MiB steps, and it no longer shortens the load.
 
 At 2B in bfloat16 (warm page cache, `benchmarks/load_time.py`), the load
-took 4.7 s with huge pages against 7.7-10.4 s without: the checkpoint's
-read 2.5 s against 3.2-4.3 s, and the packing 1.5 s against 4.2-5.4 s.
-The peak resident memory after a short run was the same (5.95 GiB,
-`benchmarks/memory.py --configs bf16`), and so was a decode step (115
-against 116 ms, `benchmarks/roofline.py`).
+took 4.12 s with huge pages against 3.76-4.25 s without. It had taken
+4.7 s against 7.7-10.4 s while the load still copied each fused weight
+into a fresh parameter and packed each weight into a fresh copy, every
+4 KiB page of which cost a fault; the weights are now adopted and packed
+in place. Then, the peak resident memory after a short run was the same
+with and without (5.95 GiB, `benchmarks/memory.py --configs bf16`), and
+so was a decode step (115 against 116 ms, `benchmarks/roofline.py`).
 
 Over a long run it was not the same. In the test suite's soak (300
 streams, a third dropped, on the tiny model), the server's resident memory

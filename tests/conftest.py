@@ -103,6 +103,43 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=place)
 
 
+#: Variables a test may leave changed: pytest's own; the platform's
+#: usage-statistics switch, set on purpose for the life of the process
+#: (``spyre.usage_stats_unset``); what torch's inductor and Ray (its import
+#: and ``ray.init``: its debugger hook among them) set for themselves.
+ENVIRON_OWNED_ELSEWHERE = ("PYTEST_CURRENT_TEST", "VLLM_NO_USAGE_STATS",
+                           "_TORCHINDUCTOR_", "RAY_", "PYTHONBREAKPOINT")
+
+
+def _environ() -> dict[str, str]:
+    """``os.environ`` but ``ENVIRON_OWNED_ELSEWHERE``."""
+    return {name: value for name, value in os.environ.items()
+            if not name.startswith(ENVIRON_OWNED_ELSEWHERE)}
+
+
+@pytest.fixture(autouse=True)
+def environment_left_as_found():
+    """Each test leaves ``os.environ`` as it found it: an engine built in
+    this process must not leave its settings (rank variables, a start
+    method) to the servers and engines of later tests, which start under
+    this environment.  A test that changed it fails, naming the
+    variables, and the environment is put back."""
+    before = _environ()
+    yield
+    after = _environ()
+    if after != before:
+        changed = sorted(name for name in before.keys() | after.keys()
+                         if before.get(name) != after.get(name))
+        for name in changed:
+            if name in before:
+                os.environ[name] = before[name]
+            else:
+                del os.environ[name]
+        pytest.fail("the test left os.environ changed: "
+                    + ", ".join(f"{name}={after.get(name)!r}"
+                                for name in changed), pytrace=False)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def shared_engine_released():
     """The session's shared engine (``shared_llm``) is torn down at its

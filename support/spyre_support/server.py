@@ -215,7 +215,7 @@ def check_soak(server, n: int, max_prompt: int, max_tokens: int) -> None:
     result = asyncio.run(soak(server.url, server.model, pool, plan,
                               concurrency=16, baseline_after=n // 5,
                               rss=lambda: tree_rss(server.proc.pid)))
-    assert result.ok, result
+    assert not result.problems, result.problems
     assert result.completed + result.dropped == n
     assert result.dropped > n // 5
     assert result.end_metrics["vllm:gpu_cache_usage_perc"] == 0

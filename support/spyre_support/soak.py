@@ -212,12 +212,33 @@ class SoakResult:
     processes_end: Optional[int] = None
 
     @property
+    def problems(self) -> list[str]:
+        """Each check the run failed, with its figures (a failing test's
+        message: the dataclass's repr is cut short)."""
+        found = []
+        if self.errors:
+            found.append(f"{self.errors} request(s) failed: "
+                         + " | ".join(self.error_samples))
+        if self.mismatched:
+            found.append(f"{self.mismatched} answer(s) differ from the "
+                         "request run alone")
+        busy = {name: v for name, v in self.end_metrics.items() if v}
+        if busy:
+            found.append(f"not idle at the end: {busy}")
+        if (self.rss_ratio is not None
+                and abs(self.rss_ratio - 1) > self.rss_within):
+            found.append(
+                f"resident memory {self.rss_baseline_mib:.0f} -> "
+                f"{self.rss_end_mib:.0f} MiB (x{self.rss_ratio:.3f}, "
+                f"within {self.rss_within:g} allowed)")
+        if self.processes_end != self.processes_baseline:
+            found.append(f"processes {self.processes_baseline} -> "
+                         f"{self.processes_end}")
+        return found
+
+    @property
     def ok(self) -> bool:
-        return (self.errors == 0 and self.mismatched == 0
-                and not any(self.end_metrics.values())
-                and (self.rss_ratio is None
-                     or abs(self.rss_ratio - 1) <= self.rss_within)
-                and self.processes_end == self.processes_baseline)
+        return not self.problems
 
 
 @dataclass

@@ -101,15 +101,25 @@ def test_streams_join_a_running_batch(server):
 def test_abort_storm_frees_every_block(server):
     """30 streams, about a third dropped mid-stream: the others get all
     their tokens, and afterwards no request and no block is held.  While
-    they run, the blocks they hold show in vLLM's metrics."""
-    with ThreadPoolExecutor(1) as pool:
-        storm = pool.submit(abort_storm, server, n=30, seed=3,
-                            max_prompt=150, max_tokens=60)
-        in_use = 0.0
-        while not storm.done():
-            in_use = max(in_use, metric(server, "vllm:gpu_cache_usage_perc"))
-            time.sleep(0.02)
-        storm.result()
+    they run, the blocks they hold show in vLLM's metrics.
+
+    On the tiny model a storm lasts about a second, and on a busy machine
+    a scrape of /metrics can take much of that, so scrapes may all fall
+    before the first step or after the last: then the storm is played
+    again (three storms at most).  An engine that never shows its blocks
+    fails every storm."""
+    in_use = 0.0
+    for seed in (3, 4, 5):
+        with ThreadPoolExecutor(1) as pool:
+            storm = pool.submit(abort_storm, server, n=30, seed=seed,
+                                max_prompt=150, max_tokens=60)
+            while not storm.done():
+                in_use = max(in_use,
+                             metric(server, "vllm:gpu_cache_usage_perc"))
+                time.sleep(0.02)
+            storm.result()
+        if in_use > 0:
+            break
     assert in_use > 0
     wait_until_zero(server, ("vllm:num_requests_running",
                              "vllm:num_requests_waiting",

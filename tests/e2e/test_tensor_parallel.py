@@ -159,6 +159,8 @@ def test_generic_base_with_a_plain_cpu_mixin(tiny_llama):
         pids = executor.collective_rpc("pid")
         assert pids[0] == os.getpid() and len(set(pids)) == 3
         executor.check_health()
+        # Rank 0's variable was set while it started, not left behind.
+        assert "PLAIN_RANK_TAG" not in os.environ
     finally:
         executor.collective_rpc("shutdown")
         executor.shutdown()

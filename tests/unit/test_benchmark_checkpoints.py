@@ -58,3 +58,29 @@ def test_quantized_form_beside_it(written):
     config = json.loads((folder / "config.json").read_text())
     assert config["quantization_config"]["bits"] == 8
     assert config["quantization_config"]["lm_head"] is True
+
+
+def test_fp32_form_beside_it(written):
+    """Every tensor the bf16 folder's, widened exactly; float32 in the
+    config and the index's size."""
+    from safetensors.torch import load_file
+
+    from vllm.model_executor.models.spyre_dtypes import stored_dtypes
+    folder = bc.write_fp32(written)
+    assert folder == written.with_name("small-fp32")
+    assert stored_dtypes(str(folder)) == {torch.float32}
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    source = json.loads(
+        (written / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == source["weight_map"]
+    assert index["metadata"]["total_size"] == \
+        2 * source["metadata"]["total_size"]
+    for file in set(source["weight_map"].values()):
+        wide, narrow = (load_file(str(f / file)) for f in (folder, written))
+        assert wide.keys() == narrow.keys()
+        for name, t in narrow.items():
+            assert wide[name].dtype == torch.float32
+            assert torch.equal(wide[name], t.float())
+    config = json.loads((folder / "config.json").read_text())
+    assert config["torch_dtype"] == "float32"
+    assert (folder / "tokenizer.json").exists()

@@ -61,6 +61,33 @@ def test_pack_weight_layout_bf16():
     assert not p[2, :, 2 * (70 - 64):].any()
 
 
+@pytest.mark.parametrize("dtype,out_features,in_features",
+                         [(torch.float32, 96, 70), (torch.bfloat16, 64, 576),
+                          (torch.bfloat16, 2048, 130)])
+def test_pack_weight_in_place_writes_over_the_weight(dtype, out_features,
+                                                     in_features):
+    w = torch.randn(out_features, in_features).to(dtype)
+    expected = spyre_linear.pack_weight(w)
+    address = w.data_ptr()
+    packed = spyre_linear.pack_weight(w, in_place=True)
+    assert packed.data_ptr() == address  # no second copy of the weight
+    assert packed.shape == expected.shape and packed.dtype == dtype
+    assert torch.equal(packed, expected)
+
+
+def test_pack_weight_in_place_copies_what_it_does_not_own():
+    """Padded layouts, views into a larger tensor and memory-mapped bytes
+    are packed into a copy and left as they were."""
+    padded = torch.randn(70, 6).bfloat16()
+    whole = torch.randn(128, 64)
+    for w in (padded, whole[:64], torch.from_numpy(whole.numpy()[64:])):
+        before = w.clone()
+        packed = spyre_linear.pack_weight(w, in_place=True)
+        assert packed.data_ptr() != w.data_ptr()
+        assert torch.equal(w, before)
+        assert torch.equal(packed, spyre_linear.pack_weight(before))
+
+
 def _bf16(t: torch.Tensor) -> torch.Tensor:
     """Rounded to bfloat16, held as float32."""
     return t.bfloat16().float()
@@ -232,6 +259,34 @@ def test_pack_linears_replaces_every_linear(tiny_pair):
              if isinstance(m, spyre_linear.PackedLinear)}
     assert heads.pop("head") == "base_model.embedding.weight"
     assert set(heads.values()) == {None}
+
+
+def test_pack_linears_packs_untied_weights_in_their_storage():
+    """Each untied layer's packed weight takes its old weight's storage;
+    the head tied to the embedding gets its own copy and the embedding keeps
+    its values."""
+    from fms.models.llama import LLaMA, LLaMAConfig
+    torch.manual_seed(0)
+    model = LLaMA(LLaMAConfig(src_vocab_size=128, emb_dim=64, nheads=4,
+                              kvheads=2, nlayers=1, hidden_grow_factor=2.0,
+                              tie_heads=True, max_expected_seq_len=64))
+    model.reset_parameters()
+    model.post_init()  # ties the head to the embedding
+    model.eval().requires_grad_(False)
+    addresses = {name: m.weight.data_ptr()
+                 for name, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear)}
+    embedding = model.base_model.embedding.weight.clone()
+    spyre_linear.pack_linears(model)
+    layers = {name: m for name, m in model.named_modules()
+              if isinstance(m, spyre_linear.PackedLinear)}
+    assert layers.keys() == addresses.keys()
+    for name, layer in layers.items():
+        shared = layer.packed.data_ptr() == addresses[name]
+        assert shared == (name != "head"), name
+    assert torch.equal(model.base_model.embedding.weight, embedding)
+    assert torch.equal(layers["head"].packed,
+                       spyre_linear.pack_weight(embedding))
 
 
 def test_repack_replaces_the_weight_in_place():

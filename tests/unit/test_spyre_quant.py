@@ -7,7 +7,6 @@
   ``torch.compile`` (the op's fake implementation);
 * every FP8 code (subnormals included) read exactly, also by the portable
   code of CPUs without AVX-512 (built for AVX2 in a subprocess);
-* GPTQ's and compressed-tensors' int32 packing read back;
 * the quantization configs Spyre runs, and a clear refusal, naming the
   value and what is supported, for the ones it does not.
 """
@@ -22,8 +21,7 @@ import pytest
 import torch
 
 from vllm.spyre_kernels import ops as native
-from vllm.model_executor.layers.quantization import (spyre_quant,
-                                                      spyre_quant_method)
+from vllm.model_executor.layers.quantization import spyre_quant
 from vllm.model_executor.layers.quantization.spyre_quant_linear import (
     QuantWeight, fake_quantize_fp8, pack, quant_linear)
 
@@ -235,41 +233,6 @@ def test_fake_quantize_fp8_static_and_dynamic():
     assert got[0, 1] == -3.0
     dyn = fake_quantize_fp8(x, None)
     assert dyn[0, 2] == 1000.0 and torch.equal(dyn[1], x[1])
-
-
-def test_unpack_int32_orders():
-    codes = torch.arange(16, dtype=torch.int32).view(2, 8) % 16
-    packed = torch.zeros(2, 1, dtype=torch.int32)
-    for j in range(8):
-        packed[:, 0] |= codes[:, j] << (4 * j)
-    codes = codes.to(torch.uint8)
-    assert torch.equal(spyre_quant_method._unpack_int32(packed, 4, 1), codes)
-    assert torch.equal(spyre_quant_method._unpack_int32(packed.t(), 4, 0),
-                       codes.t())
-    # 8-bit codes, negative int32 words included (a top code of 128+).
-    codes8 = torch.tensor([[0, 127, 128, 255], [1, 2, 254, 200]])
-    packed8 = torch.zeros(2, 1, dtype=torch.int32)
-    for j in range(4):
-        packed8[:, 0] |= (codes8[:, j] << (8 * j)).to(torch.int32)
-    assert torch.equal(spyre_quant_method._unpack_int32(packed8, 8, 1),
-                       codes8.to(torch.uint8))
-
-
-@pytest.mark.parametrize("bits", [2, 4, 8])
-@pytest.mark.parametrize("dim", [0, 1])
-def test_unpack_int32_reads_every_word_like_shifts(bits, dim):
-    """Random words, every bit pattern's sign included: the codes read
-    from the words' bytes (8 and 4 bits) or by shifts (2) are each word's
-    fields, lowest first, along ``dim``."""
-    torch.manual_seed(bits)
-    packed = torch.randint(-2**31, 2**31 - 1, (6, 10), dtype=torch.int32)
-    per, mask = 32 // bits, (1 << bits) - 1
-    wide = packed.to(torch.int64) & 0xFFFFFFFF
-    fields = torch.stack([(wide >> (bits * i)) & mask for i in range(per)],
-                         dim=dim + 1)
-    expected = fields.flatten(dim, dim + 1).to(torch.uint8)
-    assert torch.equal(spyre_quant_method._unpack_int32(packed, bits, dim),
-                       expected)
 
 
 GPTQ = dict(quant_method="gptq", bits=4, group_size=128, desc_act=False,

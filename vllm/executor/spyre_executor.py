@@ -19,6 +19,7 @@ import os
 from typing import Optional
 
 from vllm.config.spyre import SpyreConfig
+from vllm.executor.spyre_multiproc_executor_base import rank_environ
 from vllm.executor.uniproc_executor import UniProcExecutor
 from vllm.logger import init_logger
 from vllm.utils import get_open_port
@@ -75,16 +76,18 @@ class SpyreExecutor(SpyreExecutorMixin, UniProcExecutor):
     uses_ray: bool = False
 
     def _init_executor(self) -> None:
-        """Applies the Spyre rank environment, then starts the worker as
-        vLLM's UniProcExecutor does."""
+        """Starts the worker as vLLM's UniProcExecutor does, under the
+        Spyre rank environment: the worker reads it while it starts (its
+        threads, the rendezvous, FMS's load), and the caller's process
+        gets its own environment back after."""
         world_size = self.parallel_config.world_size
         if world_size != 1:
             raise ValueError(
                 f"SpyreExecutor runs one card, not {world_size}; use "
                 "MultiprocessingSpyreExecutor for tensor parallelism.")
         self._check_devices()
-        os.environ.update(self._rank_env(0))
-        super()._init_executor()
+        with rank_environ(self._rank_env(0)):
+            super()._init_executor()
 
 
 #: The modules a Spyre rank imports for its worker: named, not imported

@@ -17,7 +17,7 @@ Device specifics go through four hooks that a device mixin overrides:
 
 * ``_check_devices()``: refuse to start on a bad device configuration;
 * ``_rank_env(rank)``: environment variables of one rank, applied before
-  its process starts (and to the engine process for rank 0);
+  its process starts (and to the engine process while rank 0 starts);
 * ``_worker_kwargs(rank, init_method)``: the worker constructor's
   arguments;
 * ``_distributed_init_method()``: where the ranks meet;
@@ -84,23 +84,31 @@ class MultiprocessingExecutor(DistributedExecutorBase):
                 f"{type(self).__name__}")
         self.workers = self._start_workers(world_size)
 
-        os.environ.update(self._rank_env(0))
-        self.driver_worker = WorkerWrapperBase(self.vllm_config, rpc_rank=0)
-        init_method = self._distributed_init_method()
-        all_kwargs = [
-            self._worker_kwargs(rank, init_method)
-            for rank in range(world_size)
-        ]
-        self._run_workers("init_worker", all_kwargs)
-        self._run_workers("init_device")
-        self._run_workers("load_model")
+        # Rank 0 runs here: its variables while it starts, the caller's
+        # environment (an application's, for an in-process LLM) after.
+        with rank_environ(self._rank_env(0)):
+            self.driver_worker = WorkerWrapperBase(self.vllm_config,
+                                                   rpc_rank=0)
+            init_method = self._distributed_init_method()
+            all_kwargs = [
+                self._worker_kwargs(rank, init_method)
+                for rank in range(world_size)
+            ]
+            self._run_workers("init_worker", all_kwargs)
+            self._run_workers("init_device")
+            self._run_workers("load_model")
         logger.info("%s: %d ranks ready", type(self).__name__, world_size)
 
     def _start_workers(self, world_size: int) -> list:
         """Starts ranks 1..world_size-1; returns handles whose
         ``execute_method`` gives a future with ``get()``."""
         start_method = rank_start_method(self._rank_preload())
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = start_method
+        # vLLM's queues and worker processes take their start method from
+        # the environment: set while they are made, not after.
+        with rank_environ({"VLLM_WORKER_MULTIPROC_METHOD": start_method}):
+            return self._start_rank_processes(world_size)
+
+    def _start_rank_processes(self, world_size: int) -> list:
         self.result_handler = ResultHandler()
         workers = []
         for rank in range(1, world_size):
@@ -235,6 +243,22 @@ class RankMonitor(WorkerMonitor):
                              "%s; stopping the other ranks", self.owner,
                              rank, proc.pid, proc.exitcode)
         super().run()
+
+
+@contextlib.contextmanager
+def rank_environ(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` while inside; each variable's earlier
+    value, or its absence, restored after."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def rank_start_method(preload: list[str]) -> str:

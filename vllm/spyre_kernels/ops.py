@@ -9,7 +9,12 @@ other external kernel:
   weights were packed once (``vllm.model_executor.layers.spyre_linear``);
 * ``spyre_kernels::quant_linear`` (``quant.cpp``): linear layers of
   quantized checkpoints, their int8, FP8 or int4 codes dequantized in
-  registers (``vllm.model_executor.layers.quantization.spyre_quant_linear``);
+  registers (``vllm.model_executor.layers.quantization.spyre_quant_linear``),
+  and ``spyre_kernels::unpack_codes`` and
+  ``spyre_kernels::pack_code_words``, which read quantized codes out of
+  their int32 words at load time, the latter straight into the kernel's
+  layout
+  (``vllm.model_executor.layers.quantization.spyre_quant_linear``);
 * ``spyre_kernels::decode_attention``, ``spyre_kernels::paged_attention``
   and ``spyre_kernels::encoder_attention`` (``attention.cpp``): attention
   over the static cache (``spyre_static_cache``), the block pool
@@ -100,6 +105,13 @@ def available() -> bool:
     if _loaded is None:
         _loaded = _load()
     return _loaded
+
+
+def loaded() -> bool:
+    """Whether the kernels are built and loaded already (never builds
+    them): for load-time helpers that take the kernels where a model runs
+    on them and PyTorch's ops elsewhere."""
+    return bool(_loaded)
 
 
 def in_use(backend: str, wanted: bool) -> tuple[bool, str]:
@@ -223,12 +235,26 @@ def _fake_lora_add(out: torch.Tensor, input: torch.Tensor, a0: torch.Tensor,
 
 
 #: Each op's fake (shape-only) implementation, registered for tracing.
+def _fake_unpack_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
+    return words.new_empty((words.shape[0] * (32 // bits), words.shape[1]),
+                           dtype=torch.uint8)
+
+
+def _fake_pack_code_words(words: torch.Tensor, bits: int, dim: int,
+                          out_features: int) -> torch.Tensor:
+    return words.new_empty((-(-out_features // 32),
+                            words.shape[dim] * (32 // bits),
+                            32 if bits == 8 else 16), dtype=torch.uint8)
+
+
 _FAKES = {
     "packed_linear": _fake,
     "decode_attention": _fake_attention,
     "paged_attention": _fake_paged_attention,
     "encoder_attention": _fake_encoder_attention,
     "quant_linear": _fake_quant,
+    "unpack_codes": _fake_unpack_codes,
+    "pack_code_words": _fake_pack_code_words,
     "rms_norm": _fake_rms_norm,
     "add_rms_norm": _fake_add_rms_norm,
     "rotary_cos_sin": _fake_rotary_cos_sin,

@@ -673,9 +673,118 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
   return y;
 }
 
+// A checkpoint's codes packed 32 / bits to an int32 along the input
+// features (GPTQ's qweight, [K / per][N]), the first in the lowest bits,
+// unpacked at load time to one byte each, [K][N]: row r * per + i of the
+// result is bits i * bits ... of row r's words.  Shifts of the words'
+// values, so either byte order reads the same codes; each output row is a
+// contiguous pass, where strided byte copies of the words' bytes were the
+// largest part of a quantized load.
+at::Tensor unpack_codes(const at::Tensor& words, int64_t bits) {
+  TORCH_CHECK(words.dim() == 2 && words.scalar_type() == at::kInt,
+              "unpack_codes: words must be 2-D int32, not ",
+              words.sizes(), " ", words.scalar_type());
+  TORCH_CHECK(bits > 0 && bits <= 8 && 32 % bits == 0,
+              "unpack_codes: ", bits,
+              "-bit codes: need 1, 2, 4 or 8 bits, a divisor of 32");
+  const at::Tensor w = words.contiguous();
+  const int64_t rows = w.size(0), cols = w.size(1), per = 32 / bits;
+  at::Tensor out = at::empty({rows * per, cols},
+                             w.options().dtype(at::kByte));
+  const uint32_t* src =
+      reinterpret_cast<const uint32_t*>(w.data_ptr<int32_t>());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const uint32_t mask = (1u << bits) - 1;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint32_t* row = src + r * cols;
+      for (int64_t i = 0; i < per; ++i) {
+        uint8_t* o = dst + (r * per + i) * cols;
+        const int shift = static_cast<int>(bits * i);
+        for (int64_t n = 0; n < cols; ++n)
+          o[n] = static_cast<uint8_t>((row[n] >> shift) & mask);
+      }
+    }
+  });
+  return out;
+}
+
+// A checkpoint's codes, 32 / bits to an int32 word along the input
+// features, the first in the lowest bits (GPTQ's qweight, [K / per][N]:
+// dim 0; compressed-tensors' weight_packed, [N][K / per]: dim 1), laid out
+// at load time in the kernel's column blocks in one pass, with no byte per
+// code in between: 8-bit codes as int8 (the unsigned code's top bit
+// flipped), [N / 32][K][32] bytes; 4-bit codes two to a byte,
+// [N / 32][K][16] (column c of a block in the low half of byte c, column
+// c + 16 in its high half).  Columns past N are 0.  Each block reads its
+// 32 columns' words of every word of K and writes its own bytes in order.
+template <int kBits>
+void pack_words_into(const uint32_t* src, int64_t words_k, int64_t n,
+                     int64_t stride_k, int64_t stride_n, uint8_t* dst) {
+  constexpr int kPer = 32 / kBits;
+  constexpr uint32_t kMask = (1u << kBits) - 1;
+  constexpr int64_t kOut = kBits == 8 ? kBlock : kBlock / 2;
+  const int64_t K = words_k * kPer, blocks = (n + kBlock - 1) / kBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    uint32_t w[kBlock];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t c0 = blk * kBlock;
+      const int64_t cols = std::min(kBlock, n - c0);
+      uint8_t* o = dst + blk * K * kOut;
+      for (int64_t r = 0; r < words_k; ++r) {
+        const uint32_t* at = src + r * stride_k + c0 * stride_n;
+        for (int64_t j = 0; j < kBlock; ++j)
+          w[j] = j < cols ? at[j * stride_n] : 0u;
+        for (int i = 0; i < kPer; ++i, o += kOut) {
+          const int shift = kBits * i;
+          if constexpr (kBits == 8) {
+            for (int64_t j = 0; j < kBlock; ++j)
+              o[j] = j < cols ? static_cast<uint8_t>((w[j] >> shift) ^ 128u)
+                              : 0;
+          } else {
+            for (int64_t j = 0; j < kOut; ++j)
+              o[j] = static_cast<uint8_t>(
+                  ((w[j] >> shift) & kMask) |
+                  (((w[j + kOut] >> shift) & kMask) << 4));
+          }
+        }
+      }
+    }
+  });
+}
+
+at::Tensor pack_code_words(const at::Tensor& words, int64_t bits,
+                           int64_t dim, int64_t out_features) {
+  TORCH_CHECK(words.dim() == 2 && words.scalar_type() == at::kInt,
+              "pack_code_words: words must be 2-D int32, not ",
+              words.sizes(), " ", words.scalar_type());
+  TORCH_CHECK(bits == 8 || bits == 4, "pack_code_words: ", bits,
+              "-bit codes: need 8 or 4");
+  TORCH_CHECK(dim == 0 || dim == 1, "pack_code_words: dim ", dim,
+              ": the codes run along dim 0 or 1");
+  TORCH_CHECK(words.size(1 - dim) == out_features,
+              "pack_code_words: words of ", words.size(1 - dim),
+              " output features, not ", out_features);
+  const at::Tensor w = words.contiguous();
+  const int64_t words_k = w.size(dim), n = out_features;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  at::Tensor out = at::empty(
+      {blocks, words_k * (32 / bits), bits == 8 ? kBlock : kBlock / 2},
+      w.options().dtype(at::kByte));
+  const uint32_t* src =
+      reinterpret_cast<const uint32_t*>(w.data_ptr<int32_t>());
+  const int64_t stride_k = dim == 0 ? n : 1, stride_n = dim == 0 ? 1 : words_k;
+  (bits == 8 ? pack_words_into<8> : pack_words_into<4>)(
+      src, words_k, n, stride_k, stride_n, out.data_ptr<uint8_t>());
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(spyre_kernels, m) {
+  m.def("unpack_codes(Tensor words, int bits) -> Tensor");
+  m.def("pack_code_words(Tensor words, int bits, int dim, "
+        "int out_features) -> Tensor");
   m.def(
       "quant_linear(Tensor input, Tensor packed, Tensor scales, "
       "Tensor? offsets, int kind, int group_size, int out_features, "
@@ -687,4 +796,6 @@ TORCH_LIBRARY_FRAGMENT(spyre_kernels, m) {
 
 TORCH_LIBRARY_IMPL(spyre_kernels, CPU, m) {
   m.impl("quant_linear", &quant_linear);
+  m.impl("unpack_codes", &unpack_codes);
+  m.impl("pack_code_words", &pack_code_words);
 }

@@ -26,9 +26,11 @@ from vllm.lora.request import LoRARequest
 from vllm.model_executor import set_random_seed
 from vllm.model_executor.models.spyre_dtypes import (load_dtype,
                                                      precision_of,
+                                                     reads_linears_narrow,
                                                      stored_dtypes)
 from vllm.platforms import current_platform
 from vllm.sequence import ExecuteModelRequest
+from vllm.spyre_kernels import ops as native
 from vllm.worker import (spyre_heap, spyre_image_memory, spyre_lora_memory,
                          spyre_memory)
 from vllm.worker.spyre_runner_base import SpyreRunnerBase
@@ -171,17 +173,23 @@ class SpyreWorkerBase(LocalOrDistributedWorkerBase):
         return (self.vllm_config, )
 
     def reads_linears_narrow(self) -> bool:
-        """Whether the checkpoint's linear weights are read straight into
-        a narrower dtype than the model's own tensors (FMS's model code,
-        a bfloat16 checkpoint served in bfloat16 on the CPU), so that no
-        float32 copy of them is ever made."""
-        precision = precision_of(self.model_config.dtype,
-                                 self.spyre_config.dynamo_backend)
+        """Whether the checkpoint's linear weights are held in a narrower
+        dtype than the model's own tensors from the read on (FMS's model
+        code, bfloat16 served on the CPU: read so from a bfloat16
+        checkpoint, converted as read from a float32 one where the kernels
+        pack them), so that no float32 copy of them is ever made."""
         facts = SpyreModelFacts.from_vllm_config(self.vllm_config)
-        return (facts.model_impl == FMS
-                and precision.linear != precision.model
-                and load_dtype(precision, stored_dtypes(
-                    self.model_config.model)) == precision.linear)
+        if facts.model_impl != FMS:
+            return False
+        backend = self.spyre_config.dynamo_backend
+        precision = precision_of(self.model_config.dtype, backend)
+        stored = stored_dtypes(self.model_config.model)
+        # Only asked (the kernels built, if need be) where it decides.
+        packed = load_dtype(precision, stored) != precision.linear and \
+            native.in_use(backend, self.spyre_config.native_kernels)[0]
+        return reads_linears_narrow(
+            precision, stored, self.parallel_config.tensor_parallel_size,
+            packed)
 
     def get_startup_timings(self) -> dict[str, float]:
         """Seconds per start-up phase (model load, warm-up of each shape)."""

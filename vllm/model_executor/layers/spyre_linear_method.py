@@ -31,7 +31,7 @@ from torch import nn
 from vllm.model_executor.layers.linear import (LinearMethodBase,
                                                UnquantizedLinearMethod)
 from vllm.model_executor.layers.spyre_linear import (onednn_bf16_linear,
-                                                     pack_weight)
+                                                     pack_held)
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead, UnquantizedEmbeddingMethod, VocabParallelEmbedding)
 
@@ -123,7 +123,7 @@ def use_spyre_linears(model: nn.Module, dtype: torch.dtype,
         with torch.no_grad():
             if native:
                 module.register_buffer("spyre_packed",
-                                       pack_weight(weight.detach().to(dtype)),
+                                       pack_held(weight, dtype),
                                        persistent=False)
                 module.spyre_out_features = weight.shape[0]
             if not native:

@@ -47,7 +47,18 @@ def tensor_by_tensor(
 
 class SpyreModelLoader(DefaultModelLoader):
     """vLLM's default loader, reading safetensors checkpoints with
-    ``tensor_by_tensor``."""
+    ``tensor_by_tensor``, timing the weights' read for the load's log
+    line (``weights_seconds``)."""
+
+    #: Seconds the last ``load_weights`` took: each tensor read and put
+    #: in its parameter (a quantized layer finished as it is loaded, where
+    #: its method does so).
+    weights_seconds: float = 0.0
+
+    def load_weights(self, model: nn.Module, model_config) -> None:
+        start = time.perf_counter()
+        super().load_weights(model, model_config)
+        self.weights_seconds = time.perf_counter() - start
 
     def _get_weights_iterator(
             self, source: DefaultModelLoader.Source
@@ -86,7 +97,16 @@ def load_vllm_decoder(vllm_config: VllmConfig,
     model = loader.load_model(vllm_config=vllm_config,
                               model_config=model_config)
     model.requires_grad_(False)
-    logger.info("Loaded vLLM model %s from %s in %.1f s",
-                type(model).__name__, model_config.model,
-                time.perf_counter() - start)
+    total = time.perf_counter() - start
+    weights = getattr(loader, "weights_seconds", None)
+    if weights is None:
+        logger.info("Loaded vLLM model %s from %s in %.1f s",
+                    type(model).__name__, model_config.model, total)
+    else:
+        logger.info(
+            "Loaded vLLM model %s from %s in %.1f s (reading the weights: "
+            "%.1f s; building the model and finishing its layers, "
+            "quantized codes packed: %.1f s)",
+            type(model).__name__, model_config.model, total, weights,
+            total - weights)
     return model

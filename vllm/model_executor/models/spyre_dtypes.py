@@ -91,3 +91,17 @@ def load_dtype(precision: Precision, stored: set[torch.dtype]) -> torch.dtype:
     if stored == {precision.linear}:
         return precision.linear
     return precision.model
+
+
+def reads_linears_narrow(precision: Precision, stored: set[torch.dtype],
+                         tp_size: int, packed: bool) -> bool:
+    """Whether a checkpoint's linear weights are held in
+    ``precision.linear`` from the read on, so that no float32 copy of them
+    is ever made: read so where every stored float already is in it
+    (``load_dtype``); else, where the kernels pack them (``packed``) and
+    this rank reads the whole model, each converted as it is read
+    (``spyre_fms_loader``: a float32 checkpoint served in bfloat16)."""
+    if precision.linear == precision.model:
+        return False
+    return load_dtype(precision, stored) == precision.linear or (
+        packed and tp_size == 1)

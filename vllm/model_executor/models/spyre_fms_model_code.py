@@ -42,7 +42,8 @@ class FmsModelCode(ModelCode):
         model_config = self.vllm_config.model_config
         self.fms_model = spyre_loader.load_fms_decoder(
             model_config.model, model_config.hf_config, self.precision,
-            self.tp_size, self.spyre_config.dynamo_backend)
+            self.tp_size, self.spyre_config.dynamo_backend,
+            packed=self.native)
         logger.info("Spyre model implementation: FMS (%s)",
                     type(self.fms_model).__name__)
         self.attn_name = self.attention.ATTN_NAME

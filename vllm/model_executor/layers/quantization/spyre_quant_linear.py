@@ -14,7 +14,9 @@ FP8 codes ``[N, K]`` and, per group of ``group_size`` input features and
 per output, a scale and (asymmetric formats) a zero point:
 ``weight = (code - zero) * scale``.  ``pack`` lays it out for the kernel;
 ``dequantize`` gives the float32 weight (the reference, and the path off
-the kernels).
+the kernels).  Checkpoints hold integer codes packed into int32 words:
+``unpack_int32`` reads them out, ``pack_words`` lays them out for the
+kernel straight from the words.
 
 A prompt is bound by arithmetic instead.  Under the bfloat16 precision on
 a CPU with AMX, a product of ``DENSE_ROWS`` rows or more dequantizes the
@@ -25,6 +27,7 @@ rows or more multiply bfloat16 pairs (``kernel_rows``).
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,6 +38,7 @@ BLOCK = 32
 
 #: Code kinds, as the kernel numbers them.
 KINDS = {"int8": 0, "fp8": 1, "int4": 2}
+KIND_NAMES = {number: name for name, number in KINDS.items()}
 
 #: FP8 codes widen to 2^-8 times their value (a half float's exponent
 #: bias, against e4m3's): the packed scales carry the 2^8.
@@ -131,8 +135,9 @@ def pack(weight: QuantWeight) -> PackedQuant:
         codes = weight.codes.view(torch.uint8)
         scales = weight.scales * _FP8_CODE_SCALE
     else:
-        codes = weight.codes.view(torch.uint8) if weight.kind == "int8" \
-            else weight.codes.to(torch.uint8)
+        # int4 codes are 0..15: a view where they are held in bytes.
+        codes = weight.codes.view(torch.uint8) if weight.codes.dtype in (
+            torch.int8, torch.uint8) else weight.codes.to(torch.uint8)
         scales = weight.scales
     # By input feature, [K, N]: a view where the codes are held so (GPTQ
     # packs them along K), whose blocks of 32 columns are 32-byte runs:
@@ -145,16 +150,85 @@ def pack(weight: QuantWeight) -> PackedQuant:
     packed = by_input.reshape(k, blocks, BLOCK).permute(1, 0, 2)
     if weight.kind == "int4":
         packed = packed[..., :BLOCK // 2] | (packed[..., BLOCK // 2:] << 4)
+    return _with_groups(packed.contiguous(), weight.kind, scales,
+                        weight.scales, weight.zeros, weight.group_size, n)
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Codes packed ``32 / bits`` to an int32 along ``dim``, the first in
+    the lowest bits, as unsigned 8-bit integers (uint8).  8- and 4-bit
+    codes are read from the words' bytes (a byte per code, or its two
+    halves), one pass over them; other widths one shift at a time.  Never
+    every code widened to 32 bits (an output head's are a gigabyte).
+    Along dim 0 (GPTQ's weights), where the native kernels are loaded,
+    ``spyre_kernels::unpack_codes`` writes each row of codes in one
+    contiguous pass instead of a transpose of single bytes."""
+    from vllm.spyre_kernels import ops  # as in kernel_rows
+    if dim == 0 and packed.dim() == 2 and ops.loaded():
+        return torch.ops.spyre_kernels.unpack_codes(packed, bits)
+    per = 32 // bits
+    sizes = list(packed.shape)
+    sizes.insert(dim + 1, per)
+    if bits in (8, 4):
+        # [..., 4]: each word's bytes, its lowest first.
+        words = packed.contiguous().view(torch.uint8).view(
+            *packed.shape, 4)
+        if sys.byteorder == "big":
+            words = words.flip(-1)
+        codes = words if bits == 8 else torch.stack(
+            (words & 15, words >> 4), dim=-1).view(*packed.shape, 8)
+        out = codes.movedim(-1, dim + 1).contiguous()
+    else:
+        out = torch.empty(sizes, dtype=torch.uint8)
+        for i in range(per):
+            out.select(dim + 1, i).copy_(
+                (packed >> (bits * i)) & ((1 << bits) - 1))
+    sizes.pop(dim + 1)
+    sizes[dim] *= per
+    return out.view(sizes)
+
+
+def pack_words(words: torch.Tensor, bits: int, dim: int,
+               scales: torch.Tensor, zeros: Optional[torch.Tensor],
+               group_size: int) -> PackedQuant:
+    """``pack`` of a weight straight from its int32 words, ``32 / bits``
+    unsigned codes each along the input features (``dim`` 0: GPTQ's
+    ``qweight``, ``[K / per, N]``; 1: compressed-tensors'
+    ``weight_packed``, ``[N, K / per]``), by
+    ``spyre_kernels::pack_code_words``: the packed layer ``pack`` makes of
+    ``QuantWeight`` of the unpacked codes (8 bits: as int8, the code's top
+    bit flipped; 4 bits: 0..15) and these ``scales`` and ``zeros``
+    (``[N, G]`` float32; 8 bits: zero points less 128), without a byte per
+    code in between.  The kernels must be loaded."""
+    per = 32 // bits
+    n, k = words.shape[1 - dim], words.shape[dim] * per
+    kind = "int8" if bits == 8 else "int4"
+    # Checked as a QuantWeight's are, on codes of the right shape that
+    # hold no bytes.
+    checked = QuantWeight(kind,
+                          torch.zeros((), dtype=torch.int8).expand(n, k),
+                          scales, zeros, group_size)
+    packed = torch.ops.spyre_kernels.pack_code_words(words, bits, dim, n)
+    return _with_groups(packed, kind, scales, scales, zeros,
+                        checked.group_size, n)
+
+
+def _with_groups(packed: torch.Tensor, kind: str,
+                 packed_scales: torch.Tensor, scales: torch.Tensor,
+                 zeros: Optional[torch.Tensor], group_size: int,
+                 n: int) -> PackedQuant:
+    """A ``PackedQuant`` of packed codes and their groups' scales and
+    offsets: none where every zero point is 0, nor, for integer codes,
+    where all are the same, which becomes the layer's ``zero_point``."""
+    blocks = packed.shape[0]
     offsets, zero = None, 0.0
-    zeros = weight.zeros
     if zeros is not None and zeros.numel():
-        if weight.kind != "fp8" and bool((zeros == zeros.flatten()[0]).all()):
+        if kind != "fp8" and bool((zeros == zeros.flatten()[0]).all()):
             zero = float(zeros.flatten()[0])
         else:
-            offsets = _blocked(-zeros * weight.scales, blocks)
-    return PackedQuant(packed.contiguous(), _blocked(scales, blocks),
-                       offsets, KINDS[weight.kind], weight.group_size, n,
-                       zero)
+            offsets = _blocked(-zeros * scales, blocks)
+    return PackedQuant(packed, _blocked(packed_scales, blocks), offsets,
+                       KINDS[kind], group_size, n, zero)
 
 
 #: Rows (positions of the step's sequences together) from which rounded

@@ -6,12 +6,13 @@ It creates the checkpoint's tensors with vLLM's parameter classes, so the
 layers' own weight loaders shard codes, scales and zero points under
 tensor parallelism and fill fused layers shard by shard; after loading it
 turns them into one ``QuantWeight``; ``finish`` puts that on the quantized
-kernel (``spyre_quant_linear``) or dequantizes it once.
+kernel (``spyre_quant_linear``) or dequantizes it once.  8- and 4-bit
+integer codes, where each layer goes on the kernel as it loads, are laid
+out for it straight from their int32 words instead (``pack_words``).
 """
 from __future__ import annotations
 
-import sys
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,8 @@ from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.layers.quantization.spyre_quant_schemes import (
     Scheme)
 from vllm.model_executor.layers.quantization.spyre_quant_linear import (
-    QuantWeight, fake_quantize_fp8, integer_rows, kernel_rows, pack)
+    KIND_NAMES, PackedQuant, QuantWeight, fake_quantize_fp8, integer_rows,
+    kernel_rows, pack, pack_words, unpack_int32)
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead)
 from vllm.model_executor.parameter import (BasevLLMParameter,
@@ -33,36 +35,9 @@ from vllm.model_executor.parameter import (BasevLLMParameter,
                                            PackedvLLMParameter,
                                            PerTensorScaleParameter,
                                            RowvLLMParameter)
+from vllm.spyre_kernels import ops
 
 logger = init_logger(__name__)
-
-
-def _unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Codes packed ``32 / bits`` to an int32 along ``dim``, the first in
-    the lowest bits, as unsigned 8-bit integers (uint8).  8- and 4-bit
-    codes are read from the words' bytes (a byte per code, or its two
-    halves), one pass over them; other widths one shift at a time.  Never
-    every code widened to 32 bits (an output head's are a gigabyte)."""
-    per = 32 // bits
-    sizes = list(packed.shape)
-    sizes.insert(dim + 1, per)
-    if bits in (8, 4):
-        # [..., 4]: each word's bytes, its lowest first.
-        words = packed.contiguous().view(torch.uint8).view(
-            *packed.shape, 4)
-        if sys.byteorder == "big":
-            words = words.flip(-1)
-        codes = words if bits == 8 else torch.stack(
-            (words & 15, words >> 4), dim=-1).view(*packed.shape, 8)
-        out = codes.movedim(-1, dim + 1).contiguous()
-    else:
-        out = torch.empty(sizes, dtype=torch.uint8)
-        for i in range(per):
-            out.select(dim + 1, i).copy_(
-                (packed >> (bits * i)) & ((1 << bits) - 1))
-    sizes.pop(dim + 1)
-    sizes[dim] *= per
-    return out.view(sizes)
 
 
 def _free(layer: nn.Module, *names: str) -> None:
@@ -251,23 +226,38 @@ class SpyreQuantLinearMethod(LinearMethodBase):
         if self.config.finish_options is not None:
             self.finish(layer, *self.config.finish_options)
 
-    def _gptq_weight(self, layer: nn.Module) -> QuantWeight:
+    def _packs_words(self) -> bool:
+        """8- and 4-bit integer codes laid out for the kernel straight from
+        their words: where each layer goes on the kernels as it loads."""
+        options = self.config.finish_options
+        return (self.scheme.bits in (8, 4) and options is not None
+                and options[0] and ops.loaded())
+
+    def _gptq_weight(self,
+                     layer: nn.Module) -> Union[QuantWeight, PackedQuant]:
         bits = self.scheme.bits
-        codes = _unpack_int32(layer.qweight.data, bits, 0).t()  # [N, K]
-        zeros = _unpack_int32(layer.qzeros.data, bits, 1).t().to(
+        zeros = unpack_int32(layer.qzeros.data, bits, 1).t().to(
             torch.int32)  # [N, G]
         if self.scheme.zeros_minus_one:
             zeros = zeros + 1
-        scales = layer.scales.data.t().float()
-        group = self._group_size(codes.shape[1])
+        scales = layer.scales.data.t().float().contiguous()
+        group = self._group_size(layer.qweight.shape[0] * 32 // bits)
         if bits == 8:  # unsigned codes, shifted to int8
             zeros = zeros - 128
-            # code - 128 as int8: the code's top bit flipped.
-            return QuantWeight(
-                "int8", (codes ^ 128).view(torch.int8), scales.contiguous(),
-                zeros.float().contiguous() if zeros.any() else None, group)
-        return QuantWeight("int4", codes.view(torch.int8),
-                           scales.contiguous(), zeros.float().contiguous(),
+        # int8: none where all are 0 (symmetric).
+        zeros = zeros.float().contiguous() if bits == 4 or zeros.any() \
+            else None
+        if self._packs_words():
+            return pack_words(layer.qweight.data, bits, 0, scales, zeros,
+                              group)
+        codes = unpack_int32(layer.qweight.data, bits, 0).t()  # [N, K]
+        if bits == 8:
+            # code - 128 as int8: the code's top bit flipped, in place
+            # (the codes are the unpacking's own tensor).
+            return QuantWeight("int8",
+                               codes.bitwise_xor_(128).view(torch.int8),
+                               scales, zeros, group)
+        return QuantWeight("int4", codes.view(torch.int8), scales, zeros,
                            group)
 
     def _group_size(self, in_features: int) -> int:
@@ -294,17 +284,21 @@ class SpyreQuantLinearMethod(LinearMethodBase):
         return QuantWeight("fp8", layer.weight.data.contiguous(),
                            scale.contiguous())
 
-    def _int_weight(self, layer: nn.Module) -> QuantWeight:
-        bits = self.scheme.bits
-        codes = _unpack_int32(layer.weight_packed.data, bits, 1)  # unsigned
+    def _int_weight(self,
+                    layer: nn.Module) -> Union[QuantWeight, PackedQuant]:
+        bits, words = self.scheme.bits, layer.weight_packed.data
         scales = layer.weight_scale.data.float().contiguous()
-        offset = 1 << (bits - 1)
-        group = self._group_size(codes.shape[1])
-        if bits == 8:  # code - 128 as int8: the top bit flipped
-            return QuantWeight("int8", (codes ^ 128).view(torch.int8),
-                               scales, None, group)
-        return QuantWeight("int4", codes.view(torch.int8), scales,
-                           torch.full_like(scales, float(offset)), group)
+        group = self._group_size(words.shape[1] * 32 // bits)
+        # Unsigned codes: int8 with the top bit flipped; int4 around 8.
+        zeros = None if bits == 8 else torch.full_like(
+            scales, float(1 << (bits - 1)))
+        if self._packs_words():
+            return pack_words(words, bits, 1, scales, zeros, group)
+        codes = unpack_int32(words, bits, 1)
+        if bits == 8:
+            codes = codes ^ 128
+        return QuantWeight("int8" if bits == 8 else "int4",
+                           codes.view(torch.int8), scales, zeros, group)
 
     def finish(self, layer: nn.Module, native: bool,
                round_inputs: bool = False) -> None:
@@ -312,9 +306,12 @@ class SpyreQuantLinearMethod(LinearMethodBase):
         the kernels, keeps its weight dequantized in float32.
         ``round_inputs`` (the bfloat16 precision): the kernel rounds the
         inputs to bfloat16, as the precision's other products do."""
-        weight: QuantWeight = layer.spyre_quant
+        weight = layer.spyre_quant
         if native:
-            packed = pack(weight)
+            # Integer codes may be packed already, as read (_packs_words).
+            packed = weight if isinstance(weight, PackedQuant) else \
+                pack(weight)
+            kind = KIND_NAMES[packed.kind]
             layer.register_buffer("spyre_qcodes", packed.packed,
                                   persistent=False)
             layer.register_buffer("spyre_qscales", packed.scales,
@@ -327,9 +324,9 @@ class SpyreQuantLinearMethod(LinearMethodBase):
             layer.spyre_qround = round_inputs
             # A prompt's rounded inputs on oneDNN's AMX tiles, or tiles of
             # bfloat16 pairs, as this CPU multiplies them faster.
-            layer.spyre_qdense, layer.spyre_qdot = kernel_rows(weight.kind,
+            layer.spyre_qdense, layer.spyre_qdot = kernel_rows(kind,
                                                                round_inputs)
-            layer.spyre_qint = integer_rows(weight.kind, round_inputs)
+            layer.spyre_qint = integer_rows(kind, round_inputs)
             layer.spyre_out_features = packed.out_features
         else:
             layer.register_buffer("spyre_dequantized", weight.dequantize(),

@@ -5,12 +5,14 @@ compressed-tensors library, weight scales from the weights' min and max,
 the static FP8 input scale calibrated on a text."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from vllm.model_executor.layers.quantization.spyre_quant_files import (
-    decoder_linears, output_head_name)
+    decoder_linears, input_embedding_name, load_tensors, output_head_name,
+    plain_config, read_config, skeleton)
 
 #: compressed-tensors format -> (preset scheme, compression format).
 CT_SCHEMES = {
@@ -124,19 +126,111 @@ def _calibrate_inputs(model, tokenizer, names: list[str], text: str,
 
 def write(src: Path, out: Path, fmt: str, group_size: int | None,
           sym: bool, lm_head: bool, calibration: str | None) -> None:
-    """Writes ``src`` in the compressed-tensors format ``fmt`` to ``out``."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationConfig,
-                                                 QuantizationStatus,
-                                                 apply_quantization_config)
-    from compressed_tensors.quantization.utils import calculate_qparams
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """Writes ``src`` in the compressed-tensors format ``fmt`` to ``out``:
+    a tensor at a time (``write_streamed``) unless the format calibrates
+    static input scales (``fp8``), which runs the whole float model."""
     if not sym:
         raise ValueError(f"{fmt}: only symmetric weights are offered "
                          "(compressed-tensors 0.10.2 cannot decompress "
                          "packed asymmetric zero points)")
     scheme = _ct_scheme(fmt, group_size)
+    inputs = scheme.input_activations
+    if inputs is None or inputs.dynamic:
+        write_streamed(src, out, fmt, scheme, lm_head)
+    else:
+        _write_calibrated(src, out, fmt, scheme, lm_head, calibration)
+
+
+def _check_groups(model, head: str, lm_head: bool,
+                  group: int | None) -> None:
+    """Every layer to quantize takes whole groups of ``group`` inputs."""
+    if group is not None and group > 0:
+        for name in decoder_linears(model) + ([head] if lm_head else []):
+            k_in = model.get_submodule(name).in_features
+            if k_in % group:
+                raise ValueError(f"{name}: input size {k_in} is not a "
+                                 f"multiple of group size {group}")
+
+
+def _quantize_modules(model, scheme, head: str, lm_head: bool) -> dict:
+    """Applies ``scheme`` to ``model``'s linear layers (the head too with
+    ``lm_head``); returns the quantized modules by name."""
+    from compressed_tensors.quantization import (QuantizationConfig,
+                                                 apply_quantization_config)
+    config = QuantizationConfig(config_groups={"group_0": scheme},
+                                ignore=[] if lm_head else [head])
+    apply_quantization_config(model, config)
+    return {n: m for n, m in model.named_modules()
+            if getattr(m, "quantization_scheme", None) is not None}
+
+
+def write_streamed(src: Path, out: Path, fmt: str, scheme,
+                   lm_head: bool) -> None:
+    """The formats without calibrated inputs, never holding the float
+    model: the model's skeleton (meta device) takes the scheme, which
+    gives the compressor and the config; then each weight is read from
+    ``src``, its scales computed as ``_write_calibrated`` computes them
+    (min and max, ``calculate_qparams``, in the weight's dtype) and
+    compressed alone by the same compressor, so the tensors are the
+    whole-model path's.  One ``model.safetensors``."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationStatus
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import save_file
+
+    config = read_config(src)
+    meta = skeleton(plain_config(src))
+    tensors = load_tensors(src)
+    head = output_head_name(meta)
+    if lm_head and f"{head}.weight" not in tensors:  # untie the head
+        tensors[f"{head}.weight"] = tensors[
+            f"{input_embedding_name(meta)}.weight"]
+        config["tie_word_embeddings"] = False
+    _check_groups(meta, head, lm_head, scheme.weights.group_size)
+    quantized = _quantize_modules(meta, scheme, head, lm_head)
+    for module in quantized.values():
+        module.quantization_status = QuantizationStatus.FROZEN
+    compressor = ModelCompressor.from_pretrained_model(
+        meta, quantization_format=CT_SCHEMES[fmt][1])
+    schemes = {n: m.quantization_scheme for n, m in quantized.items()}
+
+    result: dict[str, torch.Tensor] = {}
+    for name in list(tensors):
+        tensor = tensors[name]
+        prefix, _, leaf = name.rpartition(".")
+        if prefix not in quantized or leaf != "weight":
+            result[name] = tensor
+            continue
+        args = schemes[prefix].weights
+        scale, zero_point = calculate_qparams(
+            *_weight_min_max(tensor, args), args)
+        state = {name: tensor,
+                 f"{prefix}.weight_scale": scale.to(tensor.dtype)}
+        if hasattr(quantized[prefix], "weight_zero_point"):
+            state[f"{prefix}.weight_zero_point"] = zero_point.to(
+                quantized[prefix].weight_zero_point.dtype)
+        result.update(compressor.quantization_compressor.compress(
+            state, schemes))
+        del tensors[name]
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in result.items()},
+              out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # As ModelCompressor.compress marks a compressed (non-dense) format.
+    compressor.quantization_config.quantization_status = \
+        QuantizationStatus.COMPRESSED
+    compressor.update_config(str(out))
+
+
+def _write_calibrated(src: Path, out: Path, fmt: str, scheme, lm_head: bool,
+                      calibration: str | None) -> None:
+    """The whole float model, its static input scales calibrated on a
+    text, compressed by compressed-tensors' ``ModelCompressor``."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationStatus
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(src, dtype="auto").eval()
     head = output_head_name(model)
     if lm_head and model.config.tie_word_embeddings:
@@ -145,19 +239,8 @@ def write(src: Path, out: Path, fmt: str, group_size: int | None,
             model.get_input_embeddings().weight.detach().clone(),
             requires_grad=False)
         model.config.tie_word_embeddings = False
-    group = scheme.weights.group_size
-    if group is not None and group > 0:
-        for name in decoder_linears(model) + ([head] if lm_head else []):
-            k_in = model.get_submodule(name).in_features
-            if k_in % group:
-                raise ValueError(f"{name}: input size {k_in} is not a "
-                                 f"multiple of group size {group}")
-
-    config = QuantizationConfig(config_groups={"group_0": scheme},
-                                ignore=[] if lm_head else [head])
-    apply_quantization_config(model, config)
-    quantized = {n: m for n, m in model.named_modules()
-                 if getattr(m, "quantization_scheme", None) is not None}
+    _check_groups(model, head, lm_head, scheme.weights.group_size)
+    quantized = _quantize_modules(model, scheme, head, lm_head)
 
     for module in quantized.values():
         args = module.quantization_scheme.weights
