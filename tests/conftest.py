@@ -103,18 +103,28 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=place)
 
 
-#: Variables a test may leave changed: pytest's own; the platform's
+#: The variables that configure an engine and the processes it starts:
+#: vLLM's and the Spyre settings, the ranks' rendezvous and numbering,
+#: thread counts, the devices, Hugging Face's offline switches.  Every
+#: later engine and server of the worker starts under them.  Others belong
+#: to the libraries that set them on first use (Ray, torch's inductor,
+#: tokenizers), in whichever test that happens to be; they are left alone.
+ENVIRON_WATCHED = ("VLLM_", "SPYRE_", "MASTER_ADDR", "MASTER_PORT", "RANK",
+                   "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                   "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "HF_",
+                   "TRANSFORMERS_")
+#: Watched variables a test may leave changed: the platform's
 #: usage-statistics switch, set on purpose for the life of the process
-#: (``spyre.usage_stats_unset``); what torch's inductor and Ray (its import
-#: and ``ray.init``: its debugger hook among them) set for themselves.
-ENVIRON_OWNED_ELSEWHERE = ("PYTEST_CURRENT_TEST", "VLLM_NO_USAGE_STATS",
-                           "_TORCHINDUCTOR_", "RAY_", "PYTHONBREAKPOINT")
+#: (``spyre.usage_stats_unset``).
+ENVIRON_OWNED_ELSEWHERE = ("VLLM_NO_USAGE_STATS", )
 
 
 def _environ() -> dict[str, str]:
-    """``os.environ`` but ``ENVIRON_OWNED_ELSEWHERE``."""
+    """The ``ENVIRON_WATCHED`` part of ``os.environ``, but
+    ``ENVIRON_OWNED_ELSEWHERE``."""
     return {name: value for name, value in os.environ.items()
-            if not name.startswith(ENVIRON_OWNED_ELSEWHERE)}
+            if name.startswith(ENVIRON_WATCHED)
+            and not name.startswith(ENVIRON_OWNED_ELSEWHERE)}
 
 
 @pytest.fixture(autouse=True)
@@ -122,8 +132,8 @@ def environment_left_as_found():
     """Each test leaves ``os.environ`` as it found it: an engine built in
     this process must not leave its settings (rank variables, a start
     method) to the servers and engines of later tests, which start under
-    this environment.  A test that changed it fails, naming the
-    variables, and the environment is put back."""
+    this environment.  A test that changed a watched variable
+    (``ENVIRON_WATCHED``) fails, naming it, and it is put back."""
     before = _environ()
     yield
     after = _environ()

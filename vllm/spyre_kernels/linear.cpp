@@ -25,7 +25,8 @@
 // bfloat16).  The weight is never held twice.
 //
 // Written with GCC vector extensions, so the same source builds for AVX-512
-// or AVX2 (x86), VSX (Power) and the z/Architecture vector facility.
+// or AVX2 (x86), VSX (Power) and the z/Architecture vector facility; the
+// tiles hold the machine's own vectors (kNativeLanes, simd.h).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -50,15 +51,15 @@ namespace {
 
 using namespace spyre_kernels;
 
-constexpr int64_t kVecs = 2;                // vectors per column block
-constexpr int64_t kBlock = kLanes * kVecs;  // columns per block
+constexpr int64_t kBlock = 2 * kLanes;             // columns per block
+constexpr int64_t kVecs = kBlock / kNativeLanes;  // vectors per block row
 constexpr int64_t kMaxRows = 12;            // rows per register tile
 constexpr int64_t kPrefetch = 16;           // rows of a block read ahead
 constexpr int64_t kPrefetchL2 = 96;  // ... and fetched into L2 (see fetch)
 
 // A vector of bfloat16 pairs, one pair of input features per lane.
-using vpair = vuint;
-using vpair_u = vuint_u;
+using vpair = nuint;
+using vpair_u = nuint_u;
 
 // Asks for the block row kPrefetch rows on (into the first-level cache)
 // and the one kPrefetchL2 rows on (into L2).  The far request is what keeps
@@ -78,15 +79,15 @@ inline void fetch(const T* row) {
 template <int R>
 void tile(const float* x, int64_t ldx, const float* block, int64_t K,
           float* y, int64_t ldy, int64_t cols, const float* bias) {
-  vfloat acc[R][kVecs];
+  nfloat acc[R][kVecs];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVecs; ++v) acc[r][v] = vfloat{};
+    for (int v = 0; v < kVecs; ++v) acc[r][v] = nfloat{};
   for (int64_t k = 0; k < K; ++k) {
     const float* row = block + k * kBlock;
     fetch(row);
-    vfloat w[kVecs];
+    nfloat w[kVecs];
     for (int v = 0; v < kVecs; ++v)
-      w[v] = *reinterpret_cast<const vfloat_u*>(row + v * kLanes);
+      w[v] = *reinterpret_cast<const nfloat_u*>(row + v * kNativeLanes);
     for (int r = 0; r < R; ++r) {
       const float xs = x[r * ldx + k];
       for (int v = 0; v < kVecs; ++v) acc[r][v] += xs * w[v];
@@ -95,7 +96,7 @@ void tile(const float* x, int64_t ldx, const float* block, int64_t K,
   float out[kBlock];
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < kVecs; ++v)
-      *reinterpret_cast<vfloat_u*>(out + v * kLanes) = acc[r][v];
+      *reinterpret_cast<nfloat_u*>(out + v * kNativeLanes) = acc[r][v];
     float* yr = y + r * ldy;
     if (bias) {
       for (int64_t c = 0; c < cols; ++c) yr[c] = out[c] + bias[c];
@@ -118,11 +119,11 @@ int64_t tile_height(int64_t M) {
 }
 
 // The bfloat16 pair in the upper and lower half of each lane, widened.
-inline vfloat low_half(vpair w) {
-  return reinterpret_cast<vfloat>(w << 16);
+inline nfloat low_half(vpair w) {
+  return reinterpret_cast<nfloat>(w << 16);
 }
-inline vfloat high_half(vpair w) {
-  return reinterpret_cast<vfloat>(w & 0xFFFF0000u);
+inline nfloat high_half(vpair w) {
+  return reinterpret_cast<nfloat>(w & 0xFFFF0000u);
 }
 
 // Rounds to bfloat16, nearest even (the float is finite or infinite here;
@@ -144,26 +145,26 @@ template <typename Out, int R>
 void tile_bf16(const uint32_t* x, int64_t ldx, const uint32_t* block,
                int64_t K2, Out* y, int64_t ldy, int64_t cols,
                const float* bias) {
-  vfloat acc[R][kVecs];
+  nfloat acc[R][kVecs];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVecs; ++v) acc[r][v] = vfloat{};
+    for (int v = 0; v < kVecs; ++v) acc[r][v] = nfloat{};
   for (int64_t k = 0; k < K2; ++k) {
     const uint32_t* row = block + k * kBlock;
     fetch(row);
     vpair w[kVecs];
     for (int v = 0; v < kVecs; ++v)
-      w[v] = *reinterpret_cast<const vpair_u*>(row + v * kLanes);
+      w[v] = *reinterpret_cast<const vpair_u*>(row + v * kNativeLanes);
 #if defined(__AVX512BF16__)
     for (int r = 0; r < R; ++r) {
       const __m512i xs = _mm512_set1_epi32(x[r * ldx + k]);
       for (int v = 0; v < kVecs; ++v)
-        acc[r][v] = reinterpret_cast<vfloat>(_mm512_dpbf16_ps(
+        acc[r][v] = reinterpret_cast<nfloat>(_mm512_dpbf16_ps(
             reinterpret_cast<__m512>(acc[r][v]),
             reinterpret_cast<__m512bh>(xs),
             reinterpret_cast<__m512bh>(w[v])));
     }
 #else
-    vfloat lo[kVecs], hi[kVecs];
+    nfloat lo[kVecs], hi[kVecs];
     for (int v = 0; v < kVecs; ++v) {
       lo[v] = low_half(w[v]);
       hi[v] = high_half(w[v]);
@@ -182,7 +183,7 @@ void tile_bf16(const uint32_t* x, int64_t ldx, const uint32_t* block,
   float out[kBlock];
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < kVecs; ++v)
-      *reinterpret_cast<vfloat_u*>(out + v * kLanes) = acc[r][v];
+      *reinterpret_cast<nfloat_u*>(out + v * kNativeLanes) = acc[r][v];
     Out* yr = y + r * ldy;
     for (int64_t c = 0; c < cols; ++c)
       store(yr + c, bias ? out[c] + bias[c] : out[c]);

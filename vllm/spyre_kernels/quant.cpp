@@ -36,9 +36,11 @@
 // output rounded to bfloat16 before the bias, as a bfloat16 layer's prompt
 // is (spyre_linear.onednn_bf16_linear).
 //
-// Written with GCC vector extensions, as the float kernel is, with AVX-512
-// intrinsics where the CPU has them for the widening loads (GCC 12 does not
-// vectorise a conversion of a byte vector) and FP8's half-float route.
+// Written with GCC vector extensions, as the float kernel is, on the
+// machine's own vectors (kNativeLanes, simd.h), with AVX-512 or AVX2
+// intrinsics where the CPU has them for the widening loads (GCC 12 does
+// not vectorise a conversion of a byte vector) and FP8's half-float route
+// (F16C beside AVX2).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -51,7 +53,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -61,7 +63,10 @@ namespace {
 
 using namespace spyre_kernels;
 
-constexpr int64_t kBlock = 2 * kLanes;  // columns per block (two vectors)
+constexpr int64_t kBlock = 2 * kLanes;  // columns per block
+// The machine's vectors per block row (simd.h): 2 with AVX-512, 4 with
+// AVX2 alone.
+constexpr int64_t kVecs = kBlock / kNativeLanes;
 constexpr int64_t kMaxRows = 12;
 // Bytes read ahead: into the first-level cache, and into L2 (as far as
 // the float kernel's requests, in bytes).
@@ -70,8 +75,10 @@ constexpr int64_t kAheadL2 = 12288;
 
 enum Kind : int64_t { kInt8 = 0, kFp8 = 1, kInt4 = 2 };
 
-typedef int8_t vbyte_u __attribute__((vector_size(kLanes), aligned(1)));
-typedef uint8_t vubyte_u __attribute__((vector_size(kLanes), aligned(1)));
+typedef int8_t vbyte_u
+    __attribute__((vector_size(kNativeLanes), aligned(1)));
+typedef uint8_t vubyte_u
+    __attribute__((vector_size(kNativeLanes), aligned(1)));
 
 // A bfloat16 (its bits) as a float, exactly.
 inline float from_bf16(uint16_t h) {
@@ -89,75 +96,101 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+// kNativeLanes bytes widened to 32-bit lanes, signed or not.
 #if defined(__AVX512F__)
-// Sixteen bytes widened to 32-bit lanes, signed or not.
-inline vint widen_signed(const uint8_t* p) {
-  return reinterpret_cast<vint>(_mm512_cvtepi8_epi32(
+inline nint widen_signed(const uint8_t* p) {
+  return reinterpret_cast<nint>(_mm512_cvtepi8_epi32(
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-inline vint widen_unsigned(const uint8_t* p) {
-  return reinterpret_cast<vint>(_mm512_cvtepu8_epi32(
+inline nint widen_unsigned(const uint8_t* p) {
+  return reinterpret_cast<nint>(_mm512_cvtepu8_epi32(
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#elif defined(__AVX2__)
+inline nint widen_signed(const uint8_t* p) {
+  return reinterpret_cast<nint>(_mm256_cvtepi8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline nint widen_unsigned(const uint8_t* p) {
+  return reinterpret_cast<nint>(_mm256_cvtepu8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 #else
-inline vint widen_signed(const uint8_t* p) {
-  return __builtin_convertvector(*reinterpret_cast<const vbyte_u*>(p), vint);
+inline nint widen_signed(const uint8_t* p) {
+  return __builtin_convertvector(*reinterpret_cast<const vbyte_u*>(p), nint);
 }
-inline vint widen_unsigned(const uint8_t* p) {
+inline nint widen_unsigned(const uint8_t* p) {
   return __builtin_convertvector(*reinterpret_cast<const vubyte_u*>(p),
-                                 vint);
+                                 nint);
 }
 #endif
 
-// Sixteen FP8 (e4m3fn) codes as floats, 2^-8 times their value.  The sign
-// and the seven exponent-and-mantissa bits moved to where a half float has
-// them (5-bit exponent, bias 15, against e4m3's 4-bit, bias 7) make a half
-// float of the value times 2^-8, subnormals included; the NaN code 0x7F
-// reads as 480 (a checkpoint holds none).  With AVX-512: each code
-// sign-extended to 16 bits and shifted left by 7 has the sign in bits 15
-// and 14 and the rest in bits 13..7; clearing bit 14 leaves the half float.
+// kNativeLanes FP8 (e4m3fn) codes as floats, 2^-8 times their value.  The
+// sign and the seven exponent-and-mantissa bits moved to where a half
+// float has them (5-bit exponent, bias 15, against e4m3's 4-bit, bias 7)
+// make a half float of the value times 2^-8, subnormals included; the NaN
+// code 0x7F reads as 480 (a checkpoint holds none).  With AVX-512, or AVX2
+// and F16C: each code sign-extended to 16 bits and shifted left by 7 has
+// the sign in bits 15 and 14 and the rest in bits 13..7; clearing bit 14
+// leaves the half float.
+inline nfloat fp8_codes(const uint8_t* p) {
 #if defined(__AVX512F__)
-inline __m256i fp8_half_bits(__m256i sign_extended) {
-  return _mm256_and_si256(_mm256_slli_epi16(sign_extended, 7),
-                          _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
-}
-#endif
-
-inline vfloat fp8_codes(const uint8_t* p) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<vfloat>(_mm512_cvtph_ps(fp8_half_bits(
-      _mm256_cvtepi8_epi16(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))));
+  const __m256i wide = _mm256_cvtepi8_epi16(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return reinterpret_cast<nfloat>(_mm512_cvtph_ps(_mm256_and_si256(
+      _mm256_slli_epi16(wide, 7),
+      _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)))));
+#elif defined(__AVX2__) && defined(__F16C__)
+  const __m128i wide = _mm_cvtepi8_epi16(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return reinterpret_cast<nfloat>(_mm256_cvtph_ps(_mm_and_si128(
+      _mm_slli_epi16(wide, 7), _mm_set1_epi16(static_cast<int16_t>(0xBFFF)))));
 #else
   // 2^9 times the value = (e ? 8 + m : m) << max(e - 1, 0), e the
   // exponent field and m the mantissa: exact in 32-bit integers; times
   // 2^-17, 2^-8 times the value, as above.
-  const vint v = widen_unsigned(p);
-  const vint e = (v >> 3) & 15;
-  const vint normal = e != 0;  // -1 or 0
-  const vint magnitude = ((v & 7) | (normal & 8)) << (e + normal);
-  const vint value = (v & 0x80) ? -magnitude : magnitude;
-  return __builtin_convertvector(value, vfloat) * (1.0f / 131072.0f);
+  const nint v = widen_unsigned(p);
+  const nint e = (v >> 3) & 15;
+  const nint normal = e != 0;  // -1 or 0
+  const nint magnitude = ((v & 7) | (normal & 8)) << (e + normal);
+  const nint value = (v & 0x80) ? -magnitude : magnitude;
+  return __builtin_convertvector(value, nfloat) * (1.0f / 131072.0f);
 #endif
 }
 
-// The 32 codes of one block row, as two vectors of floats.
+// The 32 codes of one block row, as kVecs vectors of floats (columns
+// kNativeLanes * v onwards in w[v]).
 template <int K>
-inline void codes(const uint8_t* row, vfloat& lo, vfloat& hi) {
+inline void codes(const uint8_t* row, nfloat (&w)[kVecs]) {
   if constexpr (K == kInt8) {
-    lo = __builtin_convertvector(widen_signed(row), vfloat);
-    hi = __builtin_convertvector(widen_signed(row + kLanes), vfloat);
+    for (int v = 0; v < kVecs; ++v)
+      w[v] = __builtin_convertvector(widen_signed(row + v * kNativeLanes),
+                                     nfloat);
   } else if constexpr (K == kFp8) {
-    lo = fp8_codes(row);
-    hi = fp8_codes(row + kLanes);
+    for (int v = 0; v < kVecs; ++v) w[v] = fp8_codes(row + v * kNativeLanes);
   } else {
     // Read as they are, 0..15: a zero point (8 in symmetric formats)
-    // is an offset, which costs once per group, not per weight.
-    const vint v = widen_unsigned(row);
-    lo = __builtin_convertvector(v & 15, vfloat);
-    hi = __builtin_convertvector(v >> 4, vfloat);
+    // is an offset, which costs once per group, not per weight.  Byte c
+    // holds column c and column c + 16.
+    constexpr int half = kVecs / 2;
+    for (int v = 0; v < half; ++v) {
+      const nint n = widen_unsigned(row + v * kNativeLanes);
+      w[v] = __builtin_convertvector(n & 15, nfloat);
+      w[v + half] = __builtin_convertvector(n >> 4, nfloat);
+    }
   }
 }
+
+#if defined(__AVX512F__)
+// The same as two vectors (kVecs is 2 here), for the AVX-512 tiles.
+template <int K>
+inline void codes(const uint8_t* row, vfloat& lo, vfloat& hi) {
+  nfloat w[kVecs];
+  codes<K>(row, w);
+  lo = w[0];
+  hi = w[1];
+}
+#endif
 
 template <int K>
 constexpr int64_t row_bytes() {
@@ -180,32 +213,30 @@ inline void prefetch_rows(const uint8_t* row, int64_t offset, int64_t span) {
 // for one zero point for the whole layer (a symmetric int4 format's 8),
 // acc[r] += (sums[r] - zero * xsums) * the scales.
 template <int R>
-inline void add_group(vfloat (&acc)[R][2], const vfloat (&sums)[R][2],
+inline void add_group(nfloat (&acc)[R][kVecs], const nfloat (&sums)[R][kVecs],
                       const float* scales, const float* offsets, float zero,
                       const float* xsums, int64_t groups, int64_t g) {
   const float* sg = scales + g * kBlock;
-  const vfloat s0 = *reinterpret_cast<const vfloat_u*>(sg);
-  const vfloat s1 = *reinterpret_cast<const vfloat_u*>(sg + kLanes);
+  nfloat sv[kVecs];
+  for (int v = 0; v < kVecs; ++v)
+    sv[v] = *reinterpret_cast<const nfloat_u*>(sg + v * kNativeLanes);
   if (!offsets && zero != 0.0f) {
     for (int r = 0; r < R; ++r) {
       const float shift = zero * xsums[r * groups + g];
-      acc[r][0] += (sums[r][0] - shift) * s0;
-      acc[r][1] += (sums[r][1] - shift) * s1;
+      for (int v = 0; v < kVecs; ++v) acc[r][v] += (sums[r][v] - shift) * sv[v];
     }
     return;
   }
-  for (int r = 0; r < R; ++r) {
-    acc[r][0] += sums[r][0] * s0;
-    acc[r][1] += sums[r][1] * s1;
-  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs; ++v) acc[r][v] += sums[r][v] * sv[v];
   if (offsets) {
     const float* og = offsets + g * kBlock;
-    const vfloat o0 = *reinterpret_cast<const vfloat_u*>(og);
-    const vfloat o1 = *reinterpret_cast<const vfloat_u*>(og + kLanes);
+    nfloat ov[kVecs];
+    for (int v = 0; v < kVecs; ++v)
+      ov[v] = *reinterpret_cast<const nfloat_u*>(og + v * kNativeLanes);
     for (int r = 0; r < R; ++r) {
       const float xs = xsums[r * groups + g];
-      acc[r][0] += xs * o0;
-      acc[r][1] += xs * o1;
+      for (int v = 0; v < kVecs; ++v) acc[r][v] += xs * ov[v];
     }
   }
 }
@@ -220,12 +251,12 @@ struct Out {
 
 // y[r, 0:cols] = acc[r] (+ bias) for the R rows.
 template <int R>
-inline void store_rows(const vfloat (&acc)[R][2], Out out, int64_t cols,
+inline void store_rows(const nfloat (&acc)[R][kVecs], Out out, int64_t cols,
                        const float* bias) {
   float row[kBlock];
   for (int r = 0; r < R; ++r) {
-    *reinterpret_cast<vfloat_u*>(row) = acc[r][0];
-    *reinterpret_cast<vfloat_u*>(row + kLanes) = acc[r][1];
+    for (int v = 0; v < kVecs; ++v)
+      *reinterpret_cast<nfloat_u*>(row + v * kNativeLanes) = acc[r][v];
     if (bias)
       for (int64_t c = 0; c < cols; ++c) row[c] += bias[c];
     if (out.bf16) {
@@ -240,10 +271,13 @@ inline void store_rows(const vfloat (&acc)[R][2], Out out, int64_t cols,
 
 // Independent sums per row and column vector: with few rows, each weight
 // vector feeds few fused multiply-adds, and one chain of sums would wait
-// on its own latency (4 cycles) at every input feature.
+// on its own latency (4 cycles) at every input feature.  As many chains
+// of a block row's vectors as with two vectors a row: AVX2 has half
+// AVX-512's registers, and twice the vectors a row.
 template <int R>
 constexpr int chains() {
-  return R == 1 ? 4 : R <= 3 ? 2 : 1;
+  constexpr int two = R == 1 ? 4 : R <= 3 ? 2 : 1;
+  return two * 2 / kVecs > 0 ? two * 2 / kVecs : 1;
 }
 
 // y[r, 0:cols] = x[r, :] . dequantized block (+ bias), for the R rows of
@@ -258,22 +292,23 @@ void tile(const float* x, int64_t ldx, const float* xsums, int64_t groups,
           int64_t cols, const float* bias) {
   constexpr int U = chains<R>();
   constexpr int64_t bytes = row_bytes<K>();
-  vfloat acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vfloat{};
+  nfloat acc[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs; ++v) acc[r][v] = nfloat{};
   for (int64_t k0 = 0, g = 0; k0 < in; k0 += group, ++g) {
-    vfloat part[U][R][2];
+    nfloat part[U][R][kVecs];
     for (int u = 0; u < U; ++u)
-      for (int r = 0; r < R; ++r) part[u][r][0] = part[u][r][1] = vfloat{};
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < kVecs; ++v) part[u][r][v] = nfloat{};
     const int64_t end = std::min(k0 + group, in);
     int64_t k = k0;
     auto step = [&](int u, int64_t kk) {
       const uint8_t* row = block + kk * bytes;
-      vfloat w0, w1;
-      codes<K>(row, w0, w1);
+      nfloat w[kVecs];
+      codes<K>(row, w);
       for (int r = 0; r < R; ++r) {
         const float xs = x[r * ldx + kk];
-        part[u][r][0] += xs * w0;
-        part[u][r][1] += xs * w1;
+        for (int v = 0; v < kVecs; ++v) part[u][r][v] += xs * w[v];
       }
     };
     for (; k + U <= end; k += U) {
@@ -284,15 +319,12 @@ void tile(const float* x, int64_t ldx, const float* xsums, int64_t groups,
       prefetch_rows(block + k * bytes, k * bytes, bytes);
       step(0, k);
     }
-    vfloat sums[R][2];
-    for (int r = 0; r < R; ++r) {
-      sums[r][0] = part[0][r][0];
-      sums[r][1] = part[0][r][1];
-      for (int u = 1; u < U; ++u) {
-        sums[r][0] += part[u][r][0];
-        sums[r][1] += part[u][r][1];
+    nfloat sums[R][kVecs];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kVecs; ++v) {
+        sums[r][v] = part[0][r][v];
+        for (int u = 1; u < U; ++u) sums[r][v] += part[u][r][v];
       }
-    }
     add_group<R>(acc, sums, scales, offsets, zero, xsums, groups, g);
   }
   store_rows<R>(acc, out, cols, bias);
