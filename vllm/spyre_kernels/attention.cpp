@@ -77,16 +77,19 @@ inline void prefetch_row(const T* p, int64_t n) {
 // exp(x) for x <= 0 (a softmax after subtracting the maximum), to about
 // one unit in the last place; below -87 (where exp leaves float32's normal
 // range) it gives exp(-87), which no softmax sum that holds a 1 can see.
-[[gnu::always_inline]] inline vfloat_u exp_nonpositive(vfloat_u x) {
-  const vfloat_u lowest = x * 0.f - 87.f;
+// V: a vector of floats (the 16-lane one, or the machine's own).
+template <typename V>
+[[gnu::always_inline]] inline V exp_nonpositive(V x) {
+  using I = decltype(x < x);  // 32-bit integer lanes, as many
+  const V lowest = x * 0.f - 87.f;
   x = x < lowest ? lowest : x;
   // x = n ln2 + f, |f| <= ln2 / 2; n rounded by the 1.5 * 2^23 trick.
   const float shifter = 12582912.f;
-  const vfloat_u t = x * 1.44269504f + shifter;
-  const vfloat_u n = t - shifter;
-  vfloat_u f = x - n * 0.693359375f;  // ln2, high bits (exact product)
+  const V t = x * 1.44269504f + shifter;
+  const V n = t - shifter;
+  V f = x - n * 0.693359375f;  // ln2, high bits (exact product)
   f = f - n * -2.12194440e-4f;  // ln2, the rest
-  vfloat_u p = f * (1.f / 5040) + (1.f / 720);
+  V p = f * (1.f / 5040) + (1.f / 720);
   p = p * f + (1.f / 120);
   p = p * f + (1.f / 24);
   p = p * f + (1.f / 6);
@@ -94,18 +97,19 @@ inline void prefetch_row(const T* p, int64_t n) {
   p = p * f + 1.f;
   p = p * f + 1.f;
   // 2^n: n + 127 in the exponent field.
-  const vint bits = (reinterpret_cast<vint>(t) -
-                     reinterpret_cast<vint>(t * 0.f + shifter) + 127) << 23;
-  return p * reinterpret_cast<vfloat_u>(bits);
+  const I bits = (reinterpret_cast<I>(t) -
+                  reinterpret_cast<I>(t * 0.f + shifter) + 127) << 23;
+  return p * reinterpret_cast<V>(bits);
 }
 
 // scores[r * n + i] = scale * q_r . key of token i, for `rows` query rows,
 // `group` rows per key/value head: row r reads head r / group, whose keys
-// of token i are at keys[i] + (r / group) * key_stride.  16 tokens at a
-// time where the head size allows: each token's products stay in lanes,
-// and one transposed sum turns 16 of them into 16 scores.  Every row of a
-// 16-token tile runs before the next tile, so the tile's keys (of every
-// head) are read from memory once.  With fetch_ahead (keys not in the cache
+// of token i are at keys[i] + (r / group) * key_stride.  kNativeLanes
+// tokens at a time (16 with AVX-512, 8 with AVX2 alone) where the head
+// size allows: each token's products stay in lanes, and one transposed sum
+// turns them into as many scores.  Every row of a tile runs before the
+// next tile, so the tile's keys (of every head) are read from memory
+// once.  With fetch_ahead (keys not in the cache
 // yet) the next tile's keys, and those 2 * kFarAhead tokens on, are asked
 // for while a tile computes.
 template <typename T>
@@ -115,27 +119,28 @@ void row_scores(const float* q, int64_t rows, int64_t group, int64_t D,
   // A token's keys of every head this call reads.
   const int64_t span = (rows - 1) / group * key_stride + D;
   int64_t i = 0;
-  if (D % kLanes == 0) {
-    vfloat_u acc[kLanes];
-    for (; i + kLanes <= n; i += kLanes) {
+  constexpr int64_t L = kNativeLanes;
+  if (D % L == 0) {
+    nfloat_u acc[L];
+    for (; i + L <= n; i += L) {
       if (fetch_ahead) {
-        for (int64_t t = i + kLanes; t < std::min(i + 2 * kLanes, n); ++t)
+        for (int64_t t = i + L; t < std::min(i + 2 * L, n); ++t)
           prefetch_row(keys[t], span);
         for (int64_t t = i + 2 * kFarAhead;
-             t < std::min(i + 2 * kFarAhead + kLanes, n); ++t)
+             t < std::min(i + 2 * kFarAhead + L, n); ++t)
           prefetch_row<2>(keys[t], span);
       }
       for (int64_t r = 0; r < rows; ++r) {
         const float* qr = q + r * D;
         const int64_t offset = (r / group) * key_stride;
-        for (int t = 0; t < kLanes; ++t) acc[t] = vfloat_u{};
-        for (int64_t d = 0; d < D; d += kLanes) {
-          const vfloat_u qd = load(qr + d);
-          for (int t = 0; t < kLanes; ++t)
-            acc[t] += qd * load(keys[i + t] + offset + d);
+        for (int t = 0; t < L; ++t) acc[t] = nfloat_u{};
+        for (int64_t d = 0; d < D; d += L) {
+          const nfloat_u qd = native_load(qr + d);
+          for (int t = 0; t < L; ++t)
+            acc[t] += qd * native_load(keys[i + t] + offset + d);
         }
-        *reinterpret_cast<vfloat_u*>(scores + r * n + i) =
-            transpose_sum(acc) * scale;
+        *reinterpret_cast<nfloat_u*>(scores + r * n + i) =
+            native_transpose_sum(acc) * scale;
       }
     }
   }
@@ -154,16 +159,19 @@ void weigh_values(const float* p, int64_t n, const T* const* values,
                   int64_t offset, int64_t Dv, bool fetch_ahead, float* out) {
   constexpr int kTile = 4;
   int64_t c0 = 0;
-  for (; c0 + kTile * kLanes <= Dv; c0 += kTile * kLanes) {
-    vfloat_u acc[Rows][kTile] = {};
+  for (; c0 + kTile * kNativeLanes <= Dv; c0 += kTile * kNativeLanes) {
+    nfloat_u acc[Rows][kTile] = {};
     for (int64_t i = 0; i < n; ++i) {
       if (fetch_ahead && i + kAhead < n)
-        prefetch_row(values[i + kAhead] + offset + c0, kTile * kLanes);
+        prefetch_row(values[i + kAhead] + offset + c0,
+                     kTile * kNativeLanes);
       if (fetch_ahead && i + kFarAhead < n)
-        prefetch_row<2>(values[i + kFarAhead] + offset + c0, kTile * kLanes);
+        prefetch_row<2>(values[i + kFarAhead] + offset + c0,
+                        kTile * kNativeLanes);
       const T* v = values[i] + offset + c0;
-      vfloat_u x[kTile];
-      for (int c = 0; c < kTile; ++c) x[c] = load(v + c * kLanes);
+      nfloat_u x[kTile];
+      for (int c = 0; c < kTile; ++c)
+        x[c] = native_load(v + c * kNativeLanes);
       for (int r = 0; r < Rows; ++r) {
         const float w = p[r * n + i];
         for (int c = 0; c < kTile; ++c) acc[r][c] += w * x[c];
@@ -171,17 +179,17 @@ void weigh_values(const float* p, int64_t n, const T* const* values,
     }
     for (int r = 0; r < Rows; ++r)
       for (int c = 0; c < kTile; ++c)
-        *reinterpret_cast<vfloat_u*>(out + r * Dv + c0 + c * kLanes) =
+        *reinterpret_cast<nfloat_u*>(out + r * Dv + c0 + c * kNativeLanes) =
             acc[r][c];
   }
-  for (; c0 + kLanes <= Dv; c0 += kLanes) {
-    vfloat_u acc[Rows] = {};
+  for (; c0 + kNativeLanes <= Dv; c0 += kNativeLanes) {
+    nfloat_u acc[Rows] = {};
     for (int64_t i = 0; i < n; ++i) {
-      const vfloat_u x = load(values[i] + offset + c0);
+      const nfloat_u x = native_load(values[i] + offset + c0);
       for (int r = 0; r < Rows; ++r) acc[r] += p[r * n + i] * x;
     }
     for (int r = 0; r < Rows; ++r)
-      *reinterpret_cast<vfloat_u*>(out + r * Dv + c0) = acc[r];
+      *reinterpret_cast<nfloat_u*>(out + r * Dv + c0) = acc[r];
   }
   for (int64_t j = c0; j < Dv; ++j)
     for (int r = 0; r < Rows; ++r) {
@@ -192,17 +200,17 @@ void weigh_values(const float* p, int64_t n, const T* const* values,
     }
 }
 
-// The largest of s[0:n] (-inf for n == 0), 16 lanes at a time.
+// The largest of s[0:n] (-inf for n == 0), kNativeLanes at a time.
 inline float row_max(const float* s, int64_t n) {
   float mx = -std::numeric_limits<float>::infinity();
   int64_t i = 0;
-  if (n >= kLanes) {
-    vfloat_u m = load(s);
-    for (i = kLanes; i + kLanes <= n; i += kLanes) {
-      const vfloat_u x = load(s + i);
+  if (n >= kNativeLanes) {
+    nfloat_u m = native_load(s);
+    for (i = kNativeLanes; i + kNativeLanes <= n; i += kNativeLanes) {
+      const nfloat_u x = native_load(s + i);
       m = m > x ? m : x;
     }
-    for (int l = 0; l < kLanes; ++l) mx = std::max(mx, m[l]);
+    for (int l = 0; l < kNativeLanes; ++l) mx = std::max(mx, m[l]);
   }
   for (; i < n; ++i) mx = std::max(mx, s[i]);
   return mx;
@@ -216,14 +224,14 @@ inline float exp_shifted(
     float* s, int64_t n,
     float sink = -std::numeric_limits<float>::infinity()) {
   const float mx = std::max(row_max(s, n), sink);
-  vfloat_u sums{};
+  nfloat_u sums{};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    vfloat_u* v = reinterpret_cast<vfloat_u*>(s + i);
+  for (; i + kNativeLanes <= n; i += kNativeLanes) {
+    nfloat_u* v = reinterpret_cast<nfloat_u*>(s + i);
     *v = exp_nonpositive(*v - mx);
     sums += *v;
   }
-  float sum = lane_sum(sums);
+  float sum = native_lane_sum(sums);
   for (; i < n; ++i) {
     s[i] = std::exp(s[i] - mx);
     sum += s[i];
