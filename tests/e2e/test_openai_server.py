@@ -191,7 +191,10 @@ def test_request_fitting_no_shape_is_400(server, prompt_len, max_tokens):
     assert f"max_tokens {max_tokens}" in msg
     assert "prompt_len=64, new_tokens=16, batch_size=4" in msg
     assert "prompt_len=128, new_tokens=8, batch_size=2" in msg
-    ok = post(server, dict(model=server.model, prompt=[7] * 5, max_tokens=2))
+    # Greedy and past end-of-text: a sampled end-of-text token would end
+    # the request after one token.
+    ok = post(server, dict(model=server.model, prompt=[7] * 5, max_tokens=2,
+                           temperature=0, ignore_eos=True))
     assert ok.status_code == 200 and ok.json()["usage"][
         "completion_tokens"] == 2
 

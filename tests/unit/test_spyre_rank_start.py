@@ -112,6 +112,10 @@ def test_tensor_parallel_ranks_start_under_their_environments(monkeypatch):
         def start(self):
             pass
 
+        def close(self):
+            # The executor's shutdown closes its monitor.
+            pass
+
     class Results(Thread):
         # Its queue takes the start method from the environment too.
         def __init__(self):
