@@ -60,8 +60,13 @@ def test_without_a_cache_is_causal_attention(qkv):
                                atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("on_kernel", [False, True])
-def test_block_pool_prefill_then_decode(qkv, on_kernel):
+#: torch ops; the C++ kernel; the kernel with the cache write in the same
+#: call (``fused``, vLLM's model code under ``eager``).
+MODES = [(False, False), (True, False), (True, True)]
+
+
+@pytest.mark.parametrize("on_kernel, fused", MODES)
+def test_block_pool_prefill_then_decode(qkv, on_kernel, fused):
     if on_kernel and not native.available():
         pytest.skip("no C++ compiler for the kernel")
     q, k, v = qkv
@@ -69,7 +74,8 @@ def test_block_pool_prefill_then_decode(qkv, on_kernel):
     pool = PoolLayout(CacheLayout(1, KVH, D, D)).allocate(5, torch.float32)[0]
     blocks, max_blocks, pad_block = [3, 0], 3, 4
     impl = SpyreAttentionImpl(H, D, scale, KVH)
-    builder = SpyreAttentionMetadataBuilder(on_kernel=on_kernel)
+    builder = SpyreAttentionMetadataBuilder(on_kernel=on_kernel,
+                                            fused=fused)
     expected = causal_reference(q, k, v, scale)
     ids = list(range(N))
     # The prefill of the first N - 1 positions, in one row.
@@ -97,8 +103,8 @@ def test_block_pool_prefill_then_decode(qkv, on_kernel):
                                atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("on_kernel", [False, True])
-def test_static_cache_prefill_then_decode(qkv, on_kernel):
+@pytest.mark.parametrize("on_kernel, fused", MODES)
+def test_static_cache_prefill_then_decode(qkv, on_kernel, fused):
     """A warm-up shape's cache: a left-padded prefill of N - 1 positions
     (the shape's prompt length is longer), then the first decode step."""
     if on_kernel and not native.available():
@@ -110,7 +116,8 @@ def test_static_cache_prefill_then_decode(qkv, on_kernel):
     cache = CacheLayout(1, KVH, D, D).allocate(1, shape.max_len,
                                                torch.float32)[0]
     impl = SpyreAttentionImpl(H, D, scale, KVH)
-    builder = SpyreAttentionMetadataBuilder(on_kernel=on_kernel)
+    builder = SpyreAttentionMetadataBuilder(on_kernel=on_kernel,
+                                            fused=fused)
     expected = causal_reference(q, k, v, scale)
 
     def padded(x):  # the pads' rows hold other values: they must not leak
@@ -128,6 +135,64 @@ def test_static_cache_prefill_then_decode(qkv, on_kernel):
                        cache, builder.build([], [], 0, 1))
     torch.testing.assert_close(out.view(1, H, D), expected[-1:],
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_fused_step_equals_the_two_cache_ops(cache_dtype):
+    """The one-call cache write and attention gives the separate ops'
+    output and leaves the same cache, bit for bit: a static decode step of
+    3 rows, a paged decode step of 2 sequences and a paged prefill, the
+    query, keys and values strided views of one fused projection, as
+    vLLM's model code splits them."""
+    if not native.available():
+        pytest.skip("no C++ compiler for the kernel")
+    gen = torch.Generator().manual_seed(1)
+    impl = SpyreAttentionImpl(H, D, D**-0.5, KVH)
+
+    def projection(tokens):
+        qkv = torch.randn(tokens, (H + 2 * KVH) * D, generator=gen)
+        return qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+
+    def both(kind_inputs, cache, meta_of):
+        outs, caches = [], []
+        for fused in (False, True):
+            builder = SpyreAttentionMetadataBuilder(on_kernel=True,
+                                                    fused=fused)
+            kind_inputs(builder)
+            copy = tuple(c.clone() for c in cache)
+            outs.append(impl.forward(None, *meta_of[0], copy,
+                                     builder.build([], [], 0, 1)))
+            caches.append(copy)
+        assert torch.equal(outs[0], outs[1])
+        for a, b in zip(*caches):
+            assert torch.equal(a, b)
+        return caches[1]
+
+    # Static: 3 rows, their prompts written before; this step writes the
+    # first new token's keys and values.
+    shape = WarmupShape(prompt_len=5, new_tokens=3, batch_size=3)
+    cache = CacheLayout(1, KVH, D, D).allocate(3, shape.max_len,
+                                               cache_dtype)[0]
+    for c in cache:
+        c.copy_(torch.randn(c.shape, generator=gen).to(cache_dtype))
+    step = DecodeSteps([5, 4, 3], shape).inputs([5, 4, 3], 1)
+    after = both(lambda b: b.static(step.input_ids, step.mask,
+                                    step.cache_slots, False),
+                 cache, [projection(3)])
+    assert not torch.equal(after[0], cache[0])  # the step wrote its keys
+
+    # Paged: two sequences decoding, then a prefill of 30 tokens.
+    pool = PoolLayout(CacheLayout(1, KVH, D, D)).allocate(6, cache_dtype)[0]
+    for c in pool:
+        c.copy_(torch.randn(c.shape, generator=gen).to(cache_dtype))
+    step = decode_batch([7, 8], [20, 9], [[0, 1], [2]], CB_BLOCK_SIZE, 3, 0,
+                        5)
+    both(lambda b: b.paged(step), pool,
+         [projection(step.input_ids.numel())])
+    step = prefill_chunks(list(range(30)), [3, 4], CB_BLOCK_SIZE, 3, 0, 5,
+                          whole_prefill_len(30))
+    both(lambda b: b.paged(step), pool,
+         [projection(step.input_ids.numel())])
 
 
 def test_metadata_counts_prefills_and_decodes():

@@ -72,6 +72,7 @@ GRAPH_CODE = (
     "spyre_kernels/quant.cpp",
     "spyre_kernels/quant_int16.h",
     "spyre_kernels/attention.cpp",
+    "spyre_kernels/cached_attention.cpp",
     "spyre_kernels/elementwise.cpp",
     "spyre_kernels/vllm_elementwise.cpp",
     "spyre_kernels/lora.cpp",

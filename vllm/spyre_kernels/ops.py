@@ -20,6 +20,10 @@ other external kernel:
   over the static cache (``spyre_static_cache``), the block pool
   (``spyre_paged_cache``) and the packed texts of an encoder
   (``spyre_encoder_attention``);
+* ``spyre_kernels::store_decode_attention`` and
+  ``spyre_kernels::store_paged_attention`` (``cached_attention.cpp``): a
+  layer's cache write and attention of one step in one call, for
+  ``eager`` in vLLM's model code (``spyre_attn``'s ``AttentionStep``);
 * ``spyre_kernels::rms_norm`` and ``spyre_kernels::rotary_qk``
   (``elementwise.cpp``): a decoder's norms and rotary embedding in one
   pass each, for ``eager``, which has no compiler to fuse them
@@ -34,8 +38,8 @@ other external kernel:
   adapter
   (``vllm.lora.punica_wrapper.spyre_punica``).
 
-The six files share ``simd.h``: the vector width and types, and the
-argument checks of more than one op.
+All but ``cached_attention.cpp`` share ``simd.h``: the vector width and
+types, and the argument checks of more than one op.
 
 ``available`` builds the sources into one extension with PyTorch's C++
 extension loader (the compiler inductor needs anyway), cached in
@@ -68,8 +72,9 @@ logger = init_logger(__name__)
 #: The library of the ops, and the name of the extension that holds them.
 LIBRARY = "spyre_kernels"
 _SOURCES = [Path(__file__).with_name(name) for name in
-            ("linear.cpp", "attention.cpp", "elementwise.cpp", "quant.cpp",
-             "lora.cpp", "vllm_elementwise.cpp")]
+            ("linear.cpp", "attention.cpp", "cached_attention.cpp",
+             "elementwise.cpp", "quant.cpp", "lora.cpp",
+             "vllm_elementwise.cpp")]
 _NATIVE_FLAG = {"x86_64": "-march=native", "s390x": "-march=native",
                 "ppc64le": "-mcpu=native", "aarch64": "-mcpu=native"}
 _loaded: Optional[bool] = None
@@ -185,6 +190,25 @@ def _fake_paged_attention(query: torch.Tensor, key_pool: torch.Tensor,
     return query.new_empty((*query.shape[:3], value_pool.shape[-1]))
 
 
+def _fake_store_decode_attention(query: torch.Tensor, key: torch.Tensor,
+                                 value: torch.Tensor, key_cache: torch.Tensor,
+                                 value_cache: torch.Tensor,
+                                 cache_slots: torch.Tensor, mask: torch.Tensor,
+                                 heads: int, scale: float) -> torch.Tensor:
+    return query.new_empty((query.shape[0], heads * value_cache.shape[-1]))
+
+
+def _fake_store_paged_attention(query: torch.Tensor, key: torch.Tensor,
+                                value: torch.Tensor, key_pool: torch.Tensor,
+                                value_pool: torch.Tensor,
+                                cache_slots: torch.Tensor,
+                                block_table: torch.Tensor,
+                                ctx_lens: torch.Tensor, block_size: int,
+                                heads: int, scale: float,
+                                window: int) -> torch.Tensor:
+    return query.new_empty((query.shape[0], heads * value_pool.shape[-1]))
+
+
 def _fake_encoder_attention(query: torch.Tensor, keys: torch.Tensor,
                             values: torch.Tensor, text_starts: torch.Tensor,
                             scale: float,
@@ -251,6 +275,8 @@ _FAKES = {
     "packed_linear": _fake,
     "decode_attention": _fake_attention,
     "paged_attention": _fake_paged_attention,
+    "store_decode_attention": _fake_store_decode_attention,
+    "store_paged_attention": _fake_store_paged_attention,
     "encoder_attention": _fake_encoder_attention,
     "quant_linear": _fake_quant,
     "unpack_codes": _fake_unpack_codes,

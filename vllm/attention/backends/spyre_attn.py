@@ -111,7 +111,9 @@ class SpyreAttentionMetadata(AttentionMetadata):
     ``CAUSAL``.  Static steps carry ``mask`` (``[B, L, T]``, True =
     attend) and ``cache_slots`` (``[L]``); paged steps ``cache_slots``
     (``[B, L]``, pool slots), ``block_table`` and ``ctx_lens``.
-    ``on_kernel``: the C++ kernels attend (else torch ops)."""
+    ``on_kernel``: the C++ kernels attend (else torch ops); ``fused``:
+    with ``on_kernel``, a decode or paged step writes the cache and attends
+    in one C++ call (``_ops``)."""
 
     kind: str = CAUSAL
     rows: int = 1
@@ -121,6 +123,7 @@ class SpyreAttentionMetadata(AttentionMetadata):
     block_table: Optional[torch.Tensor] = None
     ctx_lens: Optional[torch.Tensor] = None
     on_kernel: bool = False
+    fused: bool = False
 
     @property
     def prefill_metadata(self) -> Optional["SpyreAttentionMetadata"]:
@@ -131,7 +134,6 @@ class SpyreAttentionMetadata(AttentionMetadata):
         return self if self.num_decode_tokens else None
 
 
-
 def _cache_kwargs(kind: str, mask, cache_slots, block_table,
                   ctx_lens) -> dict:
     """The keyword arguments the Spyre cache ops read."""
@@ -139,8 +141,14 @@ def _cache_kwargs(kind: str, mask, cache_slots, block_table,
                 ctx_lens=ctx_lens, spyre_prefill=kind == STATIC_PREFILL)
 
 
-def _ops(kind: str, on_kernel: bool) -> tuple:
-    """The (store, compute) cache ops of a step of ``kind``."""
+def _ops(kind: str, on_kernel: bool, fused: bool = False) -> tuple:
+    """The (store, compute) cache ops of a step of ``kind``; with
+    ``fused`` (and ``on_kernel``), ``(None, store_and_attend)`` for a
+    static decode or a paged step: the cache write and the attention in
+    one C++ call, where ``eager`` would dispatch 17 ops a layer."""
+    if fused and on_kernel and kind in (STATIC_DECODE, PAGED):
+        return (None, (paged_cache if kind == PAGED else
+                       static_cache).store_and_attend)
     if kind == PAGED:
         return (paged_cache.store, paged_cache.compute_kernel
                 if on_kernel else paged_cache.compute)
@@ -171,9 +179,10 @@ class SpyreAttentionMetadataBuilder(
     without a cache (``causal``), given to ``add`` before ``build``."""
 
     def __init__(self, input_builder: Any = None,
-                 on_kernel: bool = False) -> None:
+                 on_kernel: bool = False, fused: bool = False) -> None:
         self.input_builder = input_builder
         self.on_kernel = on_kernel
+        self.fused = fused
         self._step: Optional[SpyreAttentionMetadata] = None
 
     def prepare(self) -> None:
@@ -185,7 +194,8 @@ class SpyreAttentionMetadataBuilder(
         self._step = _metadata(
             STATIC_PREFILL if is_prompt else STATIC_DECODE, rows, length,
             rows if is_prompt else 0, 0 if is_prompt else rows,
-            mask=mask, cache_slots=cache_slots, on_kernel=self.on_kernel)
+            mask=mask, cache_slots=cache_slots, on_kernel=self.on_kernel,
+            fused=self.fused)
 
     def paged(self, step: PagedInputs) -> None:
         rows, length = step.input_ids.shape
@@ -193,7 +203,8 @@ class SpyreAttentionMetadataBuilder(
         self._step = _metadata(
             PAGED, rows, length, 0 if decode else rows, rows if decode else 0,
             cache_slots=step.cache_slots, block_table=step.block_table,
-            ctx_lens=step.ctx_lens, on_kernel=self.on_kernel)
+            ctx_lens=step.ctx_lens, on_kernel=self.on_kernel,
+            fused=self.fused)
 
     def causal(self, length: int) -> None:
         self._step = _metadata(CAUSAL, 1, length, 1, 0)
@@ -273,7 +284,7 @@ class SpyreAttentionImpl(AttentionImpl[SpyreAttentionMetadata]):
             query, key, value, kv_cache, meta.kind, meta.rows, meta.length,
             _cache_kwargs(meta.kind, meta.mask, meta.cache_slots,
                           meta.block_table, meta.ctx_lens),
-            _ops(meta.kind, meta.on_kernel))
+            _ops(meta.kind, meta.on_kernel, meta.fused))
 
     def attend(self, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, kv_cache, kind: str, rows, length,
@@ -281,6 +292,14 @@ class SpyreAttentionImpl(AttentionImpl[SpyreAttentionMetadata]):
         """query: [N, heads * head_size]; key, value: [N, kv_heads *
         head_size], N = rows * length; ``kv_cache``: this layer's ``(keys,
         values)`` (None for ``CAUSAL``).  Returns [N, heads * head_size]."""
+        kwargs = cache_kwargs
+        if self.window:
+            kwargs = {**kwargs, "spyre_window": self.window}
+        store, compute = ops
+        if kind != CAUSAL and store is None:
+            # One call writes the cache and attends.
+            return compute(query, key, value, kv_cache[0], kv_cache[1],
+                           self.num_heads, self.scale, **kwargs)
         B, L = rows, length
         q = query.view(B, L, self.num_heads, self.head_size)
         k = key.view(B, L, self.num_kv_heads, self.head_size)
@@ -293,10 +312,6 @@ class SpyreAttentionImpl(AttentionImpl[SpyreAttentionMetadata]):
                 enable_gqa=self.num_heads != self.num_kv_heads
             ).transpose(1, 2)
             return out.reshape(B * L, -1)
-        kwargs = cache_kwargs
-        if self.window:
-            kwargs = {**kwargs, "spyre_window": self.window}
-        store, compute = ops
         keys, values, _, _ = store(k, v, kv_cache[0], kv_cache[1], **kwargs)
         out = compute(q, keys, values, self.num_heads, self.num_kv_heads,
                       0.0, self.scale, **kwargs)
@@ -309,8 +324,9 @@ class AttentionStep:
     inputs (``begin``), inside the compiled code, so that the step's
     tensors and the caches are the graph's inputs; emptied at its end."""
 
-    def __init__(self, on_kernel: bool) -> None:
+    def __init__(self, on_kernel: bool, fused: bool = False) -> None:
         self.on_kernel = on_kernel
+        self.fused = fused
         self.end()
 
     def begin(self, kind: str, rows, length, caches: Optional[list] = None,
@@ -326,7 +342,7 @@ class AttentionStep:
         self.caches = caches
         self.cache_kwargs = _cache_kwargs(kind, mask, cache_slots,
                                           block_table, ctx_lens)
-        self.ops = _ops(kind, self.on_kernel)
+        self.ops = _ops(kind, self.on_kernel, self.fused)
 
     def end(self) -> None:
         self.kind: Optional[str] = None

@@ -85,6 +85,20 @@ def _attend_kernel(q: torch.Tensor, key_pool: torch.Tensor,
                                                    sinks_of(attn_kwargs))
 
 
+def store_and_attend(query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, key_pool: torch.Tensor,
+                     value_pool: torch.Tensor, heads: int, scale: float,
+                     **attn_kwargs) -> torch.Tensor:
+    """A step of vLLM's model code in one C++ call: ``store`` and
+    ``compute_kernel``, the same ops in the same order (query: [B * L,
+    heads * head_dim]; key, value: [B * L, kv_heads * head_dim]; returns
+    [B * L, heads * v_head_dim]).  No attention sinks."""
+    return torch.ops.spyre_kernels.store_paged_attention(
+        query, key, value, key_pool, value_pool, attn_kwargs["cache_slots"],
+        attn_kwargs["block_table"], attn_kwargs["ctx_lens"], CB_BLOCK_SIZE,
+        heads, scale, window_of(attn_kwargs))
+
+
 compute = decode_op(_attend_gather)
 compute_kernel = decode_op(_attend_kernel)
 

@@ -109,6 +109,19 @@ _compute_decode_kernel = decode_op(
                                               sinks_of(kw)))
 
 
+def store_and_attend(query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, key_cache: torch.Tensor,
+                     value_cache: torch.Tensor, heads: int, scale: float,
+                     **attn_kwargs) -> torch.Tensor:
+    """A decode step of vLLM's model code in one C++ call: ``store`` and
+    the kernel's compute op, the same ops in the same order (query:
+    [B * L, heads * head_dim]; key, value: [B * L, kv_heads * head_dim];
+    returns [B * L, heads * v_head_dim])."""
+    return torch.ops.spyre_kernels.store_decode_attention(
+        query, key, value, key_cache, value_cache, attn_kwargs["cache_slots"],
+        layer_mask(attn_kwargs), heads, scale)
+
+
 def compute_op(prefill: bool, on_kernel: bool):
     """The compute op of a prefill or a decode step, on the C++ kernel
     (decode only: a prefill attends through SDPA, or the written-out

@@ -112,7 +112,12 @@ class VllmModelCode(ModelCode):
                 vllm_config.quant_config.describe(),
                 "quantized CPU kernel" if self.native else
                 "float32 products (dequantized once)")
-        self.step = AttentionStep(on_kernel=self.native)
+        # Under eager, each layer's cache write and attention in one call
+        # (inductor fuses the ops between them itself).
+        self.fused_attention = (self.native and
+                                self.spyre_config.dynamo_backend == "eager")
+        self.step = AttentionStep(on_kernel=self.native,
+                                  fused=self.fused_attention)
         start = time.perf_counter()
         moved = use_spyre_linears(self.vllm_model, self.precision.linear,
                                   self.native)
@@ -151,7 +156,8 @@ class VllmModelCode(ModelCode):
                                         kv_heads=impl.num_kv_heads,
                                         k_head_dim=impl.head_size,
                                         v_head_dim=impl.head_size)
-        self.metadata = SpyreAttentionMetadataBuilder(on_kernel=self.native)
+        self.metadata = SpyreAttentionMetadataBuilder(
+            on_kernel=self.native, fused=self.fused_attention)
         return _LastHidden(self.vllm_model, self.step)
 
     def _run(self, graphs, graph: str, input_ids: torch.Tensor,
