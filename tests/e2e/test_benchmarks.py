@@ -259,6 +259,29 @@ def test_attention_benchmark_small(smollm2, tmp_path):
     assert len(lines) - header == 2 + 4
 
 
+def test_cache_step_benchmark_small(smollm2, tmp_path):
+    """benchmarks/cache_step.py: the two cache ops against one call on
+    SmolLM2's geometry; both leave the same caches and outputs in every
+    case, JSON and table."""
+    out = tmp_path / "cache_step.json"
+    proc = preloaded.run(
+        [str(REPO / "benchmarks" / "cache_step.py"),
+         "--model", str(smollm2), "--batch-sizes", "1,3", "--contexts",
+         "70", "--repeats", "1", "--json", str(out)],
+        timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    cases = [(r["case"], r["batch"], r["ctx"]) for r in result["results"]]
+    assert cases == [("static decode", 1, 70), ("paged decode", 1, 70),
+                     ("static decode", 3, 70), ("paged decode", 3, 70)]
+    assert all(r["same"] and r["two_ops_s"] > 0 and r["one_call_s"] > 0
+               for r in result["results"])
+    lines = proc.stdout.strip().splitlines()
+    header = next(i for i, line in enumerate(lines)
+                  if line.startswith("case "))
+    assert len(lines) - header == 2 + 4
+
+
 def test_first_batch_benchmark_small(tiny_llama, tmp_path):
     """benchmarks/first_batch.py: both settings in fresh processes, every
     call timed, nothing compiled after warm-up, JSON and table (on the
