@@ -1,12 +1,14 @@
-"""A decode step's cache writes and attention, every layer, as two ops or one.
+"""A decode step's cache writes and attention, every layer, before and after.
 
-vLLM's model code (``--model-impl vllm``: quantized checkpoints, Qwen2,
-Phi-3) attends through ``SpyreAttentionImpl.attend``. Under ``eager`` on
-the C++ kernels a layer's cache step is either the two cache ops (the
-store op, then the kernel's compute op, each with its views and dtype
-conversions: 17 dispatched ops) or one call that writes the keys and
-values and attends (``store_and_attend``, the default under ``eager``).
-This times one step of both over every layer of the model's geometry
+Under ``eager`` on the C++ kernels, each op of the graph is dispatched on
+its own. A layer's cache step was the two cache ops (the store op, then
+the kernel's compute op, each with its views and dtype conversions: 13-17
+dispatched ops). Now vLLM's model code (``--model-impl vllm``: quantized
+checkpoints, Qwen2, Phi-3) writes the keys and values and attends in one
+call (``store_and_attend``), and FMS's model code in two
+(``ATTN_NAME_EAGER_KERNEL``: ``store_kernel``, then the compute op on the
+query's own layout). This times one step of both over every layer of the
+model's geometry
 (layer count, heads and head size from its ``config.json``), with
 bfloat16 caches under float32 activations as a bfloat16 model holds
 them, the query, keys and values strided views of one projection as the
@@ -15,16 +17,21 @@ model code splits them:
 * ``static decode``: a static batch's decode step, B rows over a cache of
   ``ctx`` slots;
 * ``paged decode``: continuous batching's decode step, B sequences of
-  ``ctx`` tokens in the block pool.
+  ``ctx`` tokens in the block pool;
 
-Reports the best of N passes, the saving per step, and whether the two
-left the same caches and gave the same outputs, bit for bit.
+each through vLLM's model code (``SpyreAttentionImpl.attend``) and
+through FMS's registered ops (its keys and values ``[B, 1, kv_heads,
+head_dim]`` views, as FMS hands them over).
+
+Reports the best of N passes, the saving per step, and whether before and
+after left the same caches and gave the same outputs, bit for bit.
 
     python benchmarks/cache_step.py [--model DIR] [--batch-sizes 1,4]
         [--contexts 128,512] [--repeats 20] [--json PATH]
 """
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 
@@ -82,16 +89,48 @@ def paged_case(geo: Geometry, batch: int, ctx: int, gen):
                           step.ctx_lens), layers)
 
 
-def best_pass(impl, case, fused: bool, repeats: int):
-    """Best time of one step over every layer (on copies of the caches),
-    and its outputs and caches."""
+def fms_ops(kind: str, after: bool):
+    """FMS's store and decode compute ops of a step of ``kind``: the CPU
+    kernel's (before) or ``eager``'s (after)."""
+    from fms.modules import attention
+
+    from vllm.attention.backends.spyre_attn import PAGED
+    from vllm.attention.ops import spyre_paged_cache as paged_cache
+    from vllm.attention.ops import spyre_static_cache as static_cache
+    module = paged_cache if kind == PAGED else static_cache
+    module.register()
+    ops = attention.get_attention_type(
+        attn_name=module.ATTN_NAME_EAGER_KERNEL if after else
+        module.ATTN_NAME_CPU_KERNEL)
+    return ops["store"], ops["compute_decode"]
+
+
+def best_pass(impl, case, code: str, after: bool, repeats: int):
+    """Best time of one step over every layer (on copies of the caches)
+    on ``code``'s ops (``vllm`` or ``fms``), before or after, and its
+    outputs and caches."""
     from vllm.attention.backends.spyre_attn import _ops
     kind, rows, kwargs, layers = case
-    ops = _ops(kind, True, fused)
     caches = [tuple(c.clone() for c in cache) for _, cache in layers]
+    if code == "vllm":
+        ops = _ops(kind, True, after)
+
+        def layer(inputs, cache):
+            return impl.attend(*inputs, cache, kind, rows, 1, kwargs, ops)
+    else:
+        store, compute = fms_ops(kind, after)
+        H, KVH, D = impl.num_heads, impl.num_kv_heads, impl.head_size
+
+        def layer(inputs, cache):
+            q, k, v = inputs
+            keys, values, _, _ = store(k.view(rows, 1, KVH, D),
+                                       v.view(rows, 1, KVH, D), *cache,
+                                       **kwargs)
+            return compute(q.view(rows, 1, H, D), keys, values, H, KVH, 0.0,
+                           impl.scale, **kwargs)
 
     def step():
-        return [impl.attend(*inputs, cache, kind, rows, 1, kwargs, ops)
+        return [layer(inputs, cache)
                 for (inputs, _), cache in zip(layers, caches)]
 
     outputs = step()
@@ -124,12 +163,13 @@ def main() -> int:
     with torch.no_grad():
         for ctx in args.contexts:
             for b in args.batch_sizes:
-                for name, build in (("static decode", static_case),
-                                    ("paged decode", paged_case)):
+                for (name, build), code in itertools.product(
+                        (("static decode", static_case),
+                         ("paged decode", paged_case)), ("vllm", "fms")):
                     case = build(geo, b, ctx, gen)
-                    two, out2, caches2 = best_pass(impl, case, False,
+                    two, out2, caches2 = best_pass(impl, case, code, False,
                                                    args.repeats)
-                    one, out1, caches1 = best_pass(impl, case, True,
+                    one, out1, caches1 = best_pass(impl, case, code, True,
                                                    args.repeats)
                     same = all(torch.equal(a, c) for a, c in
                                zip(out1, out2)) and all(
@@ -137,16 +177,18 @@ def main() -> int:
                                    for x, y in zip(caches1, caches2)
                                    for a, c in zip(x, y))
                     mismatches += not same
-                    results.append(dict(case=name, batch=b, ctx=ctx,
-                                        two_ops_s=two, one_call_s=one,
+                    results.append(dict(case=name, code=code, batch=b,
+                                        ctx=ctx,
+                                        before_s=two, after_s=one,
                                         same=same))
-                    print(f"{name} B={b} ctx={ctx}: two ops "
-                          f"{two * 1e3:.3f} ms, one call {one * 1e3:.3f} ms",
+                    print(f"{name} ({code}) B={b} ctx={ctx}: before "
+                          f"{two * 1e3:.3f} ms, after {one * 1e3:.3f} ms",
                           flush=True)
-    rows = [[r["case"], r["batch"], r["ctx"], f"{r['two_ops_s'] * 1e3:.3f}",
-             f"{r['one_call_s'] * 1e3:.3f}",
-             f"{(r['two_ops_s'] - r['one_call_s']) * 1e3:.3f}",
-             f"{r['two_ops_s'] / r['one_call_s']:.2f}x",
+    rows = [[r["case"], r["code"], r["batch"], r["ctx"],
+             f"{r['before_s'] * 1e3:.3f}",
+             f"{r['after_s'] * 1e3:.3f}",
+             f"{(r['before_s'] - r['after_s']) * 1e3:.3f}",
+             f"{r['before_s'] / r['after_s']:.2f}x",
              "yes" if r["same"] else "NO"] for r in results]
     write_json(args.json, dict(args=vars(args), machine=machine_info(),
                                geometry=vars(geo), results=results))
@@ -154,8 +196,8 @@ def main() -> int:
           f"key-value heads of {geo.head_dim}, bfloat16 caches, best of "
           f"{args.repeats}, {cores()} cores; times are one step over every "
           "layer")
-    print(table(["case", "B", "ctx", "two ops ms", "one call ms",
-                 "saved ms", "two/one", "same"], rows))
+    print(table(["case", "code", "B", "ctx", "before ms", "after ms",
+                 "saved ms", "before/after", "same"], rows))
     if mismatches:
         print(f"FAILED: {mismatches} case(s) where the two differ")
     return 1 if mismatches else 0

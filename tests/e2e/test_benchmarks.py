@@ -260,9 +260,9 @@ def test_attention_benchmark_small(smollm2, tmp_path):
 
 
 def test_cache_step_benchmark_small(smollm2, tmp_path):
-    """benchmarks/cache_step.py: the two cache ops against one call on
-    SmolLM2's geometry; both leave the same caches and outputs in every
-    case, JSON and table."""
+    """benchmarks/cache_step.py: the cache ops before and after, vLLM's
+    and FMS's, on SmolLM2's geometry; both leave the same caches and
+    outputs in every case, JSON and table."""
     out = tmp_path / "cache_step.json"
     proc = preloaded.run(
         [str(REPO / "benchmarks" / "cache_step.py"),
@@ -271,15 +271,17 @@ def test_cache_step_benchmark_small(smollm2, tmp_path):
         timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    cases = [(r["case"], r["batch"], r["ctx"]) for r in result["results"]]
-    assert cases == [("static decode", 1, 70), ("paged decode", 1, 70),
-                     ("static decode", 3, 70), ("paged decode", 3, 70)]
-    assert all(r["same"] and r["two_ops_s"] > 0 and r["one_call_s"] > 0
+    cases = [(r["case"], r["code"], r["batch"])
+             for r in result["results"]]
+    assert cases == [(case, code, b) for b in (1, 3)
+                     for case in ("static decode", "paged decode")
+                     for code in ("vllm", "fms")]
+    assert all(r["same"] and r["before_s"] > 0 and r["after_s"] > 0
                for r in result["results"])
     lines = proc.stdout.strip().splitlines()
     header = next(i for i, line in enumerate(lines)
                   if line.startswith("case "))
-    assert len(lines) - header == 2 + 4
+    assert len(lines) - header == 2 + 8
 
 
 def test_first_batch_benchmark_small(tiny_llama, tmp_path):

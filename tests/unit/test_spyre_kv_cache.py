@@ -71,7 +71,11 @@ def _attn_names():
         static_cache.ATTN_NAME_CPU_KERNEL,
         marks=pytest.mark.skipif(not native.available(),
                                  reason="no C++ compiler for the kernel"))
-    return [static_cache.ATTN_NAME, kernel]
+    eager_kernel = pytest.param(
+        static_cache.ATTN_NAME_EAGER_KERNEL,
+        marks=pytest.mark.skipif(not native.available(),
+                                 reason="no C++ compiler for the kernel"))
+    return [static_cache.ATTN_NAME, kernel, eager_kernel]
 
 
 @torch.inference_mode()

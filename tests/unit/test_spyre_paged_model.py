@@ -99,7 +99,9 @@ class PagedRun:
 def _attn_names():
     kernel = pytest.param(paged_cache.ATTN_NAME_CPU_KERNEL,
                           marks=needs_kernel)
-    return [paged_cache.ATTN_NAME, kernel]
+    eager_kernel = pytest.param(paged_cache.ATTN_NAME_EAGER_KERNEL,
+                                marks=needs_kernel)
+    return [paged_cache.ATTN_NAME, kernel, eager_kernel]
 
 
 @torch.inference_mode()

@@ -20,10 +20,13 @@ other external kernel:
   over the static cache (``spyre_static_cache``), the block pool
   (``spyre_paged_cache``) and the packed texts of an encoder
   (``spyre_encoder_attention``);
-* ``spyre_kernels::store_decode_attention`` and
-  ``spyre_kernels::store_paged_attention`` (``cached_attention.cpp``): a
-  layer's cache write and attention of one step in one call, for
-  ``eager`` in vLLM's model code (``spyre_attn``'s ``AttentionStep``);
+* ``spyre_kernels::store_static_kv``, ``store_paged_kv``,
+  ``decode_attention_heads`` and ``paged_attention_heads``
+  (``cached_attention.cpp``): a layer's cache write, and its attention
+  over the query's own layout, one call each, FMS's attention ops under
+  ``eager``; ``store_decode_attention`` and ``store_paged_attention``:
+  both in one call, for vLLM's model code under ``eager``
+  (``spyre_attn``'s ``AttentionStep``);
 * ``spyre_kernels::rms_norm`` and ``spyre_kernels::rotary_qk``
   (``elementwise.cpp``): a decoder's norms and rotary embedding in one
   pass each, for ``eager``, which has no compiler to fuse them
@@ -190,6 +193,30 @@ def _fake_paged_attention(query: torch.Tensor, key_pool: torch.Tensor,
     return query.new_empty((*query.shape[:3], value_pool.shape[-1]))
 
 
+def _fake_store_kv(keys: torch.Tensor, values: torch.Tensor,
+                   key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   cache_slots: torch.Tensor) -> None:
+    return None
+
+
+def _fake_attention_heads(query: torch.Tensor, keys: torch.Tensor,
+                          values: torch.Tensor, mask: torch.Tensor,
+                          scale: float,
+                          sinks: Optional[torch.Tensor] = None
+                          ) -> torch.Tensor:
+    return query.new_empty((*query.shape[:3], values.shape[-1]))
+
+
+def _fake_paged_attention_heads(query: torch.Tensor, key_pool: torch.Tensor,
+                                value_pool: torch.Tensor,
+                                block_table: torch.Tensor,
+                                ctx_lens: torch.Tensor, block_size: int,
+                                scale: float, window: int = 0,
+                                sinks: Optional[torch.Tensor] = None
+                                ) -> torch.Tensor:
+    return query.new_empty((*query.shape[:3], value_pool.shape[-1]))
+
+
 def _fake_store_decode_attention(query: torch.Tensor, key: torch.Tensor,
                                  value: torch.Tensor, key_cache: torch.Tensor,
                                  value_cache: torch.Tensor,
@@ -275,6 +302,10 @@ _FAKES = {
     "packed_linear": _fake,
     "decode_attention": _fake_attention,
     "paged_attention": _fake_paged_attention,
+    "store_static_kv": _fake_store_kv,
+    "store_paged_kv": _fake_store_kv,
+    "decode_attention_heads": _fake_attention_heads,
+    "paged_attention_heads": _fake_paged_attention_heads,
     "store_decode_attention": _fake_store_decode_attention,
     "store_paged_attention": _fake_store_paged_attention,
     "encoder_attention": _fake_encoder_attention,

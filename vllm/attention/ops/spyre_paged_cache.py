@@ -39,6 +39,9 @@ ATTN_NAME = "spyre_paged"
 #: The same op on the C++ kernel (float32 or bfloat16 pools, CPU
 #: ``inductor`` path).
 ATTN_NAME_CPU_KERNEL = "spyre_paged_cpu_kernel"
+#: The same under ``eager``: the cache write one C++ call and the attention
+#: another (``store_kernel``, ``compute_heads``; ``cached_attention.cpp``).
+ATTN_NAME_EAGER_KERNEL = "spyre_paged_eager_kernel"
 
 
 def store(keys: torch.Tensor, values: torch.Tensor, key_pool: torch.Tensor,
@@ -50,6 +53,16 @@ def store(keys: torch.Tensor, values: torch.Tensor, key_pool: torch.Tensor,
     key_pool.index_copy_(0, slots, keys.flatten(0, 1).to(key_pool.dtype))
     value_pool.index_copy_(0, slots,
                            values.flatten(0, 1).to(value_pool.dtype))
+    return key_pool, value_pool, key_pool, value_pool
+
+
+def store_kernel(keys: torch.Tensor, values: torch.Tensor,
+                 key_pool: torch.Tensor, value_pool: torch.Tensor,
+                 **attn_kwargs):
+    """``store`` in one C++ call: the same pool values, the same returns."""
+    torch.ops.spyre_kernels.store_paged_kv(keys, values, key_pool,
+                                           value_pool,
+                                           attn_kwargs["cache_slots"])
     return key_pool, value_pool, key_pool, value_pool
 
 
@@ -99,6 +112,20 @@ def store_and_attend(query: torch.Tensor, key: torch.Tensor,
         heads, scale, window_of(attn_kwargs))
 
 
+def compute_heads(query: torch.Tensor, key_pool: torch.Tensor,
+                  value_pool: torch.Tensor, nheads: int, kvheads: int,
+                  p_dropout: float, scale_factor,
+                  **attn_kwargs) -> torch.Tensor:
+    """``compute_kernel`` in one C++ call (the query heads stacked and the
+    output unstacked there)."""
+    scale = (scale_factor if scale_factor is not None else
+             query.shape[-1]**-0.5)
+    return torch.ops.spyre_kernels.paged_attention_heads(
+        query, key_pool, value_pool, attn_kwargs["block_table"],
+        attn_kwargs["ctx_lens"], CB_BLOCK_SIZE, scale,
+        window_of(attn_kwargs), sinks_of(attn_kwargs))
+
+
 compute = decode_op(_attend_gather)
 compute_kernel = decode_op(_attend_kernel)
 
@@ -109,4 +136,6 @@ def register() -> None:
     register_ops({
         ATTN_NAME: dict(store_op=store, compute_op=compute),
         ATTN_NAME_CPU_KERNEL: dict(store_op=store, compute_op=compute_kernel),
+        ATTN_NAME_EAGER_KERNEL: dict(store_op=store_kernel,
+                                     compute_op=compute_heads),
     })

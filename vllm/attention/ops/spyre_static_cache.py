@@ -38,6 +38,11 @@ ATTN_NAME = "spyre_static_kv"
 #: ``spyre_kernels::decode_attention`` (float32 or bfloat16, CPU ``inductor``
 #: path; the kernel must be loaded, see ``native.available``).
 ATTN_NAME_CPU_KERNEL = "spyre_static_kv_cpu_kernel"
+#: The same under ``eager``, which runs each op of the graph one by one:
+#: the cache write one C++ call (``store_kernel``) and a decode step's
+#: attention another (``_compute_decode_heads``), in place of six and seven
+#: dispatched ops; the same values (``cached_attention.cpp``).
+ATTN_NAME_EAGER_KERNEL = "spyre_static_kv_eager_kernel"
 
 
 def store(keys: torch.Tensor, values: torch.Tensor,
@@ -54,6 +59,20 @@ def store(keys: torch.Tensor, values: torch.Tensor,
     value_cache.index_copy_(2, slots, values.to(value_cache.dtype))
     if _is_prefill(**attn_kwargs):
         return keys, values, key_cache, value_cache
+    return key_cache, value_cache, key_cache, value_cache
+
+
+def store_kernel(keys: torch.Tensor, values: torch.Tensor,
+                 key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 **attn_kwargs):
+    """``store`` in one C++ call: the same cache values, the same
+    returns."""
+    torch.ops.spyre_kernels.store_static_kv(keys, values, key_cache,
+                                            value_cache,
+                                            attn_kwargs["cache_slots"])
+    if _is_prefill(**attn_kwargs):
+        return (keys.transpose(1, 2), values.transpose(1, 2), key_cache,
+                value_cache)
     return key_cache, value_cache, key_cache, value_cache
 
 
@@ -122,6 +141,19 @@ def store_and_attend(query: torch.Tensor, key: torch.Tensor,
         layer_mask(attn_kwargs), heads, scale)
 
 
+def _compute_decode_heads(query: torch.Tensor, keys: torch.Tensor,
+                          values: torch.Tensor, nheads: int, kvheads: int,
+                          p_dropout: float, scale_factor,
+                          **attn_kwargs) -> torch.Tensor:
+    """``_compute_decode_kernel`` in one C++ call (the query heads stacked
+    and the output unstacked there)."""
+    scale = (scale_factor if scale_factor is not None else
+             query.shape[-1]**-0.5)
+    return torch.ops.spyre_kernels.decode_attention_heads(
+        query, keys, values, layer_mask(attn_kwargs), scale,
+        sinks_of(attn_kwargs))
+
+
 def compute_op(prefill: bool, on_kernel: bool):
     """The compute op of a prefill or a decode step, on the C++ kernel
     (decode only: a prefill attends through SDPA, or the written-out
@@ -138,8 +170,10 @@ def _is_prefill(**attn_kwargs) -> bool:
 def register() -> None:
     """Registers the ops with FMS once per process."""
     register_ops({
-        name: dict(store_op=store, compute_op=compute_prefill,
+        name: dict(store_op=store_op, compute_op=compute_prefill,
                    is_prefill_op=_is_prefill, compute_decode_op=decode)
-        for name, decode in ((ATTN_NAME, _compute_decode),
-                             (ATTN_NAME_CPU_KERNEL, _compute_decode_kernel))
+        for name, store_op, decode in (
+            (ATTN_NAME, store, _compute_decode),
+            (ATTN_NAME_CPU_KERNEL, store, _compute_decode_kernel),
+            (ATTN_NAME_EAGER_KERNEL, store_kernel, _compute_decode_heads))
     })

@@ -71,6 +71,10 @@ class FmsModelCode(ModelCode):
         start = time.perf_counter()
         n = spyre_linear.pack_linears(self.fms_model, self.precision.linear)
         self.attn_name = self.attention.ATTN_NAME_CPU_KERNEL
+        if self.spyre_config.dynamo_backend == "eager":
+            # Each layer's cache write and attention in two calls (inductor
+            # fuses the ops between them itself).
+            self.attn_name = self.attention.ATTN_NAME_EAGER_KERNEL
         logger.info("Packed the weights of %d linear layers in %s in %.1f s",
                     n, str(self.precision.linear).removeprefix("torch."),
                     time.perf_counter() - start)

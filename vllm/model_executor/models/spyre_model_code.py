@@ -46,7 +46,8 @@ class ModelCode(nn.Module):
                  attention: ModuleType) -> None:
         """``attention``: the FMS attention ops of the LM's cache
         (``spyre_static_cache`` or ``spyre_paged_cache``), with their
-        ``ATTN_NAME``, ``ATTN_NAME_CPU_KERNEL`` and ``register``."""
+        ``ATTN_NAME``, ``ATTN_NAME_CPU_KERNEL``, ``ATTN_NAME_EAGER_KERNEL``
+        and ``register``."""
         super().__init__()
         self.vllm_config = vllm_config
         self.spyre_config = spyre_config
