@@ -70,19 +70,21 @@ def tiny_run(request, tiny_llama):
 def test_both_backends_run_on_the_native_kernels(tiny_run):
     """eager skips the compiler, not the kernels: the linear layers are
     packed and decode attention is the C++ op on both CPU backends, and
-    on eager the norms and rotary embedding too; the torch-op path keeps
-    MKL and the attention in torch ops."""
+    on eager the norms, the rotary embedding and the cache writes too;
+    the torch-op path keeps MKL and the attention in torch ops."""
     from vllm.spyre_kernels import ops as native
     from vllm.attention.ops import spyre_static_cache as static_cache
     on = tiny_run["backend"] != TORCH_OPS and native.available()
     kernels = tiny_run["kernels"]
     assert kernels["native"] is on
-    assert kernels["attn_name"] == (static_cache.ATTN_NAME_CPU_KERNEL
-                                    if on else static_cache.ATTN_NAME)
-    assert (kernels["packed"] > 0) is on
     # eager, which fuses nothing itself, runs the norms and the rotary
-    # embedding on kernels too; inductor fuses them.
+    # embedding on kernels too, and the cache write and the attention one
+    # C++ call each; inductor fuses them.
     fused = on and tiny_run["backend"] == "eager"
+    assert kernels["attn_name"] == (
+        static_cache.ATTN_NAME_EAGER_KERNEL if fused else
+        static_cache.ATTN_NAME_CPU_KERNEL if on else static_cache.ATTN_NAME)
+    assert (kernels["packed"] > 0) is on
     assert (kernels["fused_norms"] > 0) is fused
     assert kernels["rotary"] == ("KernelRotaryEmbedding" if fused
                                  else "RotaryEmbedding")
