@@ -40,7 +40,12 @@ the sums), and any dynamo compilation during the passes fails the run
 
     python benchmarks/linear.py [--model DIR] [--rows 1,8,16,64]
         [--repeats 7] [--kernels aten,mkl-packed,spyre-packed,...]
-        [--json PATH]
+        [--march TARGET] [--json PATH]
+
+``--march x86-64-v3`` builds the kernels for that x86 target instead of
+this CPU (``ops.load_for``): what a CPU with AVX2 and no AVX-512 runs,
+measured here.  The paths the CPU's own flags choose (``spyre-<kind>-dot``,
+``-dense``) then run the target's tiles instead.
 """
 from __future__ import annotations
 
@@ -240,10 +245,18 @@ def main() -> int:
     ap.add_argument("--kernels", default=None,
                     help="comma-separated subset (default: all that run "
                     "here; mkl-packed always, for the ratio)")
+    ap.add_argument("--march", default=None,
+                    help="build the kernels for this x86 target, not this "
+                    "CPU (x86-64-v3: AVX2 without AVX-512)")
     ap.add_argument("--json", default=str(RESULTS / "linear.json"))
     args = ap.parse_args()
 
     import torch
+    if args.march:
+        from vllm.spyre_kernels import ops as native
+        if not native.load_for(args.march):
+            print(f"the kernels could not be built for {args.march}")
+            return 1
     torch.set_num_threads(cores())
     bandwidth = read_bandwidth(1.0)
     print(f"memory read bandwidth {bandwidth / 1e9:.2f} GB/s", flush=True)

@@ -2,7 +2,11 @@
 GCC vector-extension code Power, Z and AVX2-only x86 machines run) in
 this process and checks it against the dequantized product; prints OK.
 Run by tests/unit/test_spyre_quant.py in a subprocess, so that its op
-does not meet the one the project's extension registers."""
+does not meet the one the project's extension registers.
+
+Given a path, it also saves there the products of ``integer_cases`` on
+AVX2's integer tiles (``quant_int16.h``), which the test compares with
+the project's own build bit for bit."""
 import sys
 from pathlib import Path
 
@@ -11,6 +15,34 @@ from torch.utils.cpp_extension import load
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = REPO / "vllm" / "spyre_kernels" / "quant.cpp"
+
+
+def integer_cases(mod):
+    """``{name: (weight, inputs)}``: int8 and int4 layers at decode
+    heights (1-3 rows), groups of 128 with a shorter last one, per-channel
+    scales, groups of 64; offsets, a zero point or neither.  ``mod`` is the
+    layer module (``spyre_quant_linear``)."""
+    cases = {}
+    for kind in ("int8", "int4"):
+        for n, k, group in ((70, 576, 128), (64, 2048, 2048), (33, 512, 64)):
+            g = torch.Generator().manual_seed(n + k)
+            groups = -(-k // group)
+            low, high = (-128, 128) if kind == "int8" else (0, 16)
+            codes = torch.randint(low, high, (n, k), generator=g,
+                                  dtype=torch.int8)
+            scales = torch.rand(n, groups, generator=g) * 0.01 + 0.001
+            zeros = {"none": None,
+                     "offsets": torch.randint(-4, 5, (n, groups),
+                                              generator=g).float(),
+                     "uniform": torch.full((n, groups), 3.0)}
+            for name, z in zeros.items():
+                w = mod.QuantWeight(kind, codes, scales, z, group)
+                for rows in (1, 2, 3):
+                    # Inputs over four orders of magnitude: some rounded.
+                    x = torch.randn(rows, k, generator=g) * torch.pow(
+                        10.0, -4 * torch.rand(rows, k, generator=g))
+                    cases[f"{kind}-{n}x{k}-g{group}-{name}-{rows}"] = (w, x)
+    return cases
 
 
 def main() -> int:
@@ -57,6 +89,16 @@ def main() -> int:
                     y = mod.quant_linear(x, mod.pack(w), None, rnd).double()
                     err = ((y - want).abs().max() / want.abs().max()).item()
                     assert err < 2e-5, (kind, rows, rnd, err)
+    if len(sys.argv) > 1:
+        products = {}
+        for name, (w, x) in integer_cases(mod).items():
+            packed = mod.pack(w)
+            got = mod.quant_linear(x, packed, None, True, ints=3)
+            # The integer tiles ran: the float32 tiles' product differs.
+            assert not torch.equal(
+                got, mod.quant_linear(x, packed, None, True, ints=0)), name
+            products[name] = got
+        torch.save(products, sys.argv[1])
     print("OK")
     return 0
 

@@ -22,6 +22,8 @@ import torch
 
 from vllm.spyre_kernels import ops as native
 from vllm.model_executor.layers.quantization import spyre_quant
+from vllm.model_executor.layers.quantization import (
+    spyre_quant_linear as sql)
 from vllm.model_executor.layers.quantization.spyre_quant_linear import (
     QuantWeight, fake_quantize_fp8, pack, quant_linear)
 
@@ -307,13 +309,28 @@ def test_int8_activations_refused():
 
 @pytest.mark.skipif(platform.machine() != "x86_64",
                     reason="builds the kernel for x86-64-v3 (AVX2)")
-def test_kernel_without_avx512():
+def test_kernel_without_avx512(tmp_path):
     """The portable code (GCC vector extensions: Power, Z, AVX2-only x86)
     built for AVX2 in a subprocess gives the dequantized product too,
-    every FP8 code exactly."""
+    every FP8 code exactly; and its integer tiles for decode rows give the
+    products this machine's own build gives, bit for bit."""
     script = Path(__file__).resolve().parent.parent / \
         "quant_kernel_portable.py"
-    done = subprocess.run([sys.executable, str(script)], capture_output=True,
-                          text=True, timeout=600)
+    saved = tmp_path / "integer_products.pt"
+    done = subprocess.run([sys.executable, str(script), str(saved)],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), \
         done.stdout[-2000:] + done.stderr[-4000:]
+    if not (native.available() and sql.integer_rows("int8", True)):
+        return  # this machine's build has no integer tiles to compare
+    sys.path.insert(0, str(script.parent))
+    try:
+        from quant_kernel_portable import integer_cases
+    finally:
+        sys.path.remove(str(script.parent))
+    products = torch.load(saved)
+    cases = integer_cases(sql)
+    assert sorted(products) == sorted(cases)
+    for name, (w, x) in cases.items():
+        got = quant_linear(x, pack(w), None, round_inputs=True, ints=3)
+        assert torch.equal(got, products[name]), name

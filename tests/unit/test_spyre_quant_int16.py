@@ -1,7 +1,9 @@
 """int8 and int4 codes on inputs held as 16-bit integers
 (``quant_int16.h``): the decode path of int8 and int4 layers at the
-bfloat16 precision, for up to ``INT_ROWS`` rows, where the CPU has
-AVX512BW.
+bfloat16 precision, for up to ``INT_ROWS`` rows where the CPU has
+AVX512BW, ``INT_ROWS_AVX2`` where it has AVX2 and no AVX-512 (the AVX2
+build's tiles are checked against these bit for bit in
+``test_spyre_quant.py::test_kernel_without_avx512``).
 
 Each span of features (the weight's group, or a part of 256, 128 or 64
 features of a longer one) holds its bfloat16 inputs as 16-bit integers
@@ -26,9 +28,9 @@ from vllm.model_executor.layers.quantization.spyre_quant_linear import (
     QuantWeight, pack, quant_linear)
 
 integer_path = pytest.mark.skipif(
-    not (platform.machine() == "x86_64" and native.cpu_has("avx512bw")
+    not (platform.machine() == "x86_64" and sql.integer_rows("int8", True)
          and native.available()),
-    reason="the integer tiles are built with AVX512BW")
+    reason="the integer tiles are built with AVX512BW or AVX2 alone")
 
 
 def _int8_weight(n: int, k: int, group: int, zeros, seed: int = 0,
@@ -151,12 +153,15 @@ def test_zero_and_non_finite_spans():
     assert not torch.isfinite(got[1]).any()
 
 
-@pytest.mark.parametrize("has_bw", [True, False])
-def test_integer_rows_follow_the_kind_and_the_cpu(monkeypatch, has_bw):
-    monkeypatch.setattr(native, "cpu_has",
-                        lambda flag: has_bw and flag == "avx512bw")
+@pytest.mark.parametrize("flags,rows", [
+    ({"avx2", "avx512f", "avx512bw"}, sql.INT_ROWS),
+    ({"avx2"}, sql.INT_ROWS_AVX2),
+    ({"avx2", "avx512f"}, 0),  # AVX-512 without BW: the float32 tiles
+    (set(), 0),
+])
+def test_integer_rows_follow_the_kind_and_the_cpu(monkeypatch, flags, rows):
+    monkeypatch.setattr(native, "cpu_has", lambda flag: flag in flags)
     for kind in ("int8", "int4"):
-        assert sql.integer_rows(kind, True) == (
-            sql.INT_ROWS if has_bw else 0)
+        assert sql.integer_rows(kind, True) == rows
         assert sql.integer_rows(kind, False) == 0
     assert sql.integer_rows("fp8", True) == 0

@@ -115,6 +115,23 @@ def available() -> bool:
     return _loaded
 
 
+def load_for(target: str) -> bool:
+    """Builds the kernels for another x86 target than this CPU
+    (``-march=target``; ``x86-64-v3``: what a CPU with AVX2 and no
+    AVX-512 runs) and loads them in place of the native ones, for a
+    benchmark to measure a lesser CPU's code paths here.  Call it before
+    anything loads the kernels; False, with a warning, where they cannot
+    be built."""
+    global _loaded
+    if _loaded is not None:
+        raise RuntimeError("the native CPU kernels are loaded already: "
+                           "load_for must come first")
+    if not target.replace("-", "").replace("_", "").isalnum():
+        raise ValueError(f"load_for({target!r}): not a compiler target")
+    _loaded = _load(target)
+    return _loaded
+
+
 def loaded() -> bool:
     """Whether the kernels are built and loaded already (never builds
     them): for load-time helpers that take the kernels where a model runs
@@ -136,15 +153,20 @@ def in_use(backend: str, wanted: bool) -> tuple[bool, str]:
     return True, f"backend {backend}"
 
 
-def _load() -> bool:
+def _load(target: Optional[str] = None) -> bool:
     from torch.utils.cpp_extension import load
     flags = ["-O3", "-fopenmp"]
     native = _NATIVE_FLAG.get(platform.machine())
-    if native:
+    if target:
+        flags.append(f"-march={target}")
+    elif native:
         flags.append(native)
+    # Another target's build goes to a folder of its own, so that neither
+    # build replaces the other.
+    name = f"{LIBRARY}_{target.replace('-', '_')}" if target else LIBRARY
     start = time.perf_counter()
     try:
-        load(name=LIBRARY,
+        load(name=name,
              sources=[str(p) for p in _SOURCES],
              extra_cflags=flags,
              extra_ldflags=["-fopenmp"],
@@ -158,7 +180,8 @@ def _load() -> bool:
         return False
     for op, fake in _FAKES.items():
         torch.library.register_fake(f"{LIBRARY}::{op}")(fake)
-    logger.info("Loaded the native CPU kernels in %.1f s",
+    logger.info("Loaded the native CPU kernels%s in %.1f s",
+                f" (built for {target})" if target else "",
                 time.perf_counter() - start)
     return True
 

@@ -330,7 +330,10 @@ void tile(const float* x, int64_t ldx, const float* xsums, int64_t groups,
   store_rows<R>(acc, out, cols, bias);
 }
 
-#if defined(__AVX512BW__)
+// The integer tiles for decode rows: with AVX512BW, or AVX2 alone (an
+// AVX-512 build without AVX512BW keeps the float32 tiles).
+#if defined(__AVX512BW__) || (defined(__AVX2__) && !defined(__AVX512F__))
+#define SPYRE_INT16_TILES 1
 #include "quant_int16.h"
 #endif
 
@@ -599,7 +602,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
   // int8 and int4 codes on 16-bit integer inputs (quant_int16.h):
   // bfloat16 inputs, up to int_rows rows.
   int64_t span = 0;
-#if defined(__AVX512BW__)
+#if defined(SPYRE_INT16_TILES)
   if ((kind == kInt8 || kind == kInt4) && (round_inputs || bf16_in) &&
       K % 2 == 0 &&
       height > 0 && height <= std::min(int_rows, kIntRows))
@@ -655,7 +658,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
   std::vector<int16_t> xq;
   std::vector<float> powers;
   const int64_t spans = span ? (K + span - 1) / span : 0;
-#if defined(__AVX512BW__)
+#if defined(SPYRE_INT16_TILES)
   if (span) {
     xq.resize(M * K);
     powers.resize(M * spans);
@@ -682,7 +685,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
         const uint8_t* w = wp + blk * K * bytes;
         const float* o = op ? op + at : nullptr;
         const float* bc = bp ? bp + c0 : nullptr;
-#if defined(__AVX512BW__)
+#if defined(SPYRE_INT16_TILES)
         if (span) {
           (kind == kInt8 ? kInts<kInt8> : kInts<kInt4>)[rows](
               xq.data() + m0 * K, K, powers.data() + m0 * spans, spans, span,

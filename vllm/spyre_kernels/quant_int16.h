@@ -27,8 +27,17 @@
 // off per group as on the float32 tiles) stay below 2^4, int8's below
 // 2^7 in magnitude: the spans' integer sums cannot overflow.
 //
+// Two builds of the tiles: AVX512BW's, 16 columns a register (two
+// registers a block row, int8's lanes in `kIntColumns`' order), and
+// AVX2's, 8 columns a register (four a block row, every code pair in
+// column order: the in-lane byte unpacks of two 16-byte halves pair rows k
+// and k + 1 column by column), `vpmaddwd` and an add, or AVX-VNNI's
+// 256-bit `vpdpwssd` where the build has it.  Both sum the same integers
+// exactly and scale them with the same float32 operations lane by lane,
+// so their outputs are equal bit for bit.
+//
 // Included by quant.cpp, inside its anonymous namespace, where the build
-// has AVX512BW.
+// has AVX512BW or AVX2.
 
 constexpr int64_t kIntRows = 4;  // heights the integer tiles take
 constexpr int64_t kSpan = 256;   // features per span at most
@@ -77,6 +86,7 @@ inline void inputs_as_int16(const float* x, int64_t M, int64_t K,
     }
 }
 
+#if defined(__AVX512BW__)
 // Where the interleaved lanes put the block's columns: lanes of the low
 // unpack, then of the high one, give columns back through these indices
 // (`vpermt2ps` over the two; half 0: columns 0-15, half 1: 16-31).
@@ -213,6 +223,118 @@ void tile_int16(const int16_t* q, int64_t ldq, const float* powers,
   }
   store_rows<R>(acc, out, cols, bias);
 }
+
+#else
+// AVX2: 8 columns a register, kVecs (4) registers a block row.
+inline __m256i dot_int16(__m256i acc, __m256i codes, __m256i inputs) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, codes, inputs);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(codes, inputs));
+#endif
+}
+
+// The codes of block rows k and k + 1 as 16-bit pairs, one 32-bit lane
+// per column, w[v] holding columns 8v..8v+7.  int8: each row's 16-byte
+// halves unpacked against the other row's (bytes of one column side by
+// side), then sign-extended to words.  int4: the two rows' 16 bytes
+// unpacked the same way and zero-extended, each word then holding a byte
+// of codes: its low nibble (columns 0-15), or shifted, its high one
+// (columns 16-31).
+template <int K>
+inline void code_words(const uint8_t* row, __m256i (&w)[kVecs]) {
+  auto load = [](const uint8_t* p) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  };
+  if constexpr (K == kInt8) {
+    for (int h = 0; h < 2; ++h) {
+      const __m128i a = load(row + 16 * h);
+      const __m128i b = load(row + kBlock + 16 * h);
+      w[2 * h] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, b));
+      w[2 * h + 1] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(a, b));
+    }
+  } else {
+    const __m128i a = load(row);
+    const __m128i b = load(row + kBlock / 2);
+    const __m256i lo = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a, b));
+    const __m256i hi = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(a, b));
+    const __m256i nibble = _mm256_set1_epi16(15);
+    w[0] = _mm256_and_si256(lo, nibble);
+    w[1] = _mm256_and_si256(hi, nibble);
+    w[2] = _mm256_srli_epi16(lo, 4);
+    w[3] = _mm256_srli_epi16(hi, 4);
+  }
+}
+
+// tile() for int8 or int4 codes on the integer inputs, as the AVX-512
+// build's, on 8-column registers.
+template <int K, int R>
+void tile_int16(const int16_t* q, int64_t ldq, const float* powers,
+                int64_t spans, int64_t span, const float* xsums,
+                int64_t groups, const uint8_t* block, int64_t in,
+                int64_t group, const float* scales, const float* offsets,
+                float zero, Out out, int64_t cols, const float* bias) {
+  constexpr int64_t bytes = row_bytes<K>();
+  // Half AVX-512's registers, twice the sums a row: a second chain for
+  // one row only.
+  constexpr int U = R == 1 ? 2 : 1;
+  nfloat acc[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs; ++v) acc[r][v] = nfloat{};
+  for (int64_t k0 = 0, g = 0; k0 < in; k0 += group, ++g) {
+    const int64_t end = std::min(k0 + group, in);
+    __m256 part[R][kVecs];  // the group's sums
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kVecs; ++v) part[r][v] = _mm256_setzero_ps();
+    for (int64_t s0 = k0; s0 < end; s0 += span) {
+      const int64_t s_end = std::min(s0 + span, end);
+      __m256i isum[U][R][kVecs];
+      for (int u = 0; u < U; ++u)
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < kVecs; ++v)
+            isum[u][r][v] = _mm256_setzero_si256();
+      auto step = [&](int u, int64_t k) {
+        __m256i w[kVecs];
+        code_words<K>(block + k * bytes, w);
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, q + r * ldq + k, sizeof pair);
+          const __m256i xs = _mm256_set1_epi32(pair);
+          for (int v = 0; v < kVecs; ++v)
+            isum[u][r][v] = dot_int16(isum[u][r][v], w[v], xs);
+        }
+      };
+      int64_t k = s0;
+      for (; k + 2 * U <= s_end; k += 2 * U) {
+        prefetch_rows(block + k * bytes, k * bytes, 2 * U * bytes);
+        for (int u = 0; u < U; ++u) step(u, k + 2 * u);
+      }
+      for (; k < s_end; k += 2) {
+        prefetch_rows(block + k * bytes, k * bytes, 2 * bytes);
+        step(0, k);
+      }
+      for (int u = 1; u < U; ++u)
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < kVecs; ++v)
+            isum[0][r][v] = _mm256_add_epi32(isum[0][r][v], isum[u][r][v]);
+      const int64_t s = s0 / span;
+      for (int r = 0; r < R; ++r) {
+        const __m256 p = _mm256_set1_ps(powers[r * spans + s]);
+        for (int v = 0; v < kVecs; ++v)
+          part[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[0][r][v]), p,
+                                       part[r][v]);
+      }
+    }
+    nfloat sums[R][kVecs];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kVecs; ++v)
+        sums[r][v] = reinterpret_cast<nfloat>(part[r][v]);
+    add_group<R>(acc, sums, scales, offsets, zero, xsums, groups, g);
+  }
+  store_rows<R>(acc, out, cols, bias);
+}
+
+#endif
 
 using IntFn = void (*)(const int16_t*, int64_t, const float*, int64_t,
                        int64_t, const float*, int64_t, const uint8_t*,

@@ -259,21 +259,30 @@ def kernel_rows(kind: str, round_inputs: bool) -> tuple[int, int]:
 
 
 #: Rows up to which int8 and int4 codes multiply the inputs held as 16-bit
-#: integers (``vpdpwssd``; quant_int16.h) where the CPU has AVX512BW: a
-#: decode step's few rows, where the float32 tiles are bound by widening
-#: codes.
+#: integers (``vpdpwssd``, or ``vpmaddwd`` and an add; quant_int16.h)
+#: where the CPU has AVX512BW: a decode step's few rows, where the float32
+#: tiles are bound by widening codes (from ``DOT_ROWS`` rows the bfloat16
+#: pairs take them on AMD's Zen 4).
 INT_ROWS = 3
+#: The same where the CPU has AVX2 and no AVX-512: the integer tiles'
+#: largest height, where ``benchmarks/linear.py --march x86-64-v3`` found
+#: them faster than the float32 tiles at every height (no bfloat16 pairs
+#: there).
+INT_ROWS_AVX2 = 4
 
 
 def integer_rows(kind: str, round_inputs: bool) -> int:
     """``quant_linear``'s ``ints`` for a layer of ``kind`` codes: int8 and
-    int4 codes with rounded inputs (the bfloat16 precision), where the CPU
-    has AVX512BW; else 0."""
+    int4 codes with rounded inputs (the bfloat16 precision), where the
+    kernels are built with AVX512BW or with AVX2 alone; else 0."""
     from vllm.spyre_kernels.ops import cpu_has
-    if kind not in ("int8", "int4") or not round_inputs or \
-            not cpu_has("avx512bw"):
+    if kind not in ("int8", "int4") or not round_inputs:
         return 0
-    return INT_ROWS
+    if cpu_has("avx512bw"):
+        return INT_ROWS
+    if cpu_has("avx2") and not cpu_has("avx512f"):
+        return INT_ROWS_AVX2
+    return 0
 
 
 def quant_linear(x: torch.Tensor, weight: PackedQuant,
