@@ -197,6 +197,11 @@ class EngineWorker:
         spec = ENGINES[engine]
         self.engine = engine
         self.work = work
+        if work.kernel_target and spec.ours:
+            from vllm.spyre_kernels import ops
+            if not ops.load_for(work.kernel_target):
+                raise RuntimeError("the kernels could not be built for "
+                                   f"{work.kernel_target}")
         start = time.perf_counter()
         self.driver = (spec.driver(work) if spec.backend is None else
                        spec.driver(work, spec.backend))

@@ -19,9 +19,10 @@ three kernels:
   same under ``--dtype bfloat16`` (inputs rounded to bfloat16; tiles of
   ``DOT_ROWS`` rows or more on ``vdpbf16ps`` where the CPU has AVX512_BF16
   and no AMX; an int8 layer's rows stay on the float32 tiles there);
-  ``spyre-int8-int16``: int8 rows up to ``INT_ROWS`` on 16-bit integer
-  inputs where the CPU has AVX512BW (quant_int16.h), as the engine runs
-  decode steps; ``spyre-<kind>-dot``: the same
+  ``spyre-<kind>-int16``: int8 and int4 rows up to ``INT_ROWS`` on
+  16-bit integer inputs where the CPU has AVX512BW, ``INT_ROWS_AVX2``
+  where it has AVX2 alone (quant_int16.h), as the engine runs decode
+  steps; ``spyre-<kind>-dot``: the same
   inputs, every row count on ``vdpbf16ps`` tiles, and
   ``spyre-<kind>-dense``: on oneDNN over the weight dequantized to
   bfloat16 per call (AMX where the CPU has it; what a prompt of

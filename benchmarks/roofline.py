@@ -41,11 +41,16 @@ default backend, bfloat16 and the quantized formats side by side:
 
     python benchmarks/roofline.py --model models/bench/granite-3.3-2b-bf16 \
         --engines spyre-eager-bf16,spyre-eager-gptq-int8,spyre-eager-gptq-int4
+
+``--march x86-64-v3`` builds our engines' kernels for that x86 target
+instead of this CPU (``ops.load_for``): a CPU with AVX2 and no AVX-512,
+measured here against this machine's read limit.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import functools
 import platform
 import sys
@@ -148,6 +153,9 @@ def main() -> int:
     ap.add_argument("--engines", default=None,
                     help="offline.py engines to run instead of "
                     "spyre-<backend> and hf")
+    ap.add_argument("--march", default=None,
+                    help="build our engines' kernels for this x86 target, "
+                    "not this CPU (x86-64-v3: AVX2 without AVX-512)")
     args = ap.parse_args()
     if args.new_tokens < 2 or args.repetitions < 1:
         ap.error("--new-tokens must be >= 2 and --repetitions >= 1")
@@ -161,7 +169,9 @@ def main() -> int:
         print(f"memory read bandwidth, {name}: {rate / 1e9:.2f} GB/s",
               flush=True)
 
-    work = Workload.build(args.model, args.prompt_len, args.new_tokens, [1])
+    work = dataclasses.replace(
+        Workload.build(args.model, args.prompt_len, args.new_tokens, [1]),
+        kernel_target=args.march)
     ours = f"spyre-{args.backend}"
     engines = args.engines.split(",") if args.engines else [ours, "hf"]
     children = start_engines(engines, work)

@@ -160,6 +160,9 @@ class Workload:
     prompt_len: int
     new_tokens: int
     prompts: dict[int, list[list[int]]]  # batch size -> its rows
+    # The x86 target our engines' kernels are built for (None: this CPU;
+    # ``x86-64-v3``: what an AVX2-only CPU runs; ``ops.load_for``).
+    kernel_target: Optional[str] = None
 
     @classmethod
     def build(cls, model: str, prompt_len: int, new_tokens: int,

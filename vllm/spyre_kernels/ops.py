@@ -53,7 +53,9 @@ kernels) unless ``VLLM_SPYRE_NATIVE_KERNELS=0`` asks for PyTorch's own ops.
 A machine without a compiler gets ``False`` and a warning, and every caller
 keeps its torch-op path.  ``cpu_has`` reads the CPU's flags, which choose
 between the kernels' paths (AVX512_BF16, AMX) and name them in the graph
-cache's key.
+cache's key.  ``load_for`` builds them for another x86 target instead
+(``x86-64-v3``: an AVX2-only CPU's code, measured by the benchmarks'
+``--march`` on a larger CPU), and ``cpu_has`` then answers for it.
 
 The kernels sit low in the project's layers: the attention ops, the
 layers, the models and the graph cache import this module, which imports
@@ -82,12 +84,23 @@ _NATIVE_FLAG = {"x86_64": "-march=native", "s390x": "-march=native",
                 "ppc64le": "-mcpu=native", "aarch64": "-mcpu=native"}
 _loaded: Optional[bool] = None
 _cpu_flags: Optional[frozenset] = None
+#: The instruction sets of the target ``load_for`` built for (None: this
+#: CPU's own build).
+_target_macros: Optional[frozenset] = None
 #: Why the build failed, when it did.
 _failure = ""
 
 
+def _flag_key(name: str) -> str:
+    """A CPU flag (``avx512_bf16``) or the compiler's macro for it
+    (``__AVX512BF16__``) in one spelling: ``AVX512BF16``."""
+    return name.replace("_", "").upper()
+
+
 def cpu_has(flag: str) -> bool:
-    """Whether the CPU's flags (Linux's ``/proc/cpuinfo``) name ``flag``."""
+    """Whether the CPU's flags (Linux's ``/proc/cpuinfo``) name ``flag``;
+    where the kernels were built for another target (``load_for``), only
+    if that target has it too."""
     global _cpu_flags
     if _cpu_flags is None:
         try:
@@ -97,7 +110,22 @@ def cpu_has(flag: str) -> bool:
                     for word in line.split()[2:])
         except OSError:
             _cpu_flags = frozenset()
+    if _target_macros is not None and _flag_key(flag) not in _target_macros:
+        return False
     return flag in _cpu_flags
+
+
+def _macros(target: str) -> frozenset:
+    """The instruction-set macros the compiler defines for ``-march=target``,
+    as ``_flag_key`` spells them."""
+    import subprocess
+    from torch.utils.cpp_extension import get_cxx_compiler
+    done = subprocess.run(
+        [get_cxx_compiler(), f"-march={target}", "-dM", "-E", "-x", "c++",
+         "/dev/null"], capture_output=True, text=True, check=True)
+    return frozenset(
+        _flag_key(line.split()[1]) for line in done.stdout.splitlines()
+        if line.startswith("#define __") and line.split()[1].endswith("__"))
 
 
 def has_amx_bf16() -> bool:
@@ -121,13 +149,16 @@ def load_for(target: str) -> bool:
     AVX-512 runs) and loads them in place of the native ones, for a
     benchmark to measure a lesser CPU's code paths here.  Call it before
     anything loads the kernels; False, with a warning, where they cannot
-    be built."""
+    be built.  ``cpu_has`` then answers for that target: the paths the
+    engine chooses by the CPU's flags are the target's."""
     global _loaded
     if _loaded is not None:
         raise RuntimeError("the native CPU kernels are loaded already: "
                            "load_for must come first")
     if not target.replace("-", "").replace("_", "").isalnum():
         raise ValueError(f"load_for({target!r}): not a compiler target")
+    global _target_macros
+    _target_macros = _macros(target)
     _loaded = _load(target)
     return _loaded
 
