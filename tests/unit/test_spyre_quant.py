@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import importlib.util
 import platform
 import subprocess
 import sys
@@ -323,13 +324,12 @@ def test_kernel_without_avx512(tmp_path):
         done.stdout[-2000:] + done.stderr[-4000:]
     if not (native.available() and sql.integer_rows("int8", True)):
         return  # this machine's build has no integer tiles to compare
-    sys.path.insert(0, str(script.parent))
-    try:
-        from quant_kernel_portable import integer_cases
-    finally:
-        sys.path.remove(str(script.parent))
+    spec = importlib.util.spec_from_file_location("quant_kernel_portable",
+                                                  script)
+    portable = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(portable)
     products = torch.load(saved)
-    cases = integer_cases(sql)
+    cases = portable.integer_cases(sql)
     assert sorted(products) == sorted(cases)
     for name, (w, x) in cases.items():
         got = quant_linear(x, pack(w), None, round_inputs=True, ints=3)
