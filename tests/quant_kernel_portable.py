@@ -6,7 +6,8 @@ does not meet the one the project's extension registers.
 
 Given a path, it also saves there the products of ``integer_cases`` on
 AVX2's integer tiles (``quant_int16.h``), which the test compares with
-the project's own build bit for bit."""
+the project's own build bit for bit; ``--avx-vnni`` before the path
+builds the AVX-VNNI form of those tiles (for a CPU that has it)."""
 import sys
 from pathlib import Path
 
@@ -46,8 +47,15 @@ def integer_cases(mod):
 
 
 def main() -> int:
-    load(name="spyre_quant_portable", sources=[str(SOURCE)],
-         extra_cflags=["-O2", "-march=x86-64-v3", "-fopenmp"],
+    # `--avx-vnni` first: the same target with AVX-VNNI (256-bit
+    # vpdpwssd), which the integer tiles use where the build has it.
+    vnni = sys.argv[1:2] == ["--avx-vnni"]
+    if vnni:
+        del sys.argv[1]
+    load(name="spyre_quant_portable" + ("_vnni" if vnni else ""),
+         sources=[str(SOURCE)],
+         extra_cflags=["-O2", "-march=x86-64-v3", "-fopenmp"] +
+         (["-mavxvnni"] if vnni else []),
          extra_ldflags=["-fopenmp"], is_python_module=False)
     # The layer module only packs and calls the op: importable from the
     # working tree like any other file.

@@ -310,15 +310,22 @@ def test_int8_activations_refused():
 
 @pytest.mark.skipif(platform.machine() != "x86_64",
                     reason="builds the kernel for x86-64-v3 (AVX2)")
-def test_kernel_without_avx512(tmp_path):
+@pytest.mark.parametrize("vnni", [
+    False,
+    pytest.param(True, marks=pytest.mark.skipif(
+        not native.cpu_has("avx_vnni"), reason="the CPU has no AVX-VNNI")),
+])
+def test_kernel_without_avx512(tmp_path, vnni):
     """The portable code (GCC vector extensions: Power, Z, AVX2-only x86)
     built for AVX2 in a subprocess gives the dequantized product too,
-    every FP8 code exactly; and its integer tiles for decode rows give the
+    every FP8 code exactly; and its integer tiles for decode rows
+    (``vpmaddwd`` and an add, or AVX-VNNI's ``vpdpwssd``) give the
     products this machine's own build gives, bit for bit."""
     script = Path(__file__).resolve().parent.parent / \
         "quant_kernel_portable.py"
     saved = tmp_path / "integer_products.pt"
-    done = subprocess.run([sys.executable, str(script), str(saved)],
+    done = subprocess.run([sys.executable, str(script)] +
+                          (["--avx-vnni"] if vnni else []) + [str(saved)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), \
         done.stdout[-2000:] + done.stderr[-4000:]
