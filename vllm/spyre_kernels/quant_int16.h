@@ -119,110 +119,65 @@ inline __m512i dot_int16(__m512i acc, __m512i codes, __m512i inputs) {
 }
 
 // The codes of block rows k and k + 1 as 16-bit pairs, one 32-bit lane
-// per column: columns 0-15 in lo, 16-31 in hi, for int8 in the lanes'
+// per column: columns 0-15 in w[0], 16-31 in w[1], for int8 in the lanes'
 // order `int_columns` undoes (in-lane unpacks, one instruction each), for
 // int4 in column order (the two rows' 32 bytes widened to words, each
 // nibble masked or shifted out, and one `vpermw` per 16 columns pairs the
 // rows: a row of int4 codes is 16 bytes, byte c holding column c in its
 // low nibble and column c + 16 in its high one).
 template <int K>
-inline void code_words(const uint8_t* row, __m512i& lo, __m512i& hi) {
+inline void code_words(const uint8_t* row, __m512i (&w)[kVecs]) {
   if constexpr (K == kInt8) {
     const __m512i a = _mm512_cvtepi8_epi16(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
     const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
         reinterpret_cast<const __m256i*>(row + kBlock)));
-    lo = _mm512_unpacklo_epi16(a, b);
-    hi = _mm512_unpackhi_epi16(a, b);
+    w[0] = _mm512_unpacklo_epi16(a, b);
+    w[1] = _mm512_unpackhi_epi16(a, b);
   } else {
     const __m512i pair = _mm512_set_epi16(
         31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i words = _mm512_cvtepu8_epi16(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
-    lo = _mm512_permutexvar_epi16(
+    w[0] = _mm512_permutexvar_epi16(
         pair, _mm512_and_si512(words, _mm512_set1_epi16(15)));
-    hi = _mm512_permutexvar_epi16(pair, _mm512_srli_epi16(words, 4));
+    w[1] = _mm512_permutexvar_epi16(pair, _mm512_srli_epi16(words, 4));
   }
 }
 
-// tile() for int8 or int4 codes on the integer inputs: q [R][ldq] int16
-// (pairs read as 32-bit words), powers [R][spans]; `in` and `span` even.
-template <int K, int R>
-void tile_int16(const int16_t* q, int64_t ldq, const float* powers,
-                int64_t spans, int64_t span, const float* xsums,
-                int64_t groups, const uint8_t* block, int64_t in,
-                int64_t group, const float* scales, const float* offsets,
-                float zero, Out out, int64_t cols, const float* bias) {
-  constexpr int64_t bytes = row_bytes<K>();
-  // Independent sums: a vpdpwssd waits on its own latency, as tile()'s
-  // multiply-adds do.
-  constexpr int U = R <= 2 ? 4 : R == 3 ? 2 : 1;
-  vfloat acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vfloat{};
-  for (int64_t k0 = 0, g = 0; k0 < in; k0 += group, ++g) {
-    const int64_t end = std::min(k0 + group, in);
-    __m512 part[R][2];  // the group's sums, in interleaved lanes
-    for (int r = 0; r < R; ++r)
-      part[r][0] = part[r][1] = _mm512_setzero_ps();
-    for (int64_t s0 = k0; s0 < end; s0 += span) {
-      const int64_t s_end = std::min(s0 + span, end);
-      __m512i isum[U][R][2];
-      for (int u = 0; u < U; ++u)
-        for (int r = 0; r < R; ++r)
-          isum[u][r][0] = isum[u][r][1] = _mm512_setzero_si512();
-      auto step = [&](int u, int64_t k) {
-        __m512i lo, hi;
-        code_words<K>(block + k * bytes, lo, hi);
-        for (int r = 0; r < R; ++r) {
-          int32_t pair;
-          std::memcpy(&pair, q + r * ldq + k, sizeof pair);
-          const __m512i xs = _mm512_set1_epi32(pair);
-          isum[u][r][0] = dot_int16(isum[u][r][0], lo, xs);
-          isum[u][r][1] = dot_int16(isum[u][r][1], hi, xs);
-        }
-      };
-      int64_t k = s0;
-      for (; k + 2 * U <= s_end; k += 2 * U) {
-        prefetch_rows(block + k * bytes, k * bytes, 2 * U * bytes);
-        for (int u = 0; u < U; ++u) step(u, k + 2 * u);
-      }
-      for (; k < s_end; k += 2) {
-        prefetch_rows(block + k * bytes, k * bytes, 2 * bytes);
-        step(0, k);
-      }
-      for (int u = 1; u < U; ++u)
-        for (int r = 0; r < R; ++r) {
-          isum[0][r][0] = _mm512_add_epi32(isum[0][r][0], isum[u][r][0]);
-          isum[0][r][1] = _mm512_add_epi32(isum[0][r][1], isum[u][r][1]);
-        }
-      const int64_t s = s0 / span;
-      for (int r = 0; r < R; ++r) {
-        const __m512 p = _mm512_set1_ps(powers[r * spans + s]);
-        part[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[0][r][0]), p,
-                                     part[r][0]);
-        part[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[0][r][1]), p,
-                                     part[r][1]);
-      }
-    }
-    vfloat sums[R][2];
-    for (int r = 0; r < R; ++r) {
-      if constexpr (K == kInt8) {
-        const __m512i to_cols0 = _mm512_load_si512(kIntColumns.idx[0]);
-        const __m512i to_cols1 = _mm512_load_si512(kIntColumns.idx[1]);
-        sums[r][0] = reinterpret_cast<vfloat>(
-            _mm512_permutex2var_ps(part[r][0], to_cols0, part[r][1]));
-        sums[r][1] = reinterpret_cast<vfloat>(
-            _mm512_permutex2var_ps(part[r][0], to_cols1, part[r][1]));
-      } else {
-        sums[r][0] = reinterpret_cast<vfloat>(part[r][0]);
-        sums[r][1] = reinterpret_cast<vfloat>(part[r][1]);
-      }
-    }
-    add_group<R>(acc, sums, scales, offsets, zero, xsums, groups, g);
-  }
-  store_rows<R>(acc, out, cols, bias);
+using IVec = __m512i;  // a register of 32-bit sums, 16 columns
+using FVec = __m512;   // the same sums in float32
+
+inline IVec izero() { return _mm512_setzero_si512(); }
+inline IVec iadd(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
+inline IVec ibroadcast(int32_t pair) { return _mm512_set1_epi32(pair); }
+inline FVec fzero() { return _mm512_setzero_ps(); }
+// part + sum * power, the sum converted to float32.
+inline FVec scale_add(IVec sum, float power, FVec part) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(power),
+                         part);
 }
+
+// A row's group sums in column order: int8's lanes put back.
+template <int K>
+inline void in_columns(const FVec (&part)[kVecs], nfloat (&sums)[kVecs]) {
+  if constexpr (K == kInt8) {
+    const __m512i to_cols0 = _mm512_load_si512(kIntColumns.idx[0]);
+    const __m512i to_cols1 = _mm512_load_si512(kIntColumns.idx[1]);
+    sums[0] = reinterpret_cast<nfloat>(
+        _mm512_permutex2var_ps(part[0], to_cols0, part[1]));
+    sums[1] = reinterpret_cast<nfloat>(
+        _mm512_permutex2var_ps(part[0], to_cols1, part[1]));
+  } else {
+    sums[0] = reinterpret_cast<nfloat>(part[0]);
+    sums[1] = reinterpret_cast<nfloat>(part[1]);
+  }
+}
+
+// Independent sums: a vpdpwssd waits on its own latency, as tile()'s
+// multiply-adds do.
+constexpr int int_chains(int R) { return R <= 2 ? 4 : R == 3 ? 2 : 1; }
 
 #else
 // AVX2: 8 columns a register, kVecs (4) registers a block row.
@@ -266,8 +221,34 @@ inline void code_words(const uint8_t* row, __m256i (&w)[kVecs]) {
   }
 }
 
-// tile() for int8 or int4 codes on the integer inputs, as the AVX-512
-// build's, on 8-column registers.
+using IVec = __m256i;  // a register of 32-bit sums, 8 columns
+using FVec = __m256;
+
+inline IVec izero() { return _mm256_setzero_si256(); }
+inline IVec iadd(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
+inline IVec ibroadcast(int32_t pair) { return _mm256_set1_epi32(pair); }
+inline FVec fzero() { return _mm256_setzero_ps(); }
+inline FVec scale_add(IVec sum, float power, FVec part) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(power),
+                         part);
+}
+
+// The sums are in column order already.
+template <int K>
+inline void in_columns(const FVec (&part)[kVecs], nfloat (&sums)[kVecs]) {
+  for (int v = 0; v < kVecs; ++v) sums[v] = reinterpret_cast<nfloat>(part[v]);
+}
+
+// Half AVX-512's registers, twice the sums a row: a second chain for one
+// row only.
+constexpr int int_chains(int R) { return R == 1 ? 2 : 1; }
+
+#endif
+
+// tile() for int8 or int4 codes on the integer inputs: q [R][ldq] int16
+// (pairs read as 32-bit words), powers [R][spans]; `in` and `span` even.
+// One body for both builds, on their registers (IVec, FVec, kVecs a
+// block row) and helpers above.
 template <int K, int R>
 void tile_int16(const int16_t* q, int64_t ldq, const float* powers,
                 int64_t spans, int64_t span, const float* xsums,
@@ -275,31 +256,28 @@ void tile_int16(const int16_t* q, int64_t ldq, const float* powers,
                 int64_t group, const float* scales, const float* offsets,
                 float zero, Out out, int64_t cols, const float* bias) {
   constexpr int64_t bytes = row_bytes<K>();
-  // Half AVX-512's registers, twice the sums a row: a second chain for
-  // one row only.
-  constexpr int U = R == 1 ? 2 : 1;
+  constexpr int U = int_chains(R);
   nfloat acc[R][kVecs];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < kVecs; ++v) acc[r][v] = nfloat{};
   for (int64_t k0 = 0, g = 0; k0 < in; k0 += group, ++g) {
     const int64_t end = std::min(k0 + group, in);
-    __m256 part[R][kVecs];  // the group's sums
+    FVec part[R][kVecs];  // the group's sums, in the codes' lanes
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kVecs; ++v) part[r][v] = _mm256_setzero_ps();
+      for (int v = 0; v < kVecs; ++v) part[r][v] = fzero();
     for (int64_t s0 = k0; s0 < end; s0 += span) {
       const int64_t s_end = std::min(s0 + span, end);
-      __m256i isum[U][R][kVecs];
+      IVec isum[U][R][kVecs];
       for (int u = 0; u < U; ++u)
         for (int r = 0; r < R; ++r)
-          for (int v = 0; v < kVecs; ++v)
-            isum[u][r][v] = _mm256_setzero_si256();
+          for (int v = 0; v < kVecs; ++v) isum[u][r][v] = izero();
       auto step = [&](int u, int64_t k) {
-        __m256i w[kVecs];
+        IVec w[kVecs];
         code_words<K>(block + k * bytes, w);
         for (int r = 0; r < R; ++r) {
           int32_t pair;
           std::memcpy(&pair, q + r * ldq + k, sizeof pair);
-          const __m256i xs = _mm256_set1_epi32(pair);
+          const IVec xs = ibroadcast(pair);
           for (int v = 0; v < kVecs; ++v)
             isum[u][r][v] = dot_int16(isum[u][r][v], w[v], xs);
         }
@@ -316,25 +294,19 @@ void tile_int16(const int16_t* q, int64_t ldq, const float* powers,
       for (int u = 1; u < U; ++u)
         for (int r = 0; r < R; ++r)
           for (int v = 0; v < kVecs; ++v)
-            isum[0][r][v] = _mm256_add_epi32(isum[0][r][v], isum[u][r][v]);
+            isum[0][r][v] = iadd(isum[0][r][v], isum[u][r][v]);
       const int64_t s = s0 / span;
-      for (int r = 0; r < R; ++r) {
-        const __m256 p = _mm256_set1_ps(powers[r * spans + s]);
+      for (int r = 0; r < R; ++r)
         for (int v = 0; v < kVecs; ++v)
-          part[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[0][r][v]), p,
-                                       part[r][v]);
-      }
+          part[r][v] = scale_add(isum[0][r][v], powers[r * spans + s],
+                                 part[r][v]);
     }
     nfloat sums[R][kVecs];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kVecs; ++v)
-        sums[r][v] = reinterpret_cast<nfloat>(part[r][v]);
+    for (int r = 0; r < R; ++r) in_columns<K>(part[r], sums[r]);
     add_group<R>(acc, sums, scales, offsets, zero, xsums, groups, g);
   }
   store_rows<R>(acc, out, cols, bias);
 }
-
-#endif
 
 using IntFn = void (*)(const int16_t*, int64_t, const float*, int64_t,
                        int64_t, const float*, int64_t, const uint8_t*,
