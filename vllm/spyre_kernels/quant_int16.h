@@ -239,9 +239,16 @@ inline void in_columns(const FVec (&part)[kVecs], nfloat (&sums)[kVecs]) {
   for (int v = 0; v < kVecs; ++v) sums[v] = reinterpret_cast<nfloat>(part[v]);
 }
 
-// Half AVX-512's registers, twice the sums a row: a second chain for one
-// row only.
+// Half AVX-512's registers, twice the sums a row.  Without AVX-VNNI a
+// product's add waits one cycle on the sum before it (the multiply does
+// not wait), so one chain keeps the units busy; a second would spill two
+// of one row's eight sums to the stack.  AVX-VNNI's `vpdpwssd` waits on
+// its own latency: a second chain for one row.
+#if defined(__AVXVNNI__)
 constexpr int int_chains(int R) { return R == 1 ? 2 : 1; }
+#else
+constexpr int int_chains(int) { return 1; }
+#endif
 
 #endif
 
@@ -257,6 +264,9 @@ void tile_int16(const int16_t* q, int64_t ldq, const float* powers,
                 float zero, Out out, int64_t cols, const float* bias) {
   constexpr int64_t bytes = row_bytes<K>();
   constexpr int U = int_chains(R);
+  // Row pairs a pass of the span loop: every chain's, and a whole number
+  // of cache lines (a row pair is 64 bytes of int8 codes, 32 of int4).
+  constexpr int kPass = std::max<int>(U, kLine / (2 * bytes));
   nfloat acc[R][kVecs];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < kVecs; ++v) acc[r][v] = nfloat{};
@@ -282,10 +292,15 @@ void tile_int16(const int16_t* q, int64_t ldq, const float* powers,
             isum[u][r][v] = dot_int16(isum[u][r][v], w[v], xs);
         }
       };
+      // Whole cache lines of codes a pass (int4: two row pairs a line),
+      // one prefetch each: no line arithmetic in the loop.
       int64_t k = s0;
-      for (; k + 2 * U <= s_end; k += 2 * U) {
-        prefetch_rows(block + k * bytes, k * bytes, 2 * U * bytes);
-        for (int u = 0; u < U; ++u) step(u, k + 2 * u);
+      for (; k + 2 * kPass <= s_end; k += 2 * kPass) {
+        for (int64_t at = 0; at < 2 * kPass * bytes; at += kLine) {
+          __builtin_prefetch(block + k * bytes + at + kAheadL1);
+          __builtin_prefetch(block + k * bytes + at + kAheadL2, 0, 2);
+        }
+        for (int p = 0; p < kPass; ++p) step(p % U, k + 2 * p);
       }
       for (; k < s_end; k += 2) {
         prefetch_rows(block + k * bytes, k * bytes, 2 * bytes);
