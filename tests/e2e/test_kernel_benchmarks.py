@@ -31,11 +31,14 @@ def test_linear_benchmark_small(smollm2, tmp_path):
     names = ["aten", "mkl-packed", "spyre-packed", "spyre-bf16",
              "spyre-int8", "spyre-fp8", "spyre-int4", "spyre-int8-bf16in",
              "spyre-fp8-bf16in", "spyre-int4-bf16in", "onednn-bf16"]
+    from vllm.model_executor.layers.quantization.spyre_quant_linear import (
+        integer_rows)
     from vllm.spyre_kernels.ops import cpu_has
     if cpu_has("avx512_bf16"):  # the kernel's dot and dense paths
         names += [f"spyre-{kind}-{path}" for path in ("dot", "dense")
                   for kind in ("int8", "fp8", "int4")]
-    if cpu_has("avx512bw"):  # decode rows on 16-bit integer inputs
+    # Decode rows on 16-bit integer inputs: AVX512BW, or AVX2 alone.
+    if integer_rows("int8", True):
         names += ["spyre-int8-int16", "spyre-int4-int16"]
     assert kernels == {(k, n) for k in names for n in (1, 4)}
     assert all(r["same"] and r["bytes_per_s"] > 0

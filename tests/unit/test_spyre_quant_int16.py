@@ -71,9 +71,12 @@ def held_as_int16(x: torch.Tensor, span: int) -> torch.Tensor:
 
 @integer_path
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+# (36, 404, 202): spans of 202 features, which leave a pair of rows after
+# the span loop's whole passes on every build.
 @pytest.mark.parametrize("n,k,group", [(70, 576, 128), (64, 2048, 2048),
-                                       (40, 8192, 8192), (33, 512, 64)])
+                                       (40, 8192, 8192), (33, 512, 64),
+                                       (36, 404, 202)])
 @pytest.mark.parametrize("zeros", [None, "offsets", "uniform"])
 def test_product_of_the_integer_inputs(kind, rows, n, k, group, zeros):
     """The kernel's product equals, to float32 rounding, the product of
@@ -94,7 +97,7 @@ def test_product_of_the_integer_inputs(kind, rows, n, k, group, zeros):
     shift = w.dequantize().double() - codes
     want = (held_as_int16(x, _span(group)) @ codes.T +
             x.bfloat16().double() @ shift.T)
-    got = quant_linear(x, pack(w), None, round_inputs=True, ints=3)
+    got = quant_linear(x, pack(w), None, round_inputs=True, ints=4)
     assert torch.allclose(got.double(), want, rtol=2e-6,
                           atol=2e-6 * want.abs().max().item())
     floats = quant_linear(x, pack(w), None, round_inputs=True, ints=0)
