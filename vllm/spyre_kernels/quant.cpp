@@ -68,6 +68,19 @@ constexpr int64_t kBlock = 2 * kLanes;  // columns per block
 // AVX2 alone.
 constexpr int64_t kVecs = kBlock / kNativeLanes;
 constexpr int64_t kMaxRows = 12;
+// The float32 tiles' largest height.  With AVX2 alone a block row is four
+// vectors, and each row's sums (four, and four more for the group's part)
+// soon outgrow AVX2's 16 registers: of tiles of 2, 3 and 11 rows, 3
+// multiplied SmolLM2's layers at 64 rows fastest on a first-generation
+// Zen EPYC (int8 1.76x, int4 1.57x, FP8 1.16x faster than 11;
+// benchmarks/linear.py).  A tile of 2 or more rows sums each row in the
+// same order whatever its height (one chain), and no tile is left with
+// one row where there are more, so only the time changes.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr int64_t kFloatRows = 3;
+#else
+constexpr int64_t kFloatRows = kMaxRows;
+#endif
 // Bytes read ahead: into the first-level cache, and into L2 (as far as
 // the float kernel's requests, in bytes).
 constexpr int64_t kAheadL1 = 2048;
@@ -665,6 +678,12 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
     inputs_as_int16(xf, M, K, span, xq.data(), powers.data());
   }
 #endif
+  // The float32 tiles' rows: at most kFloatRows (AVX2) a tile, of
+  // near-equal height.
+  const int64_t float_tiles = (M + kFloatRows - 1) / kFloatRows;
+  const int64_t tile_rows =
+      (span || dots) ? height
+                     : (float_tiles ? (M + float_tiles - 1) / float_tiles : 0);
   const TileFn* tiles = kind == kInt8  ? kTiles<kInt8>
                         : kind == kFp8 ? kTiles<kFp8>
                                        : kTiles<kInt4>;
@@ -677,8 +696,9 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
       const int64_t c0 = blk * kBlock;
       const int64_t cols = std::min(kBlock, out_features - c0);
       const int64_t at = blk * groups * kBlock;
-      for (int64_t m0 = 0; m0 < M; m0 += height) {
-        const int64_t rows = std::min(height, M - m0);
+      for (int64_t m0 = 0, rows = 0; m0 < M; m0 += rows) {
+        rows = std::min(tile_rows, M - m0);
+        if (M - m0 - rows == 1 && rows > 2) --rows;  // never one row alone
         const Out out{yp + (m0 * out_features + c0) * y_bytes, out_features,
                       bf16_in};
         const float* xs = xsp ? xsp + m0 * groups : nullptr;
