@@ -81,6 +81,13 @@ constexpr int64_t kFloatRows = 3;
 #else
 constexpr int64_t kFloatRows = kMaxRows;
 #endif
+
+// Row tiles of near-equal height, at most `most` rows each: 16 rows run
+// as 8 + 8, not 12 + 4.
+inline int64_t tile_height(int64_t M, int64_t most) {
+  const int64_t tiles = (M + most - 1) / most;
+  return tiles ? (M + tiles - 1) / tiles : 0;
+}
 // Bytes read ahead: into the first-level cache, and into L2 (as far as
 // the float kernel's requests, in bytes).
 constexpr int64_t kAheadL1 = 2048;
@@ -608,10 +615,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
   const float* xf = bf16_in ? nullptr : x.data_ptr<float>();
   const uint16_t* xb =
       bf16_in ? static_cast<const uint16_t*>(x.data_ptr()) : nullptr;
-  const int64_t height =
-      M ? (M + (M + kMaxRows - 1) / kMaxRows - 1) /
-              ((M + kMaxRows - 1) / kMaxRows)
-        : 0;
+  const int64_t height = tile_height(M, kMaxRows);
   // int8 and int4 codes on 16-bit integer inputs (quant_int16.h):
   // bfloat16 inputs, up to int_rows rows.
   int64_t span = 0;
@@ -678,12 +682,9 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed,
     inputs_as_int16(xf, M, K, span, xq.data(), powers.data());
   }
 #endif
-  // The float32 tiles' rows: at most kFloatRows (AVX2) a tile, of
-  // near-equal height.
-  const int64_t float_tiles = (M + kFloatRows - 1) / kFloatRows;
+  // The float32 tiles' rows: at most kFloatRows (AVX2) a tile.
   const int64_t tile_rows =
-      (span || dots) ? height
-                     : (float_tiles ? (M + float_tiles - 1) / float_tiles : 0);
+      (span || dots) ? height : tile_height(M, kFloatRows);
   const TileFn* tiles = kind == kInt8  ? kTiles<kInt8>
                         : kind == kFp8 ? kTiles<kFp8>
                                        : kTiles<kInt4>;
